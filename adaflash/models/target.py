@@ -1,0 +1,200 @@
+"""Our own inference runtime for Llama-family targets (Llama, Qwen2, Qwen3), loading HF weights.
+
+Why not transformers: serving needs a static slot cache with free rollback, forward over ragged
+per-sequence query lengths, hidden-state capture at chosen layers, and low per-token overhead
+(transformers' eager decode is overhead-bound on a small model). Equality with transformers is tested.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from adaflash.models.config import TransformerConfig
+from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+from adaflash.models.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor | None  # [len(logit_indices) or T, vocab], fp32
+    hidden: torch.Tensor | None  # [T, len(capture_layers) * hidden]: residual stream after each captured layer
+
+
+class DecoderLayer(nn.Module):
+    """Weights of one decoder layer, with q/k/v and gate/up fused so a decode step runs fewer kernels."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+        frozen = dict(requires_grad=False)
+        self.input_norm = nn.Parameter(torch.ones(d), **frozen)
+        self.qkv = nn.Parameter(torch.empty(qkv_out, d), **frozen)
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_out), **frozen) if cfg.qkv_bias else None
+        self.o = nn.Parameter(torch.empty(d, cfg.num_heads * hd), **frozen)
+        self.o_bias = nn.Parameter(torch.zeros(d), **frozen) if cfg.o_bias else None
+        self.q_norm = nn.Parameter(torch.ones(hd), **frozen) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(hd), **frozen) if cfg.qk_norm else None
+        self.post_norm = nn.Parameter(torch.ones(d), **frozen)
+        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, d), **frozen)
+        self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size), **frozen)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head over already-normed hidden states (the drafter shares it), returned in fp32."""
+        return F.linear(hidden, self.lm_head).float()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        batch: RaggedBatch,
+        cache: KVCache,
+        capture_layers: Sequence[int] = (),
+        logit_indices: torch.Tensor | None = None,
+        compute_logits: bool = True,
+    ) -> ForwardOutput:
+        """Append `token_ids` ([T], flattened over the batch) to each sequence's cache and run the model.
+
+        `logit_indices` selects which of the T positions get logits (default: all); the vocabulary
+        projection is the most expensive single matmul for small models, so callers ask only for what
+        they use.
+        """
+        cfg = self.config
+        for slot, start in zip(batch.slots, batch.starts):
+            if cache.lengths[slot] != start:
+                raise ValueError(f"slot {slot} holds {cache.lengths[slot]} positions but the batch starts at {start}")
+        if max(batch.ends) > cache.max_len:
+            raise ValueError(f"sequence of {max(batch.ends)} positions exceeds the cache's {cache.max_len}")
+        attention = RaggedAttention(batch, causal=True, device=self.device)
+        cos, sin = rope_cos_sin(batch.positions.to(self.device), cfg.head_dim, cfg.rope_theta, self.dtype)
+        nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        t = token_ids.shape[0]
+        captured: list[torch.Tensor] = []
+        capture = set(capture_layers)
+        h = self.embed(token_ids.to(self.device))
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, : nq * hd].view(t, nq, hd)
+            k = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
+            v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd)
+            if cfg.qk_norm:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            attention.write(cache, i, k, v)
+            h = h + F.linear(attention.attend(cache, i, q), layer.o, layer.o_bias)
+            h = h + swiglu(rms_norm(h, layer.post_norm, cfg.rms_norm_eps), layer.gate_up, layer.down)
+            if i in capture:
+                captured.append(h)
+        attention.commit_lengths(cache)
+        hidden = None
+        if capture_layers:
+            by_layer = dict(zip(sorted(capture), captured))
+            hidden = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
+        logits = None
+        if compute_logits:
+            selected = h if logit_indices is None else h[logit_indices.to(self.device)]
+            logits = self.logits(rms_norm(selected, self.final_norm, cfg.rms_norm_eps))
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+
+def _hf_weight_map(cfg: TransformerConfig) -> dict[str, list[str]]:
+    """Our parameter name -> the HF tensor names concatenated (in order) to build it."""
+    names: dict[str, list[str]] = {"embed_tokens": ["model.embed_tokens.weight"], "final_norm": ["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        names["lm_head"] = ["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        names[f"layers.{i}.input_norm"] = [p + "input_layernorm.weight"]
+        names[f"layers.{i}.post_norm"] = [p + "post_attention_layernorm.weight"]
+        names[f"layers.{i}.qkv"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+        names[f"layers.{i}.o"] = [a + "o_proj.weight"]
+        names[f"layers.{i}.gate_up"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        names[f"layers.{i}.down"] = [p + "mlp.down_proj.weight"]
+        if cfg.qkv_bias:
+            names[f"layers.{i}.qkv_bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+        if cfg.o_bias:
+            names[f"layers.{i}.o_bias"] = [a + "o_proj.bias"]
+        if cfg.qk_norm:
+            names[f"layers.{i}.q_norm"] = [a + "q_norm.weight"]
+            names[f"layers.{i}.k_norm"] = [a + "k_norm.weight"]
+    return names
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> TargetModel:
+    """Load a Llama / Qwen2 / Qwen3 HF checkpoint directory (config.json + safetensors) into our runtime."""
+    path = Path(path)
+    cfg = TransformerConfig.from_dir(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
+            raise ValueError(f"cannot read weights from {file}: {exc}") from exc
+    with torch.device("meta"):
+        model = TargetModel(cfg)
+    state = {}
+    for ours, theirs in _hf_weight_map(cfg).items():
+        missing = [n for n in theirs if n not in tensors]
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks tensors {missing} (needed for {ours})")
+        state[ours] = torch.cat([tensors[n] for n in theirs], dim=0).to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head = model.embed_tokens
+    model = model.to(device)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise ValueError(f"checkpoint {path} did not provide {leftover}")
+    return model.eval()

@@ -1,0 +1,78 @@
+"""The DFlash proposer: turns drafter hidden states into draft tokens for a ragged batch of requests.
+
+Narrow interface (as transformers' candidate generator and vLLM's proposers): `add_context` feeds back
+the target features of committed positions, `propose` drafts `num_draft[r]` tokens after each anchor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from adaflash.models.drafter import DFlashDrafter
+from adaflash.models.kv_cache import KVCache, RaggedBatch
+from adaflash.models.target import TargetModel
+from adaflash.speculative.sampling import SamplingParams, logits_to_probs, sample_tokens
+
+
+@dataclass(frozen=True)
+class Drafts:
+    tokens: torch.Tensor  # [sum(num_draft)] int64, request-major
+    probs: tuple[torch.Tensor | None, ...]  # per request: [num_draft, V] processed distribution; None if greedy
+    num_draft: tuple[int, ...]
+
+
+class DFlashProposer:
+    def __init__(self, drafter: DFlashDrafter, target: TargetModel) -> None:
+        drafter.config.check_compatible(target.config)
+        self.drafter = drafter
+        self.target = target
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.config.block_size
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.drafter.config.target_layer_ids
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return self.drafter.new_cache(num_slots, max_len + self.block_size)
+
+    def add_context(self, cache: KVCache, features: torch.Tensor, batch: RaggedBatch) -> None:
+        self.drafter.extend_context(cache, features, batch)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        cache: KVCache,
+        slots: Sequence[int],
+        anchors: Sequence[int],
+        num_draft: Sequence[int],
+        sampling: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> Drafts:
+        """Draft after each anchor (the last committed token, placed at its slot's context length)."""
+        b, mask = self.block_size, self.drafter.config.mask_token_id
+        if any(not 0 <= k < b for k in num_draft):
+            raise ValueError(f"draft lengths must be in [0, {b - 1}], got {list(num_draft)}")
+        block_ids = torch.full((len(slots), b), mask, dtype=torch.long)
+        block_ids[:, 0] = torch.tensor(list(anchors))
+        hidden = self.drafter.draft_hidden(cache, self.target.embed(block_ids.to(self.target.device)), slots)
+        # LM head only on the positions that will be verified: it dominates the drafter's cost.
+        rows = [hidden[r, 1 : 1 + k] for r, k in enumerate(num_draft)]
+        logits = self.target.logits(torch.cat(rows).to(self.target.dtype))
+        tokens, probs, offset = [], [], 0
+        for k, params, gen in zip(num_draft, sampling, generators):
+            chunk = logits[offset : offset + k]
+            offset += k
+            if params.greedy:
+                tokens.append(chunk.argmax(-1))
+                probs.append(None)
+            else:
+                p = logits_to_probs(chunk, params)
+                probs.append(p)
+                tokens.append(sample_tokens(p, gen))
+        return Drafts(tokens=torch.cat(tokens), probs=tuple(probs), num_draft=tuple(num_draft))

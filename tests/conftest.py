@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny seeded HF checkpoints of each supported family, written once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import write_tiny_checkpoint
+
+# name -> (family, tied embeddings, seed). Untied heads give diverse greedy text; tied ones test weight sharing.
+TINY_MODELS = {
+    "llama": ("llama", False, 0),
+    "llama-tied": ("llama", True, 1),
+    "qwen2": ("qwen2", False, 2),
+    "qwen3": ("qwen3", False, 3),
+    "qwen3-tied": ("qwen3", True, 4),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        name: str(write_tiny_checkpoint(root / name, family, tie=tie, seed=seed))
+        for name, (family, tie, seed) in TINY_MODELS.items()
+    }
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,103 @@
+"""Tiny random HF models of each family, built offline from configs (no hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY_VOCAB = 96
+
+
+def tiny_hf_model(family: str, tie: bool = True, seed: int = 0, vocab: int = TINY_VOCAB):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        eos_token_id=1,
+        bos_token_id=0,
+    )
+    torch.manual_seed(seed)
+    base = family.split("-")[0]
+    if base == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    elif base == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=10000.0))
+    elif base == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, rope_theta=10000.0))
+    else:
+        raise ValueError(family)
+    # Random init is near-uniform; sharpen the output so greedy/sampling tests see real structure.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)
+        if not tie:
+            model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+def write_tiny_checkpoint(path: Path, family: str, tie: bool = True, seed: int = 0) -> Path:
+    model = tiny_hf_model(family, tie=tie, seed=seed)
+    model.save_pretrained(path)
+    return path
+
+
+class ScriptedProposer:
+    """A stand-in drafter that proposes a known continuation with seeded corruptions.
+
+    It exercises every accept length (0..k) of the speculative loop, which a random drafter never does.
+    In sampling mode its distribution is a mixture of a point mass on the scripted token and uniform.
+    """
+
+    def __init__(self, script: list[int], vocab: int, corrupt_prob: float = 0.3, block_size: int = 8, seed: int = 0):
+        from adaflash.models.kv_cache import KVCache
+
+        self._cache_type = KVCache
+        self.script, self.vocab, self.corrupt_prob = list(script), vocab, corrupt_prob
+        self.block_size = block_size
+        self.capture_layers = (0,)
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def new_cache(self, num_slots: int, max_len: int):
+        return self._cache_type(1, num_slots, 1, 1, 1, torch.float32)
+
+    def add_context(self, cache, features, batch) -> None:
+        for slot, end in zip(batch.slots, batch.ends):
+            cache.lengths[slot] = end
+
+    def _scripted(self, pos: int) -> int:
+        tok = self.script[pos] if pos < len(self.script) else 0
+        if torch.rand(1, generator=self.rng).item() < self.corrupt_prob:
+            tok = int(torch.randint(self.vocab, (1,), generator=self.rng))
+        return tok
+
+    def propose(self, cache, slots, anchors, num_draft, sampling, generators):
+        from adaflash.speculative.proposer import Drafts
+        from adaflash.speculative.sampling import sample_tokens
+
+        tokens, probs = [], []
+        for slot, k, params, gen in zip(slots, num_draft, sampling, generators):
+            anchor_pos = cache.lengths[slot]
+            wanted = torch.tensor([self._scripted(anchor_pos + 1 + i) for i in range(k)], dtype=torch.long)
+            if params.greedy:
+                tokens.append(wanted)
+                probs.append(None)
+            else:
+                q = torch.full((k, self.vocab), 0.5 / self.vocab)
+                q[torch.arange(k), wanted] += 0.5
+                tokens.append(sample_tokens(q, gen))
+                probs.append(q)
+        return Drafts(tokens=torch.cat(tokens), probs=tuple(probs), num_draft=tuple(num_draft))
