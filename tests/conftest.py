@@ -26,6 +26,10 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     }
 
 
+# Tiny models gain nothing from threads, and a busy second core makes OpenMP wait in 16 ms slices.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

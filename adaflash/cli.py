@@ -1,0 +1,120 @@
+"""`adaflash` command line: a thin layer over library calls."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from adaflash.models.registry import DEFAULT_TARGET
+from adaflash.pipeline import METHODS
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_TARGET, help=f"registry name or HF checkpoint dir (default {DEFAULT_TARGET})")
+    p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from adaflash.data.jsonl import read_prompts_file
+    from adaflash.data.prompt import user_messages
+    from adaflash.pipeline import Pipeline
+    from adaflash.speculative.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
+    pipeline = Pipeline.load(args.model, args.drafter, args.dtype)
+    if args.method == "dflash" and pipeline.proposer is None:
+        raise SystemExit("error: --method dflash needs --drafter PATH (no trained drafter ships yet)")
+    items = [(None, None, user_messages(args.prompt))] if prompts is None else [(p.id, p.domain, p.messages) for p in prompts]
+    for prompt_id, domain, messages in items:
+        completion = pipeline.complete(
+            pipeline.encode(messages=messages),
+            method=args.method,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            draft_length=args.draft_length,
+            seed=args.seed,
+        )
+        if args.json:
+            record = completion.as_dict()
+            if prompt_id is not None:
+                record.update(id=prompt_id, domain=domain)
+            print(json.dumps(record), flush=True)
+        else:
+            print(completion.text, flush=True)
+            s = completion.stats
+            print(
+                f"[{args.method}] {len(completion.token_ids)} tokens, {s['tokens_per_s']:.1f} tok/s, "
+                f"accept length {s['accept_len_mean']:.2f}, {s['target_passes']} target passes",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from adaflash.evaluation.demo import run_demo
+
+    return run_demo(model=args.model, drafter=args.drafter, dtype=args.dtype, max_new_tokens=args.max_new_tokens)
+
+
+def _cmd_data_list(args: argparse.Namespace) -> int:
+    from adaflash.data import list_datasets
+
+    def size(info, split: str) -> str:
+        if split not in info.split_sizes:
+            return "-"
+        n = info.split_sizes[split]
+        return "unlimited" if n is None else str(n)
+
+    print(f"{'name':<16}{'domain':<8}{'eval':>10}{'train':>10}  package / description")
+    for info in list_datasets():
+        status = "" if info.available else "  [NOT INSTALLED]"
+        print(f"{info.name:<16}{info.domain:<8}{size(info, 'eval'):>10}{size(info, 'train'):>10}  {info.package}{status}")
+        print(f"{'':<44}{info.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaflash", description="Lossless adaptive speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with AR or speculative decoding")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="a user message (the chat template is applied)")
+    src.add_argument("--prompts-file", help='JSONL with {"prompt": ...} or {"messages": [...]}, optional "domain"')
+    _add_model_args(gen)
+    gen.add_argument("--method", choices=METHODS, default="ar")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.set_defaults(func=_cmd_generate)
+
+    demo = sub.add_parser("demo", help="AR vs speculative decoding on a few chat, code and math prompts")
+    _add_model_args(demo)
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.set_defaults(func=_cmd_demo)
+
+    data = sub.add_parser("data", help="prompt sets")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    data_sub.add_parser("list", help="list the prompt sets and their splits").set_defaults(func=_cmd_data_list)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

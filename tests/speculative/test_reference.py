@@ -1,0 +1,118 @@
+"""The single-request reference loops: speculative output equals autoregressive output (greedy) or its law (sampling)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from adaflash.models.drafter import DrafterConfig
+from adaflash.models.drafter_checkpoint import init_drafter
+from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.target import load_target
+from adaflash.speculative.proposer import DFlashProposer
+from adaflash.speculative.reference import autoregressive_generate, speculative_generate
+from adaflash.speculative.sampling import SamplingParams, logits_to_probs
+from tests.helpers import TINY_VOCAB, ScriptedProposer
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+def _random_proposer(target, block=8, seed=0):
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=2, block_size=block)
+    return DFlashProposer(init_drafter(cfg, seed=seed), target)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "qwen3-tied"])
+@pytest.mark.parametrize("draft_length", [1, 3, 7])
+def test_greedy_speculative_equals_autoregressive(tiny_checkpoints, name, draft_length):
+    target = load_target(tiny_checkpoints[name], dtype=torch.float32)
+    ar = autoregressive_generate(target, PROMPT, 40)
+    script = PROMPT + ar.token_ids
+    for proposer in (_random_proposer(target), ScriptedProposer(script, TINY_VOCAB, corrupt_prob=0.25)):
+        spec = speculative_generate(target, proposer, PROMPT, 40, draft_length=draft_length)
+        assert spec.token_ids == ar.token_ids
+        assert sum(spec.stats.accept_lengths) + 1 >= len(spec.token_ids)
+    # The scripted proposer is mostly right, so steps commit several tokens: the accept path was exercised.
+    assert spec.stats.accept_len_mean > 1.0 or draft_length == 1
+    assert spec.stats.draft_tokens <= draft_length * spec.stats.target_passes
+
+
+def test_perfect_drafts_commit_whole_blocks(tiny_checkpoints):
+    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
+    ar = autoregressive_generate(target, PROMPT, 30)
+    spec = speculative_generate(target, ScriptedProposer(PROMPT + ar.token_ids, TINY_VOCAB, 0.0), PROMPT, 30, draft_length=4)
+    assert spec.token_ids == ar.token_ids
+    assert spec.stats.accept_lengths[0] == 5  # 4 drafts + bonus
+
+
+def test_stop_tokens_and_budget(tiny_checkpoints):
+    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
+    ar = autoregressive_generate(target, PROMPT, 30)
+    stop = ar.token_ids[9]
+    ar_stop = autoregressive_generate(target, PROMPT, 30, stop_token_ids=[stop])
+    assert ar_stop.token_ids == ar.token_ids[: ar.token_ids.index(stop) + 1]
+    spec = speculative_generate(target, ScriptedProposer(PROMPT + ar.token_ids, TINY_VOCAB, 0.0), PROMPT, 30, stop_token_ids=[stop])
+    assert spec.token_ids == ar_stop.token_ids
+    for budget in (1, 2, 5):
+        spec = speculative_generate(target, _random_proposer(target), PROMPT, budget, draft_length=7)
+        assert spec.token_ids == ar.token_ids[:budget]
+
+
+def test_bad_arguments(tiny_checkpoints):
+    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
+    proposer = _random_proposer(target)
+    with pytest.raises(ValueError, match="draft_length"):
+        speculative_generate(target, proposer, PROMPT, 5, draft_length=8)
+    with pytest.raises(ValueError, match="empty"):
+        autoregressive_generate(target, [], 5)
+
+
+def test_sampling_is_seeded(tiny_checkpoints):
+    target = load_target(tiny_checkpoints["qwen3"], dtype=torch.float32)
+    params = SamplingParams(temperature=1.0)
+    proposer = _random_proposer(target)
+    a = speculative_generate(target, proposer, PROMPT, 20, params, seed=7)
+    b = speculative_generate(target, proposer, PROMPT, 20, params, seed=7)
+    c = speculative_generate(target, proposer, PROMPT, 20, params, seed=8)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def _exact_joint(target, params, length):
+    """The target's own law of its first `length` sampled tokens, by enumeration over the top-k support."""
+    def probs_after(prefix):
+        ids = PROMPT + list(prefix)
+        out = target(torch.tensor(ids), RaggedBatch.build([0], [0], [len(ids)]), target.new_cache(1, 32), logit_indices=torch.tensor([len(ids) - 1]))
+        return logits_to_probs(out.logits, params)[0]
+
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, mass in joint.items():
+            p = probs_after(prefix)
+            for tok in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (tok,)] = mass * float(p[tok])
+        joint = nxt
+    return joint
+
+
+def test_sampling_speculative_preserves_the_target_law(tiny_checkpoints):
+    """Chi-square of 3-token sequences (prefill sample + one verified block of 2) against the exact law."""
+    target = load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    exact = _exact_joint(target, params, 3)
+    likely = max(exact, key=exact.get)
+    proposer = ScriptedProposer(PROMPT + list(likely), TINY_VOCAB, corrupt_prob=0.3, seed=1)
+    n = 1500
+    counts = dict.fromkeys(exact, 0)
+    for seed in range(n):
+        out = speculative_generate(target, proposer, PROMPT, 3, params, draft_length=2, seed=seed)
+        counts[tuple(out.token_ids)] += 1
+    keys = sorted(exact, key=exact.get, reverse=True)
+    # Pool cells with small expected counts so the chi-square approximation holds.
+    big = [k for k in keys if exact[k] * n >= 5]
+    observed = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
+    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
+    assert chisquare(observed, expected).pvalue > 1e-3
