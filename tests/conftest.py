@@ -33,3 +33,27 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The real embedded target, converted once into the user cache (about a minute on first use)."""
+    from adaflash.models.registry import resolve_target
+
+    return str(resolve_target("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory, smollm2_dir) -> str:
+    """A 2-layer random Llama with SmolLM2's real tokenizer and chat template: CLI tests in seconds."""
+    import shutil
+    from pathlib import Path
+
+    from tests.helpers import tiny_hf_model
+
+    path = tmp_path_factory.mktemp("tiny-chat")
+    tiny_hf_model("llama", tie=False, seed=5, vocab=49152, eos=2).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(smollm2_dir) / name).exists():
+            shutil.copy(Path(smollm2_dir) / name, path / name)
+    return str(path)

@@ -17,18 +17,18 @@ from transformers import (
 TINY_VOCAB = 96
 
 
-def tiny_hf_model(family: str, tie: bool = True, seed: int = 0, vocab: int = TINY_VOCAB):
+def tiny_hf_model(family: str, tie: bool = True, seed: int = 0, vocab: int = TINY_VOCAB, eos: int = 1):
     common = dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=4,
+        num_hidden_layers=4 if vocab <= 1024 else 2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie,
-        eos_token_id=1,
+        eos_token_id=eos,
         bos_token_id=0,
     )
     torch.manual_seed(seed)

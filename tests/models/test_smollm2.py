@@ -1,0 +1,52 @@
+"""The real embedded target: conversion, equality with transformers, and lossless speculative decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.registry import load_tokenizer, resolve_target
+from adaflash.models.target import load_target
+from adaflash.pipeline import Pipeline
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pipeline(smollm2_dir) -> Pipeline:
+    return Pipeline.load(smollm2_dir, dtype="fp32")
+
+
+def test_conversion_is_cached_and_complete(smollm2_dir):
+    assert str(resolve_target("smollm2-135m")) == smollm2_dir  # second resolve reuses the cache
+    tok = load_tokenizer(smollm2_dir)
+    assert tok.eos_token_id == 2 and tok.convert_ids_to_tokens(16) == "<empty_output>"
+
+
+def test_logits_match_transformers(smollm2_dir, pipeline):
+    ids = pipeline.encode(messages=[{"role": "user", "content": "What is the capital of France?"}])
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    target = pipeline.target
+    cache = target.new_cache(1, len(ids) + 8)
+    ours = target(torch.tensor(ids), RaggedBatch.build([0], [0], [len(ids)]), cache).logits
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-3)
+    # One decode step through the cache too.
+    nxt = int(ref[-1].argmax())
+    with torch.no_grad():
+        ref_next = hf(torch.tensor([ids + [nxt]])).logits[0, -1]
+    step = target(torch.tensor([nxt]), RaggedBatch.build([0], [len(ids)], [1]), cache).logits[0]
+    torch.testing.assert_close(step, ref_next, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("draft_length", [3, 15])
+def test_greedy_speculative_equals_ar_on_smollm2(pipeline, draft_length):
+    spec_pipeline = pipeline.with_untrained_drafter(num_layers=1, block_size=16, seed=1)
+    ids = pipeline.encode(messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}])
+    ar = pipeline.generate_ids(ids, "ar", max_new_tokens=24)
+    spec = spec_pipeline.generate_ids(ids, "dflash", max_new_tokens=24, draft_length=draft_length)
+    assert spec.token_ids == ar.token_ids
+    assert spec.stats.draft_tokens >= draft_length

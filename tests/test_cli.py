@@ -1,0 +1,70 @@
+"""The CLI end to end on a tiny model with SmolLM2's real tokenizer (and once as a real console script)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from adaflash.cli import main
+from adaflash.models.config import TransformerConfig
+from adaflash.models.drafter import DrafterConfig
+from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
+
+
+@pytest.fixture(scope="module")
+def random_drafter(tiny_chat_checkpoint, tmp_path_factory) -> str:
+    cfg = DrafterConfig.for_target(TransformerConfig.from_dir(tiny_chat_checkpoint), mask_token_id=16, num_layers=1, block_size=8)
+    return str(save_drafter(init_drafter(cfg, seed=3), tmp_path_factory.mktemp("drafter")))
+
+
+def _json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_generate_json_ar_and_dflash_agree(tiny_chat_checkpoint, random_drafter, capsys):
+    base = ["generate", "--prompt", "Tell me a joke", "--model", tiny_chat_checkpoint, "--max-new-tokens", "12", "--json"]
+    assert main(base) == 0
+    ar = _json_lines(capsys.readouterr().out)[0]
+    assert main(base + ["--method", "dflash", "--drafter", random_drafter, "--draft-length", "5"]) == 0
+    spec = _json_lines(capsys.readouterr().out)[0]
+    assert set(ar) >= {"text", "token_ids", "num_tokens", "method", "stats"}
+    assert set(ar["stats"]) >= {"accept_len_mean", "target_passes", "draft_tokens", "tokens_per_s"}
+    assert ar["method"] == "ar" and spec["method"] == "dflash"
+    assert spec["token_ids"] == ar["token_ids"] and spec["text"] == ar["text"]
+    assert ar["num_tokens"] == len(ar["token_ids"]) <= 12
+    assert spec["stats"]["draft_tokens"] > 0 and ar["stats"]["draft_tokens"] == 0
+
+
+def test_generate_prompts_file_and_sampling(tiny_chat_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "What is 2+2?", "domain": "math"}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Write a haiku"}], "id": "h1"}) + "\n"
+    )
+    args = ["generate", "--prompts-file", str(prompts), "--model", tiny_chat_checkpoint, "--max-new-tokens", "6", "--json",
+            "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]
+    assert main(args) == 0
+    first = _json_lines(capsys.readouterr().out)
+    assert [r["domain"] for r in first] == ["math", "chat"] and first[1]["id"] == "h1"
+    assert main(args) == 0
+    assert [r["token_ids"] for r in _json_lines(capsys.readouterr().out)] == [r["token_ids"] for r in first]
+
+
+def test_generate_errors_are_clear(tiny_chat_checkpoint, tmp_path, capsys):
+    assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "nope")]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"oops": 1}\n')
+    assert main(["generate", "--prompts-file", str(bad), "--model", tiny_chat_checkpoint]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="needs --drafter"):
+        main(["generate", "--prompt", "x", "--model", tiny_chat_checkpoint, "--method", "dflash"])
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "adaflash.cli", "generate", "--help"], capture_output=True, text=True, check=True)
+    assert "--prompts-file" in out.stdout and "--method" in out.stdout
