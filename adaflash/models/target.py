@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from adaflash.models.config import TransformerConfig
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
-from adaflash.models.layers import apply_rope, rms_norm, rope_cos_sin, swiglu
+from adaflash.models.layers import apply_rope, linear, rms_norm, rope_cos_sin, swiglu
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over already-normed hidden states (the drafter shares it), returned in fp32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     @torch.inference_mode()
     def forward(
@@ -111,7 +111,7 @@ class TargetModel(nn.Module):
         h = self.embed(token_ids.to(self.device))
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
             q = qkv[:, : nq * hd].view(t, nq, hd)
             k = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
             v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd)
@@ -120,7 +120,7 @@ class TargetModel(nn.Module):
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attention.write(cache, i, k, v)
-            h = h + F.linear(attention.attend(cache, i, q), layer.o, layer.o_bias)
+            h = h + linear(attention.attend(cache, i, q), layer.o, layer.o_bias)
             h = h + swiglu(rms_norm(h, layer.post_norm, cfg.rms_norm_eps), layer.gate_up, layer.down)
             if i in capture:
                 captured.append(h)

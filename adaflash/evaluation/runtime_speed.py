@@ -1,0 +1,167 @@
+"""Benchmark: our runtime's batch-1 AR decoding vs transformers' `generate`, side by side in one process.
+
+    python -m adaflash.evaluation.runtime_speed --json docs/results/runtime_speed.json
+
+Both decode the same chat prompts greedily to the same length, alternating run by run (this machine is
+noisy); medians are reported with the measured memory bandwidth and the bandwidth-implied limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from adaflash.evaluation.demo import DEMO_PROMPTS
+from adaflash.models.dtype import DTYPES, cpu_has_native_bf16
+from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.registry import load_tokenizer, resolve_target
+from adaflash.models.target import load_target
+from adaflash.speculative.reference import autoregressive_generate
+
+
+def measure_read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """GB/s of a streaming read (sum over a buffer far larger than the caches)."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def forward_cost_ms(model, context: int, query_lens=(1, 2, 4, 8, 16), repeats: int = 5) -> dict[int, float]:
+    """Median ms of one target forward appending q tokens to a `context`-token cache (the verify cost curve)."""
+    cache = model.new_cache(1, context + max(query_lens))
+    model(torch.arange(context) % 1000 + 100, RaggedBatch.build([0], [0], [context]), cache)
+    out = {}
+    for q in query_lens:
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            model(torch.arange(q) + 100, RaggedBatch.build([0], [context], [q]), cache)
+            times.append(time.perf_counter() - t)
+            cache.rollback(0, context)
+        out[q] = 1000 * statistics.median(times[1:])
+    return out
+
+
+def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = resolve_target(model_name)
+    tokenizer = load_tokenizer(checkpoint)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for _, text in DEMO_PROMPTS
+    ]
+    bandwidth = measure_read_bandwidth()
+    results = {
+        "command": f"python -m adaflash.evaluation.runtime_speed --model {model_name} --dtypes {','.join(dtype_names)} "
+        f"--max-new-tokens {max_new_tokens} --repeats {repeats}",
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": cpu_has_native_bf16(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "read_bandwidth_GBps": round(bandwidth, 2),
+        },
+        "max_new_tokens": max_new_tokens,
+        "prompt_tokens": [len(p) for p in prompts],
+        "by_dtype": {},
+    }
+    for name in dtype_names:
+        dtype = DTYPES[name]
+        ours = load_target(checkpoint, dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
+        weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+        ours_tps, hf_tps, agree = [], [], []
+        autoregressive_generate(ours, prompts[0], 4)  # warm-up both
+        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
+        with tqdm(total=repeats * len(prompts) * 2, desc=f"runtime vs HF ({name})", unit="run") as bar:
+            for _ in range(repeats):
+                for ids in prompts:
+                    r = autoregressive_generate(ours, ids, max_new_tokens)  # no stop tokens: fixed length
+                    ours_tps.append(len(r.token_ids) / r.stats.elapsed_s)
+                    bar.update(1)
+                    t = time.perf_counter()
+                    with torch.inference_mode():
+                        out = hf.generate(
+                            torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                            do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                        )
+                    hf_tps.append(max_new_tokens / (time.perf_counter() - t))
+                    hf_ids = out[0, len(ids):].tolist()
+                    agree.append(sum(a == b for a, b in zip(hf_ids, r.token_ids)) / max_new_tokens)
+                    bar.update(1)
+        ours_med, hf_med = statistics.median(ours_tps), statistics.median(hf_tps)
+        results["by_dtype"][name] = {
+            "ours_tokens_per_s": round(ours_med, 2),
+            "transformers_tokens_per_s": round(hf_med, 2),
+            "speedup": round(ours_med / hf_med, 3),
+            "ours_runs": [round(x, 2) for x in ours_tps],
+            "transformers_runs": [round(x, 2) for x in hf_tps],
+            "weight_MB": round(weight_bytes / 1e6, 1),
+            "bandwidth_limit_tokens_per_s": round(bandwidth * 1e9 / weight_bytes, 1),
+            "fraction_of_bandwidth_limit": round(ours_med / (bandwidth * 1e9 / weight_bytes), 3),
+            "token_agreement_with_transformers": round(statistics.mean(agree), 4),
+            "forward_ms_by_query_len_ctx256": {str(k): round(v, 1) for k, v in forward_cost_ms(ours, 256).items()},
+        }
+        del ours, hf
+    return results
+
+
+def to_markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = [
+        "# Runtime speed: batch-1 greedy AR decoding, ours vs transformers `generate`",
+        "",
+        f"Command: `{results['command']}`  ",
+        f"Machine: {m['processor']}, {m['cpu_capability']}, native bf16: {m['native_bf16']}, {m['threads']} threads, "
+        f"torch {m['torch']}, measured read bandwidth {m['read_bandwidth_GBps']} GB/s.  ",
+        f"{results['max_new_tokens']} new tokens per run, prompts of {results['prompt_tokens']} tokens, medians over alternating runs.",
+        "",
+        "| dtype | ours tok/s | transformers tok/s | speedup | bandwidth limit tok/s | ours / limit | token agreement |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results["by_dtype"].items():
+        lines.append(
+            f"| {name} | {r['ours_tokens_per_s']} | {r['transformers_tokens_per_s']} | {r['speedup']}x | "
+            f"{r['bandwidth_limit_tokens_per_s']} | {r['fraction_of_bandwidth_limit']:.0%} | {r['token_agreement_with_transformers']:.0%} |"
+        )
+    lines += ["", "Target forward cost (ms) appending q tokens to a 256-token context (the verify cost curve):", ""]
+    qs = list(next(iter(results["by_dtype"].values()))["forward_ms_by_query_len_ctx256"])
+    lines.append("| dtype | " + " | ".join(f"q={q}" for q in qs) + " |")
+    lines.append("|---|" + "---|" * len(qs))
+    for name, r in results["by_dtype"].items():
+        lines.append(f"| {name} | " + " | ".join(str(r["forward_ms_by_query_len_ctx256"][q]) for q in qs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", default="docs/results/runtime_speed.json")
+    args = parser.parse_args()
+    results = run(args.model, args.dtypes.split(","), args.max_new_tokens, args.repeats)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    out.with_suffix(".md").write_text(to_markdown(results))
+    print(to_markdown(results))
+
+
+if __name__ == "__main__":
+    main()
