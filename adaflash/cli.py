@@ -77,6 +77,44 @@ def _cmd_data_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_mix(text: str) -> list[tuple[str, int]]:
+    """"gsm-symbolic:300,sharegpt-chat:200" -> [("gsm-symbolic", 300), ("sharegpt-chat", 200)]."""
+    mix = []
+    for item in text.split(","):
+        name, _, count = item.partition(":")
+        if not count.isdigit():
+            raise ValueError(f"--mix items are NAME:COUNT, got {item!r}")
+        mix.append((name.strip(), int(count)))
+    return mix
+
+
+def _cmd_data_generate(args: argparse.Namespace) -> int:
+    from adaflash.data import load_prompts
+    from adaflash.models.drafter import build_target_layer_ids
+    from adaflash.pipeline import Pipeline
+    from adaflash.training.datagen import DataGenConfig, generate_dataset
+
+    pipeline = Pipeline.load(args.model, None, args.dtype)
+    layers = (
+        tuple(int(x) for x in args.capture_layers.split(","))
+        if args.capture_layers
+        else build_target_layer_ids(pipeline.target.config.num_layers, args.drafter_layers)
+    )
+    prompts = [p for name, n in _parse_mix(args.mix) for p in load_prompts(name, "train", limit=n, seed=args.seed)]
+    config = DataGenConfig(
+        model=args.model, capture_layers=layers, max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, shard_size=args.shard_size,
+        temperature=args.temperature, seed=args.seed,
+    )
+    manifest = generate_dataset(
+        pipeline.target, lambda p: pipeline.encode(messages=p.messages), pipeline.stop_token_ids, prompts, args.out, config
+    )
+    samples = sum(s["num_samples"] for s in manifest["shards"])
+    tokens = sum(s["response_tokens"] for s in manifest["shards"])
+    print(f"{args.out}: {samples} samples, {tokens} response tokens, {len(manifest['skipped'])} prompts skipped (too long)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaflash", description="Lossless adaptive speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,6 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="prompt sets")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     data_sub.add_parser("list", help="list the prompt sets and their splits").set_defaults(func=_cmd_data_list)
+    dgen = data_sub.add_parser("generate", help="regenerate training responses with the target (resumable)")
+    dgen.add_argument("--out", required=True, help="output directory (shards + manifest.json)")
+    dgen.add_argument("--mix", default="gsm-symbolic:300,sharegpt-chat:250,sharegpt-code:150,champ:100",
+                      help="train-split prompts per dataset, NAME:COUNT,...")
+    dgen.add_argument("--model", default=DEFAULT_TARGET)
+    dgen.add_argument("--dtype", default="auto")
+    dgen.add_argument("--drafter-layers", type=int, default=2, help="capture the layers a drafter of this depth reads")
+    dgen.add_argument("--capture-layers", default=None, help="explicit comma-separated target layer ids")
+    dgen.add_argument("--max-new-tokens", type=int, default=256)
+    dgen.add_argument("--max-prompt-tokens", type=int, default=512)
+    dgen.add_argument("--batch-size", type=int, default=16)
+    dgen.add_argument("--shard-size", type=int, default=64)
+    dgen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    dgen.add_argument("--seed", type=int, default=0)
+    dgen.set_defaults(func=_cmd_data_generate)
     return parser
 
 

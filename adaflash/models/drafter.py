@@ -274,3 +274,41 @@ class DFlashDrafter(nn.Module):
             h = h + attn.o_proj(attention.attend(cache, i, attn.queries(x, cos, sin)))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h).view(r, b, d)
+
+    def forward_train(
+        self, context_features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor
+    ) -> torch.Tensor:
+        """Many blocks of one sequence in one pass (training): [L, n*d] features, [A, B, d] blocks -> [A, B, d].
+
+        Block j starts at position anchors[j]; its queries see the context strictly before the anchor and
+        all positions of their own block, exactly what `draft_hidden` sees at inference time.
+        """
+        cfg = self.config
+        seq_len = context_features.shape[0]
+        a, b, d = block_embeds.shape
+        device = self.fc.weight.device
+        ctx = self.hidden_norm(self.fc(context_features))
+        block_pos = (anchors[:, None] + torch.arange(b, device=anchors.device)[None, :]).reshape(-1)
+        ctx_cos, ctx_sin = rope_cos_sin(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta, ctx.dtype)
+        blk_cos, blk_sin = rope_cos_sin(block_pos.to(device), cfg.head_dim, cfg.rope_theta, ctx.dtype)
+        # [A*B, L + A*B] mask: context before the block's anchor, plus the block itself.
+        sees_ctx = torch.arange(seq_len, device=device)[None, :] < anchors.to(device).repeat_interleave(b)[:, None]
+        block_id = torch.arange(a, device=device).repeat_interleave(b)
+        sees_block = block_id[:, None] == block_id[None, :]
+        mask = torch.cat([sees_ctx, sees_block], dim=1)[None]
+        h = block_embeds.reshape(a * b, d)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        for layer in self.layers:
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            k_ctx, v_ctx = attn.keys_values(ctx, ctx_cos, ctx_sin)
+            k_blk, v_blk = attn.keys_values(x, blk_cos, blk_sin)
+            k = torch.cat([k_ctx, k_blk]).transpose(0, 1)  # [kv_heads, L + A*B, head_dim]
+            v = torch.cat([v_ctx, v_blk]).transpose(0, 1)
+            q = attn.queries(x, blk_cos, blk_sin).transpose(0, 1)  # [heads, A*B, head_dim]
+            out = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), attn_mask=mask
+            )
+            h = h + attn.o_proj(out.transpose(0, 1).reshape(a * b, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h).view(a, b, d)

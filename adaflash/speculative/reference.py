@@ -23,6 +23,7 @@ class GenerationStats:
     target_passes: int = 0  # target forwards after prefill (one per decode / verify step)
     draft_tokens: int = 0  # drafted tokens sent to verification
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per target pass, incl. bonus
+    draft_lengths: list[int] = field(default_factory=list)  # drafted tokens verified per target pass
     elapsed_s: float = 0.0
 
     @property
@@ -94,6 +95,7 @@ def autoregressive_generate(
         tokens.append(_pick(out.logits[0], sampling, generator))
         stats.target_passes += 1
         stats.accept_lengths.append(1)
+        stats.draft_lengths.append(0)
     stats.elapsed_s = time.perf_counter() - start
     return GenerationResult(_finish(tokens, max_new_tokens, stop_token_ids), stats)
 
@@ -156,5 +158,6 @@ def speculative_generate(
         stats.target_passes += 1
         stats.draft_tokens += k
         stats.accept_lengths.append(accepted + 1)
+        stats.draft_lengths.append(k)
     stats.elapsed_s = time.perf_counter() - start
     return GenerationResult(_finish(tokens, max_new_tokens, stop_token_ids), stats)

@@ -164,3 +164,20 @@ def test_drafter_must_fit_target():
     other = TransformerConfig(**{**TARGET.__dict__, "num_layers": 12})
     with pytest.raises(ValueError, match="num_target_layers"):
         cfg.check_compatible(other)
+
+
+def test_training_forward_equals_cached_inference():
+    """Every anchor's block in the one-pass training forward equals drafting at that point at inference."""
+    drafter = _drafter(num_layers=2, block=4)
+    seq_len, b = 14, 4
+    feats = torch.randn(seq_len, 128)
+    anchors = torch.tensor([3, 7, 10, 1])
+    blocks = torch.randn(len(anchors), b, 64)
+    train = drafter.forward_train(feats, blocks, anchors)
+    for j, anchor in enumerate(anchors.tolist()):
+        cache = drafter.new_cache(1, 32)
+        drafter.extend_context(cache, feats[:anchor], RaggedBatch.build([0], [0], [anchor]))
+        infer = drafter.draft_hidden(cache, blocks[j : j + 1], [0])[0]
+        torch.testing.assert_close(train[j], infer, atol=1e-5, rtol=1e-5)
+    train.sum().backward()  # differentiable end to end
+    assert drafter.fc.weight.grad is not None and drafter.layers[0].self_attn.q_proj.weight.grad is not None

@@ -1,0 +1,377 @@
+"""Offline benchmark: every method on every prompt, side by side, greedy, with a losslessness check.
+
+    adaflash bench offline --dataset gsm8k --limit 20 --methods ar,dflash --drafter DIR --json out.json
+
+For each prompt AR runs first (it is the reference), then every other method, so slow phases of this
+noisy machine hit all methods alike. Every method must reproduce AR's tokens exactly; a mismatch is
+recorded per prompt and flips the top-level `lossless` to False (exit code 1 on the CLI).
+
+Reported per method, overall and per dataset and domain: tokens/s (median of per-prompt rates, and
+aggregate = total tokens / total time), speedup vs AR (aggregate ratio, median of per-prompt ratios),
+accept length (tokens committed per target pass incl. the bonus token) mean, std and histogram, and
+per-position acceptance: for k = 1..K, P(draft k accepted | drafts 1..k-1 accepted and >= k drafted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from tqdm import tqdm
+
+from adaflash.data.prompt import Prompt
+from adaflash.evaluation.demo import SHIPPED_DRAFTERS
+from adaflash.models.registry import DEFAULT_TARGET
+from adaflash.pipeline import METHODS
+from adaflash.speculative.sampling import SamplingParams
+
+REFERENCE = "ar"
+WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Run:
+    """One method on one prompt."""
+
+    num_tokens: int
+    elapsed_s: float
+    accept_lengths: tuple[int, ...]  # per target pass, incl. the bonus token
+    draft_lengths: tuple[int, ...]  # drafted tokens verified per target pass
+    identical: bool  # same tokens as AR
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """(accepted drafts, drafted) per target pass."""
+        return [(a - 1, d) for a, d in zip(self.accept_lengths, self.draft_lengths)]
+
+
+# ---- metrics (pure functions) ----------------------------------------------------------------------
+
+
+def per_position_counts(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(accepted, eligible) for k = 1..K, K = the most drafts any pass verified.
+
+    A pass is eligible at position k when it drafted >= k tokens and accepted drafts 1..k-1; counts
+    (not rates) are returned so groups can be pooled exactly.
+    """
+    pairs = list(pairs)
+    for accepted, drafted in pairs:
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"bad (accepted, drafted) pair ({accepted}, {drafted})")
+    max_draft = max((d for _, d in pairs), default=0)
+    counts = []
+    for k in range(1, max_draft + 1):
+        eligible = [a for a, d in pairs if d >= k and a >= k - 1]
+        counts.append((sum(a >= k for a in eligible), len(eligible)))
+    return counts
+
+
+def per_position_acceptance(pairs: Iterable[tuple[int, int]]) -> list[float | None]:
+    """P(draft k accepted | drafts 1..k-1 accepted and >= k drafted) for k = 1..K; None where nothing was eligible."""
+    return [acc / n if n else None for acc, n in per_position_counts(pairs)]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize(runs: Sequence[Run], ar_runs: Sequence[Run]) -> dict[str, Any]:
+    """Metrics of one method over a group of prompts; `ar_runs` are AR's runs on the same prompts, in order."""
+    tokens, elapsed = sum(r.num_tokens for r in runs), sum(r.elapsed_s for r in runs)
+    ar_tokens, ar_elapsed = sum(r.num_tokens for r in ar_runs), sum(r.elapsed_s for r in ar_runs)
+    agg = tokens / elapsed if elapsed > 0 else 0.0
+    ar_agg = ar_tokens / ar_elapsed if ar_elapsed > 0 else 0.0
+    lengths = [a for r in runs for a in r.accept_lengths]
+    pairs = [p for r in runs for p in r.pairs]
+    hist = Counter(lengths)
+    counts = per_position_counts(pairs)
+    return {
+        "num_prompts": len(runs),
+        "identical_prompts": sum(r.identical for r in runs),
+        "lossless": all(r.identical for r in runs),
+        "num_tokens": tokens,
+        "elapsed_s": elapsed,
+        "target_passes": len(lengths),
+        "tokens_per_s_median": _median([r.tokens_per_s for r in runs]),
+        "tokens_per_s_aggregate": agg,
+        "speedup_aggregate": agg / ar_agg if ar_agg > 0 else None,
+        "speedup_median": _median([r.tokens_per_s / a.tokens_per_s for r, a in zip(runs, ar_runs) if a.tokens_per_s > 0]),
+        "accept_len_mean": statistics.fmean(lengths) if lengths else None,
+        "accept_len_std": statistics.pstdev(lengths) if lengths else None,
+        "accept_len_hist": {str(n): hist[n] for n in sorted(hist)},
+        "accept_len_dist": {str(n): hist[n] / len(lengths) for n in sorted(hist)},
+        "per_position_acceptance": [acc / n if n else None for acc, n in counts],
+        "per_position_counts": [list(c) for c in counts],
+    }
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------
+
+
+def check_methods(methods: Sequence[str], batch_size: int = 1) -> tuple[str, ...]:
+    """Validated methods, AR first (always run: it is the reference for losslessness and speedup)."""
+    if batch_size != 1:
+        raise ValueError(
+            f"batch_size={batch_size}: batched evaluation needs the serving engine, which is not built yet; use batch_size=1"
+        )
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}; expected some of {', '.join(METHODS)}")
+    return (REFERENCE, *dict.fromkeys(m for m in methods if m != REFERENCE))
+
+
+def _run(pipeline, ids: list[int], method: str, max_new_tokens: int, draft_length: int | None) -> tuple[list[int], Run]:
+    result = pipeline.generate_ids(ids, method, max_new_tokens, SamplingParams(), draft_length, seed=0)
+    s = result.stats
+    run = Run(len(result.token_ids), s.elapsed_s, tuple(s.accept_lengths), tuple(s.draft_lengths), identical=True)
+    return list(result.token_ids), run
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _groups(prompts: Sequence[Prompt]) -> dict[str, dict[str, list[int]]]:
+    """Prompt indices by dataset and by domain (insertion order)."""
+    out: dict[str, dict[str, list[int]]] = {"by_dataset": {}, "by_domain": {}}
+    for i, p in enumerate(prompts):
+        out["by_dataset"].setdefault(p.dataset, []).append(i)
+        out["by_domain"].setdefault(p.domain, []).append(i)
+    return out
+
+
+def run_offline_bench(
+    pipeline,
+    prompts: Sequence[Prompt],
+    methods: Sequence[str],
+    max_new_tokens: int,
+    draft_length: int | None = None,
+    batch_size: int = 1,
+    progress: bool = True,
+    warmup: bool = True,
+) -> dict[str, Any]:
+    """Run `methods` (AR is always included, first) greedily on every prompt; see the module docstring."""
+    methods = check_methods(methods, batch_size)
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(methods) > 1 and getattr(pipeline, "proposer", None) is None:
+        raise ValueError(f"method(s) {', '.join(methods[1:])} need a drafter (--drafter PATH)")
+
+    encoded = [pipeline.encode(messages=p.messages) for p in prompts]
+    if warmup:  # one-off costs (allocator, first kernels) would otherwise all land on AR's first prompt
+        for method in methods:
+            _run(pipeline, encoded[0], method, min(WARMUP_TOKENS, max_new_tokens), draft_length)
+
+    runs: dict[str, list[Run]] = {m: [] for m in methods}
+    records, mismatches = [], []
+    with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr, disable=not progress) as bar:
+        for prompt, ids in zip(prompts, encoded):
+            record = {"id": prompt.id, "dataset": prompt.dataset, "domain": prompt.domain, "prompt_tokens": len(ids), "methods": {}}
+            ar_tokens: list[int] = []
+            for method in methods:
+                bar.set_postfix_str(f"{prompt.dataset}/{method}")
+                tokens, run = _run(pipeline, ids, method, max_new_tokens, draft_length)
+                if method == REFERENCE:
+                    ar_tokens = tokens
+                elif tokens != ar_tokens:
+                    run = Run(run.num_tokens, run.elapsed_s, run.accept_lengths, run.draft_lengths, identical=False)
+                    mismatches.append({"id": prompt.id, "dataset": prompt.dataset, "method": method,
+                                       "first_difference": _first_difference(tokens, ar_tokens),
+                                       "num_tokens": len(tokens), "ar_num_tokens": len(ar_tokens)})
+                runs[method].append(run)
+                record["methods"][method] = {
+                    "num_tokens": run.num_tokens, "elapsed_s": run.elapsed_s, "tokens_per_s": run.tokens_per_s,
+                    "accept_len_mean": statistics.fmean(run.accept_lengths) if run.accept_lengths else None,
+                    "identical": run.identical,
+                }
+                bar.update(1)
+            records.append(record)
+
+    groups = _groups(prompts)
+    results = {}
+    for m in methods:
+        results[m] = {"overall": summarize(runs[m], runs[REFERENCE])}
+        for kind, by_key in groups.items():
+            results[m][kind] = {
+                key: summarize([runs[m][i] for i in idx], [runs[REFERENCE][i] for i in idx]) for key, idx in by_key.items()
+            }
+    proposer = getattr(pipeline, "proposer", None)
+    dtype = getattr(getattr(pipeline, "target", None), "dtype", None)
+    return {
+        "lossless": not mismatches,
+        "methods": list(methods),
+        "model": getattr(pipeline, "model_name", None),
+        "dtype": None if dtype is None else str(dtype),
+        "block_size": getattr(proposer, "block_size", None),
+        "max_new_tokens": max_new_tokens,
+        "draft_length": draft_length,
+        "batch_size": batch_size,
+        "num_prompts": len(prompts),
+        "datasets": {ds: "/".join(sorted({prompts[i].domain for i in idx})) for ds, idx in groups["by_dataset"].items()},
+        "mismatches": mismatches,
+        "results": results,
+        "prompts": records,
+    }
+
+
+# ---- reporting -------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    return {
+        "processor": platform.processor() or platform.machine(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def provenance(command: str) -> dict[str, Any]:
+    """What makes a result file reproducible and comparable: the command, the machine and when."""
+    return {
+        "command": command,
+        "argv": list(sys.argv),
+        "machine": machine_info(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json(obj: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(report: dict[str, Any], positions: int = 3) -> str:
+    """One row per method x dataset, plus an `all` row per method when there are several datasets."""
+    pos_cols = "".join(f"{f'acc@{k}':>7}" for k in range(1, positions + 1))
+    lines = [f"{'method':<8}{'dataset':<16}{'domain':<8}{'n':>4}{'tokens':>8}{'tok/s med':>10}{'tok/s agg':>10}"
+             f"{'spdup agg':>10}{'spdup med':>10}{'accept len':>14}{pos_cols}  lossless"]
+    for method, res in report["results"].items():
+        rows = [(ds, report["datasets"][ds], m) for ds, m in res["by_dataset"].items()]
+        if len(rows) > 1:
+            rows.append(("all", "", res["overall"]))
+        for ds, domain, m in rows:
+            accept = "-" if m["accept_len_mean"] is None else f"{m['accept_len_mean']:.2f}±{m['accept_len_std']:.2f}"
+            pos = (m["per_position_acceptance"] + [None] * positions)[:positions]
+            lines.append(
+                f"{method:<8}{ds:<16}{domain:<8}{m['num_prompts']:>4}{m['num_tokens']:>8}"
+                f"{fmt(m['tokens_per_s_median'], '.1f'):>10}{fmt(m['tokens_per_s_aggregate'], '.1f'):>10}"
+                f"{fmt(m['speedup_aggregate']):>10}{fmt(m['speedup_median']):>10}{accept:>14}"
+                + "".join(f"{fmt(p):>7}" for p in pos)
+                + f"  {'yes' if m['lossless'] else 'NO'}"
+            )
+    verdict = "all methods reproduced AR exactly" if report["lossless"] else f"NOT LOSSLESS: {len(report['mismatches'])} mismatch(es)"
+    return "\n".join(lines + [verdict])
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_TARGET, help=f"registry name or HF checkpoint dir (default {DEFAULT_TARGET})")
+    p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir (default: the shipped one, if any)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
+
+
+def command_group(subparsers, name: str, help: str):
+    """The nested subparsers of top-level command `name`, created on first use so several modules can add to it."""
+    parser = subparsers.choices.get(name)
+    if parser is None:
+        parser = subparsers.add_parser(name, help=help)
+        parser._adaflash_subcommands = parser.add_subparsers(dest=f"{name}_command", required=True)
+    return parser._adaflash_subcommands
+
+
+def shipped_drafter(model: str) -> Path | None:
+    path = SHIPPED_DRAFTERS.get(model)
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
+def resolve_drafter(model: str, drafter: str | None) -> str:
+    """The given drafter, else the one shipped for `model`; a clear error when there is neither."""
+    if drafter is not None:
+        return drafter
+    shipped = shipped_drafter(model)
+    if shipped is None:
+        raise ValueError(f"no drafter given and none ships for target {model!r}: pass --drafter DIR")
+    return str(shipped)
+
+
+def command_line(words: Sequence[str], options: Sequence[tuple[str, Any]]) -> str:
+    """A shell command reproducing a run with every effective setting spelled out (None options are left out)."""
+    parts = list(words)
+    for flag, value in options:
+        if value is not None:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def _load_prompts(args: argparse.Namespace) -> list[Prompt]:
+    from adaflash.data import load_prompts, read_prompts_file
+
+    if args.prompts_file:
+        prompts = read_prompts_file(args.prompts_file)
+        return prompts if args.limit is None else prompts[: args.limit]
+    return load_prompts(args.dataset, "eval", limit=args.limit)
+
+
+def _cmd_offline(args: argparse.Namespace) -> int:
+    from adaflash.pipeline import Pipeline
+
+    methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()], args.batch_size)
+    drafter = resolve_drafter(args.model, args.drafter) if len(methods) > 1 else args.drafter
+    prompts = _load_prompts(args)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype)
+    report = run_offline_bench(pipeline, prompts, methods, args.max_new_tokens, args.draft_length, args.batch_size)
+    print(format_table(report))
+    if args.json:
+        command = command_line(
+            ["adaflash", "bench", "offline"],
+            [("--dataset", args.dataset), ("--prompts-file", args.prompts_file), ("--methods", ",".join(methods)),
+             ("--batch-size", args.batch_size), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),
+             ("--draft-length", args.draft_length), ("--model", args.model), ("--drafter", drafter),
+             ("--dtype", args.dtype), ("--json", args.json)],
+        )
+        print(f"wrote {write_json({**provenance(command), **report}, args.json)}", file=sys.stderr)
+    return 0 if report["lossless"] else 1
+
+
+def register_cli(subparsers) -> None:
+    """Add `bench offline` to the top-level subparsers of the adaflash CLI."""
+    bench = command_group(subparsers, "bench", help="benchmarks")
+    p = bench.add_parser("offline", help="every method on every prompt, side by side, with a losslessness check")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dataset", help="a prompt set's eval split (see `adaflash data list`)")
+    src.add_argument("--prompts-file", help='JSONL with {"prompt": ...} or {"messages": [...]}')
+    p.add_argument("--methods", default="ar,dflash", help=f"comma-separated, from {','.join(METHODS)} (ar always runs)")
+    p.add_argument("--batch-size", type=int, default=1, help="only 1 until the serving engine exists")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")
+    add_model_args(p)
+    p.add_argument("--json", default=None, metavar="OUT", help="write the full report (with command and machine) here")
+    p.set_defaults(func=_cmd_offline)
