@@ -7,14 +7,11 @@ import json
 import sys
 from typing import Sequence
 
+from adaflash.cli_args import add_model_args
+from adaflash.evaluation.offline import register_cli as register_bench_cli
+from adaflash.evaluation.tau import register_cli as register_eval_cli
 from adaflash.models.registry import DEFAULT_TARGET
 from adaflash.pipeline import METHODS
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_TARGET, help=f"registry name or HF checkpoint dir (default {DEFAULT_TARGET})")
-    p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -115,6 +112,15 @@ def _cmd_data_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from adaflash.training.trainer import TrainConfig, train
+
+    cfg = TrainConfig.from_file(args.config, data_dir=args.data_dir, out_dir=args.out_dir, max_steps=args.max_steps)
+    final = train(cfg)
+    print(f"drafter written to {final}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaflash", description="Lossless adaptive speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="a user message (the chat template is applied)")
     src.add_argument("--prompts-file", help='JSONL with {"prompt": ...} or {"messages": [...]}, optional "domain"')
-    _add_model_args(gen)
+    add_model_args(gen)
     gen.add_argument("--method", choices=METHODS, default="ar")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")
@@ -135,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     demo = sub.add_parser("demo", help="AR vs speculative decoding on a few chat, code and math prompts")
-    _add_model_args(demo)
+    add_model_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(func=_cmd_demo)
 
@@ -157,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     dgen.add_argument("--seed", type=int, default=0)
     dgen.set_defaults(func=_cmd_data_generate)
+    register_bench_cli(sub)  # bench offline
+    register_eval_cli(sub)  # eval tau
+    trainp = sub.add_parser("train", help="train drafters")
+    train_sub = trainp.add_subparsers(dest="train_command", required=True)
+    tdraft = train_sub.add_parser("drafter", help="DFlash block training (resumes from OUT/checkpoint; torchrun for DDP)")
+    tdraft.add_argument("--config", required=True, help="TOML or JSON with TrainConfig fields")
+    tdraft.add_argument("--data-dir", default=None, help="override the config's data_dir")
+    tdraft.add_argument("--out-dir", default=None, help="override the config's out_dir")
+    tdraft.add_argument("--max-steps", type=int, default=None)
+    tdraft.set_defaults(func=_cmd_train_drafter)
     return parser
 
 

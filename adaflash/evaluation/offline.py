@@ -28,9 +28,9 @@ from typing import Any, Iterable, Sequence
 
 from tqdm import tqdm
 
-from adaflash.data.prompt import Prompt
+from adaflash.data.prompt import DatasetUnavailableError, Prompt
 from adaflash.evaluation.demo import SHIPPED_DRAFTERS
-from adaflash.models.registry import DEFAULT_TARGET
+from adaflash.cli_args import add_model_args, command_group
 from adaflash.pipeline import METHODS
 from adaflash.speculative.sampling import SamplingParams
 
@@ -291,21 +291,6 @@ def format_table(report: dict[str, Any], positions: int = 3) -> str:
 # ---- CLI -------------------------------------------------------------------------------------------
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_TARGET, help=f"registry name or HF checkpoint dir (default {DEFAULT_TARGET})")
-    p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir (default: the shipped one, if any)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
-
-
-def command_group(subparsers, name: str, help: str):
-    """The nested subparsers of top-level command `name`, created on first use so several modules can add to it."""
-    parser = subparsers.choices.get(name)
-    if parser is None:
-        parser = subparsers.add_parser(name, help=help)
-        parser._adaflash_subcommands = parser.add_subparsers(dest=f"{name}_command", required=True)
-    return parser._adaflash_subcommands
-
-
 def shipped_drafter(model: str) -> Path | None:
     path = SHIPPED_DRAFTERS.get(model)
     return path if path is not None and (path / "config.json").is_file() else None
@@ -333,6 +318,8 @@ def command_line(words: Sequence[str], options: Sequence[tuple[str, Any]]) -> st
 def _load_prompts(args: argparse.Namespace) -> list[Prompt]:
     from adaflash.data import load_prompts, read_prompts_file
 
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.prompts_file:
         prompts = read_prompts_file(args.prompts_file)
         return prompts if args.limit is None else prompts[: args.limit]
@@ -344,7 +331,11 @@ def _cmd_offline(args: argparse.Namespace) -> int:
 
     methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()], args.batch_size)
     drafter = resolve_drafter(args.model, args.drafter) if len(methods) > 1 else args.drafter
-    prompts = _load_prompts(args)
+    try:
+        prompts = _load_prompts(args)
+    except DatasetUnavailableError as exc:  # a RuntimeError: say which package to install, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     pipeline = Pipeline.load(args.model, drafter, args.dtype)
     report = run_offline_bench(pipeline, prompts, methods, args.max_new_tokens, args.draft_length, args.batch_size)
     print(format_table(report))

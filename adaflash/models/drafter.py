@@ -275,6 +275,10 @@ class DFlashDrafter(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h).view(r, b, d)
 
+    def forward(self, context_features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The training pass (so DDP's hooks see it); inference uses extend_context / draft_hidden."""
+        return self.forward_train(context_features, block_embeds, anchors)
+
     def forward_train(
         self, context_features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor
     ) -> torch.Tensor:

@@ -105,6 +105,8 @@ class RaggedAttention:
             else:
                 self.mask = None
             return
+        # Equal query lengths (decode steps, fixed-size blocks): padding is a plain reshape, no scatter/gather.
+        self.uniform = len(set(batch.query_lens)) == 1
         lens = torch.tensor(batch.query_lens)
         seq_of_token = torch.repeat_interleave(torch.arange(n), lens)
         offsets = torch.cumsum(lens, 0) - lens
@@ -113,6 +115,7 @@ class RaggedAttention:
         self.within = within.to(device)
         self.slot_of_token = torch.tensor(batch.slots, device=device)[self.seq_of_token]
         self.positions = batch.positions.to(device)
+        self._write_rows: torch.Tensor | None = None
         slots = list(batch.slots)
         contiguous = slots == list(range(slots[0], slots[0] + n))
         self.slot_range = slice(slots[0], slots[0] + n) if contiguous else torch.tensor(slots, device=device)
@@ -134,8 +137,15 @@ class RaggedAttention:
             cache.k[layer, self.slot, :, self.start : end] = k.transpose(0, 1)
             cache.v[layer, self.slot, :, self.start : end] = v.transpose(0, 1)
         else:
-            cache.k[layer][self.slot_of_token, :, self.positions] = k
-            cache.v[layer][self.slot_of_token, :, self.positions] = v
+            # index_copy_ on a flat [slots*heads*len, head_dim] view: one fast row scatter. (Advanced indexing
+            # with a slice between the indices, k[layer][slots, :, positions] = ..., is several times slower.)
+            _, s, h, t, d = cache.k.shape
+            if self._write_rows is None:
+                heads = torch.arange(h, device=k.device)
+                rows = (self.slot_of_token[:, None] * h + heads[None, :]) * t + self.positions[:, None]
+                self._write_rows = rows.reshape(-1)
+            cache.k[layer].view(s * h * t, d).index_copy_(0, self._write_rows, k.reshape(-1, d))
+            cache.v[layer].view(s * h * t, d).index_copy_(0, self._write_rows, v.reshape(-1, d))
 
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
@@ -149,12 +159,16 @@ class RaggedAttention:
             return out[0].transpose(0, 1).reshape(t, h * d)
         k = cache.k[layer][self.slot_range, :, : self.key_len]
         v = cache.v[layer][self.slot_range, :, : self.key_len]
-        q_pad = q.new_zeros(len(self.batch.slots), self.qmax, h, d)
-        q_pad[self.seq_of_token, self.within] = q
+        n = len(self.batch.slots)
+        if self.uniform:
+            q_pad = q.view(n, self.qmax, h, d)
+        else:
+            q_pad = q.new_zeros(n, self.qmax, h, d)
+            q_pad[self.seq_of_token, self.within] = q
         out = torch.nn.functional.scaled_dot_product_attention(
             q_pad.transpose(1, 2), k, v, attn_mask=self.mask, enable_gqa=True
-        )
-        return out.transpose(1, 2)[self.seq_of_token, self.within].reshape(t, h * d)
+        ).transpose(1, 2)
+        return (out if self.uniform else out[self.seq_of_token, self.within]).reshape(t, h * d)
 
     def commit_lengths(self, cache: KVCache) -> None:
         for slot, end in zip(self.batch.slots, self.batch.ends):

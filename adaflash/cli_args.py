@@ -1,0 +1,22 @@
+"""Argument helpers shared by the CLI's command modules (so each subsystem can register its own commands)."""
+
+from __future__ import annotations
+
+import argparse
+
+from adaflash.models.registry import DEFAULT_TARGET
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_TARGET, help=f"registry name or HF checkpoint dir (default {DEFAULT_TARGET})")
+    p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir (default: the shipped one, if any)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
+
+
+def command_group(subparsers, name: str, help: str):
+    """The nested subparsers of top-level command `name`, created on first use so several modules can add to it."""
+    parser = subparsers.choices.get(name)
+    if parser is None:
+        parser = subparsers.add_parser(name, help=help)
+        parser._adaflash_subcommands = parser.add_subparsers(dest=f"{name}_command", required=True)
+    return parser._adaflash_subcommands

@@ -1,0 +1,62 @@
+"""Training samples from regenerated-data shards, and the deterministic anchor sampling of DFlash training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adaflash.training.datagen import load_manifest, read_shard
+from adaflash.training.losses import IGNORE
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    tokens: torch.Tensor  # [L] int64
+    prompt_len: int
+    features: torch.Tensor  # [L - 1, n*d] target features of every position but the last
+
+
+class DraftDataset:
+    """All samples of a regenerated-data directory, held in memory (features stay bf16 until used)."""
+
+    def __init__(self, data_dir: str | Path, capture_layers: tuple[int, ...]) -> None:
+        manifest = load_manifest(data_dir)
+        if manifest is None or not manifest["shards"]:
+            raise FileNotFoundError(f"no regenerated data in {data_dir}: run `adaflash data generate --out {data_dir}`")
+        found = tuple(manifest["config"]["capture_layers"])
+        if found != tuple(capture_layers):
+            raise ValueError(f"{data_dir} holds features of target layers {found}, the drafter reads {capture_layers}")
+        self.samples = [
+            TrainSample(torch.tensor(tokens, dtype=torch.long), prompt_len, feats)
+            for shard in manifest["shards"]
+            for tokens, prompt_len, feats in read_shard(Path(data_dir) / shard["file"])
+            if len(tokens) - prompt_len >= 2  # at least one anchor with a label
+        ]
+        if not self.samples:
+            raise ValueError(f"{data_dir} has no sample with a response of at least 2 tokens")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def sample_anchors(sample: TrainSample, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Sorted random anchor positions inside the response (each predicts at least one response token)."""
+    first = max(1, sample.prompt_len - 1)  # anchor = last committed token; position 0 has no context
+    last = len(sample.tokens) - 2
+    candidates = torch.arange(first, last + 1)
+    if len(candidates) > num_anchors:
+        candidates = candidates[torch.randperm(len(candidates), generator=generator)[:num_anchors]]
+    return candidates.sort().values
+
+
+def block_inputs(sample: TrainSample, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block token ids [A, B] = [anchor token, MASK...] and labels [A, B-1] = the tokens that follow."""
+    offsets = torch.arange(1, block_size)
+    pos = anchors[:, None] + offsets[None, :]
+    inside = pos < len(sample.tokens)
+    labels = torch.where(inside, sample.tokens[pos.clamp(max=len(sample.tokens) - 1)], torch.full_like(pos, IGNORE))
+    block = torch.full((len(anchors), block_size), mask_token_id, dtype=torch.long)
+    block[:, 0] = sample.tokens[anchors]
+    return block, labels

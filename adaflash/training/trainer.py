@@ -1,0 +1,267 @@
+"""The one drafter training loop: DFlash block training with a pluggable loss strategy.
+
+Runs alone or under `torchrun` (DDP; gloo on CPU, nccl on GPUs). Deterministic data order and anchors
+(seeded by epoch and sample index) plus checkpoints holding weights, optimizer, scheduler and step make a
+killed run resume exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from adaflash.models.drafter import DFlashDrafter, DrafterConfig
+from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, save_drafter
+from adaflash.models.registry import resolve_target
+from adaflash.models.target import TargetModel, load_target
+from adaflash.training.dataset import DraftDataset, block_inputs, sample_anchors
+from adaflash.training.losses import build_loss
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data_dir: str
+    out_dir: str
+    model: str = "smollm2-135m"
+    mask_token_id: int = 16
+    num_layers: int = 2
+    block_size: int = 16
+    target_layer_ids: tuple[int, ...] | None = None  # default: DFlash's spread for num_layers
+    intermediate_size: int | None = None
+    init_from_target: bool = True
+    loss: str = "ce"
+    gamma: float = 7.0
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.04
+    epochs: int = 1
+    max_steps: int | None = None
+    sequences_per_step: int = 4  # global, across all ranks
+    anchors_per_sequence: int = 32
+    grad_clip: float = 1.0
+    autocast_bf16: bool = False  # for GPUs / CPUs with native bf16
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 50
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides) -> "TrainConfig":
+        path = Path(path)
+        text = path.read_text()
+        try:
+            raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot parse training config {path}: {exc}") from exc
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown training options {unknown}")
+        if raw.get("target_layer_ids") is not None:
+            raw["target_layer_ids"] = tuple(raw["target_layer_ids"])
+        return cls(**raw)
+
+
+def _copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
+    """Initialise draft layer i from the i-th of the target's top layers (output space closest to the LM head)."""
+    tc = target.config
+    q, kv = tc.num_heads * tc.head_dim, tc.num_kv_heads * tc.head_dim
+    first = tc.num_layers - len(drafter.layers)
+    with torch.no_grad():
+        for i, layer in enumerate(drafter.layers):
+            src = target.layers[first + i]
+            attn = layer.self_attn
+            attn.q_proj.weight.copy_(src.qkv[:q])
+            attn.k_proj.weight.copy_(src.qkv[q : q + kv])
+            attn.v_proj.weight.copy_(src.qkv[q + kv :])
+            attn.o_proj.weight.copy_(src.o)
+            if src.q_norm is not None:
+                attn.q_norm.weight.copy_(src.q_norm)
+                attn.k_norm.weight.copy_(src.k_norm)
+            inter = tc.intermediate_size
+            layer.mlp.gate_proj.weight.copy_(src.gate_up[:inter])
+            layer.mlp.up_proj.weight.copy_(src.gate_up[inter:])
+            layer.mlp.down_proj.weight.copy_(src.down)
+            layer.input_layernorm.weight.copy_(src.input_norm)
+            layer.post_attention_layernorm.weight.copy_(src.post_norm)
+
+
+def new_drafter(cfg: TrainConfig, target: TargetModel) -> DFlashDrafter:
+    dcfg = DrafterConfig.for_target(
+        target.config, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers, block_size=cfg.block_size,
+        intermediate_size=cfg.intermediate_size, target_layer_ids=cfg.target_layer_ids,
+    )
+    drafter = init_drafter(dcfg, seed=cfg.seed, dtype=torch.float32)
+    if cfg.init_from_target and dcfg.intermediate_size == target.config.intermediate_size:
+        _copy_target_layers(drafter, target)
+    return drafter.train()
+
+
+def lr_factor(step: int, total: int, warmup_frac: float) -> float:
+    """Linear warm-up, then cosine decay to zero."""
+    warmup = max(1, int(total * warmup_frac))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _save_checkpoint(out_dir: Path, drafter: DFlashDrafter, optimizer, step: int, cfg: TrainConfig) -> None:
+    """Weights (fp32, exact) + optimizer + step, published by an atomic directory rename."""
+    tmp, final = out_dir / "checkpoint.tmp", out_dir / "checkpoint"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(drafter, tmp, dtype=torch.float32)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": asdict(cfg)}, tmp / "trainer_state.pt")
+    old = out_dir / "checkpoint.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_checkpoint(out_dir: Path, optimizer_factory) -> tuple[DFlashDrafter, torch.optim.Optimizer, int] | None:
+    ckpt = out_dir / "checkpoint"
+    if not (ckpt / "trainer_state.pt").is_file():
+        return None
+    drafter = load_drafter(ckpt, dtype=torch.float32).train()
+    try:
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    except Exception as exc:
+        raise ValueError(f"{ckpt / 'trainer_state.pt'} is corrupt: {exc}") from exc
+    optimizer = optimizer_factory(drafter)
+    optimizer.load_state_dict(state["optimizer"])
+    return drafter, optimizer, int(state["step"])
+
+
+def _sequence_loss(drafter, target: TargetModel, sample, cfg: TrainConfig, loss_fn, generator):
+    anchors = sample_anchors(sample, cfg.anchors_per_sequence, generator)
+    block, labels = block_inputs(sample, anchors, cfg.block_size, cfg.mask_token_id)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+        hidden = drafter(sample.features.float(), F.embedding(block, target.embed_tokens), anchors)
+        # Target's LM head (frozen) on the draft positions only; plain F.linear keeps autograd.
+        logits = F.linear(hidden[:, 1:], target.lm_head).float()
+    return loss_fn(logits, labels)
+
+
+def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None) -> Path:
+    """Train (or resume) a drafter; returns the directory of the final bf16 DFlash checkpoint.
+
+    `stop_after` ends this invocation after that step (checkpoint saved, no export), as a time box or a
+    kill would; running again resumes.
+    """
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if cfg.sequences_per_step % world:
+        raise ValueError(f"sequences_per_step={cfg.sequences_per_step} must be divisible by the {world} ranks")
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    target = load_target(resolve_target(cfg.model), dtype=torch.float32)
+    loss_fn = build_loss(cfg.loss, gamma=cfg.gamma)
+
+    def make_optimizer(model):
+        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+    resumed = _load_checkpoint(out_dir, make_optimizer)
+    if resumed is None:
+        drafter = new_drafter(cfg, target)
+        optimizer, step = make_optimizer(drafter), 0
+    else:
+        drafter, optimizer, step = resumed
+    dataset = DraftDataset(cfg.data_dir, drafter.config.target_layer_ids)
+    steps_per_epoch = len(dataset) // cfg.sequences_per_step
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(dataset)} samples cannot fill one step of {cfg.sequences_per_step} sequences")
+    total = cfg.max_steps or steps_per_epoch * cfg.epochs
+    model = torch.nn.parallel.DistributedDataParallel(drafter) if distributed else drafter
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_frac), last_epoch=step - 1)
+    metrics_file = out_dir / "metrics.jsonl"
+    bar = tqdm(total=total, initial=step, desc="train drafter", unit="step", disable=not progress or rank != 0)
+    window: dict = {}
+    started = time.perf_counter()
+    while step < total:
+        epoch, in_epoch = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+        global_ids = order[in_epoch * cfg.sequences_per_step : (in_epoch + 1) * cfg.sequences_per_step].tolist()
+        mine = global_ids[rank::world]
+        optimizer.zero_grad(set_to_none=True)
+        for j, idx in enumerate(mine):
+            generator = torch.Generator().manual_seed(hash((cfg.seed, epoch, idx)) & 0x7FFFFFFF)
+            sync = j == len(mine) - 1 or not distributed
+            ctx = model.no_sync() if not sync else _null_context()
+            with ctx:
+                loss, stats = _sequence_loss(model, target, dataset.samples[idx], cfg, loss_fn, generator)
+                (loss / len(mine)).backward()
+            _accumulate(window, loss.item(), stats)
+        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        bar.update(1)
+        if rank == 0 and (step % cfg.log_every == 0 or step == total):
+            record = _summarise(window, step, scheduler.get_last_lr()[0], float(grad_norm), time.perf_counter() - started)
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['accuracy'][0]:.2f}")
+            window = {}
+        if rank == 0 and (step % cfg.save_every == 0 or step == total):
+            _save_checkpoint(out_dir, drafter, optimizer, step, cfg)
+        if distributed:
+            dist.barrier()
+        if stop_after is not None and step >= stop_after and step < total:
+            if rank == 0:
+                _save_checkpoint(out_dir, drafter, optimizer, step, cfg)
+            bar.close()
+            return out_dir / "checkpoint"
+    bar.close()
+    final = out_dir / "drafter"
+    if rank == 0:
+        save_drafter(drafter, final, dtype=torch.bfloat16)
+    if distributed:
+        dist.barrier()
+    return final
+
+
+class _null_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _accumulate(window: dict, loss: float, stats: dict) -> None:
+    window.setdefault("losses", []).append(loss)
+    for key in ("correct", "accepted", "valid"):
+        acc = window.setdefault(key, [0] * len(stats[key]))
+        for i, v in enumerate(stats[key]):
+            acc[i] += v
+
+
+def _summarise(window: dict, step: int, lr: float, grad_norm: float, elapsed: float) -> dict:
+    valid = [max(1, v) for v in window["valid"]]
+    accepted = [a / v for a, v in zip(window["accepted"], valid)]
+    return {
+        "step": step,
+        "loss": sum(window["losses"]) / len(window["losses"]),
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "accuracy": [c / v for c, v in zip(window["correct"], valid)],
+        # Expected tokens per verify pass if the greedy drafts were verified at these anchors (incl. bonus).
+        "expected_accept_len": 1.0 + sum(accepted),
+        "elapsed_s": elapsed,
+    }

@@ -1,0 +1,106 @@
+"""The one training loop: it learns, resumes exactly after a kill, and runs under torchrun (DDP, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaflash.data.prompt import Prompt, user_messages
+from adaflash.models.drafter_checkpoint import load_drafter
+from adaflash.models.target import load_target
+from adaflash.training.datagen import DataGenConfig, generate_dataset
+from adaflash.training.losses import BlockCrossEntropy, position_weights
+from adaflash.training.trainer import TrainConfig, lr_factor, train
+
+LAYERS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_checkpoints, tmp_path_factory) -> str:
+    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
+    prompts = [Prompt(id=f"p{i}", domain="chat", dataset="t", messages=user_messages(f"q{i}")) for i in range(8)]
+    out = tmp_path_factory.mktemp("data")
+    generate_dataset(
+        target, lambda p: [3 + int(p.id[1:]), 7, 9 + int(p.id[1:])], [], prompts, out,
+        DataGenConfig(model="tiny", capture_layers=LAYERS, max_new_tokens=24, batch_size=8, shard_size=8),
+    )
+    return str(out)
+
+
+def _config(tiny_checkpoints, tiny_data, out_dir, **kw) -> TrainConfig:
+    base = dict(
+        data_dir=tiny_data, out_dir=str(out_dir), model=tiny_checkpoints["llama"], mask_token_id=5, num_layers=2,
+        block_size=4, target_layer_ids=LAYERS, lr=3e-3, epochs=1, max_steps=8, sequences_per_step=2,
+        anchors_per_sequence=6, log_every=2, save_every=4, warmup_frac=0.1,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    return load_drafter(path, dtype=torch.float32).state_dict()
+
+
+def test_loss_weights_and_schedule():
+    assert torch.allclose(position_weights(3, 7.0), torch.exp(-torch.tensor([0.0, 1.0, 2.0]) / 7.0))
+    logits = torch.zeros(1, 3, 5)
+    logits[0, 0, 2] = logits[0, 1, 4] = 10.0
+    loss, stats = BlockCrossEntropy()(logits, torch.tensor([[2, 1, -100]]))
+    assert stats["correct"] == [1, 0, 0] and stats["accepted"] == [1, 0, 0] and stats["valid"] == [1, 1, 0]
+    assert loss > 0
+    assert lr_factor(0, 100, 0.1) == pytest.approx(0.1) and lr_factor(10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(100, 100, 0.1) == pytest.approx(0.0)
+
+
+def test_training_learns_and_exports_dflash_checkpoint(tiny_checkpoints, tiny_data, tmp_path):
+    cfg = _config(tiny_checkpoints, tiny_data, tmp_path, max_steps=30, lr=5e-3, save_every=30)
+    final = train(cfg, progress=False)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < 0.7 * records[0]["loss"]
+    assert {"accuracy", "expected_accept_len", "lr", "grad_norm"} <= set(records[-1])
+    config = json.loads((final / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["target_layer_ids"] == [1, 2]
+
+
+def test_resume_after_kill_is_exact(tiny_checkpoints, tiny_data, tmp_path):
+    straight = train(_config(tiny_checkpoints, tiny_data, tmp_path / "a"), progress=False)
+    # Stop after step 4 as a kill would, then rerun the same command: it continues from the checkpoint.
+    train(_config(tiny_checkpoints, tiny_data, tmp_path / "b"), progress=False, stop_after=4)
+    state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 4
+    resumed = train(_config(tiny_checkpoints, tiny_data, tmp_path / "b"), progress=False)
+    for (name, a), (_, b) in zip(_weights(straight).items(), _weights(resumed).items()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"data_dir": "d", "out_dir": "o", "lr_typo": 1}))
+    with pytest.raises(ValueError, match="lr_typo"):
+        TrainConfig.from_file(bad)
+    toml = tmp_path / "c.toml"
+    toml.write_text('data_dir = "d"\nout_dir = "o"\ntarget_layer_ids = [1, 2]\n')
+    assert TrainConfig.from_file(toml, max_steps=3).target_layer_ids == (1, 2)
+
+
+def test_torchrun_two_processes_matches_single_process(tiny_checkpoints, tiny_data, tmp_path):
+    """DDP over 2 CPU processes (gloo) averages gradients: same weights as one process on the same batches."""
+    single = train(_config(tiny_checkpoints, tiny_data, tmp_path / "single", max_steps=4), progress=False)
+    cfg = _config(tiny_checkpoints, tiny_data, tmp_path / "ddp", max_steps=4)
+    cfg_file = tmp_path / "ddp.json"
+    cfg_file.write_text(json.dumps({k: v for k, v in cfg.__dict__.items()}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+         "-m", "adaflash.cli", "train", "drafter", "--config", str(cfg_file)],
+        check=True, env=env, capture_output=True, timeout=300,
+    )
+    for (name, a), (_, b) in zip(_weights(single).items(), _weights(tmp_path / "ddp" / "drafter").items()):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=0, msg=name)
