@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench drafter clean
 
 install: $(STAMP)
 
@@ -33,6 +33,16 @@ test-fast: install
 
 bench: install
 	$(PY) -m adaflash.evaluation.runtime_speed --json docs/results/runtime_speed.json
+
+# Rebuild the shipped SmolLM2 drafter from scratch: regenerate data with the target, train, export (hours on a CPU).
+# Both steps resume where they stopped if interrupted.
+DRAFTER_DATA := runs/data/smollm2-v1
+drafter: install
+	$(VENV)/bin/adaflash data generate --out $(DRAFTER_DATA) --capture-layers 1,14,27 \
+		--mix gsm-symbolic:400,sharegpt-chat:300,sharegpt-code:200,champ:100 --max-new-tokens 192 --batch-size 32
+	$(VENV)/bin/adaflash train drafter --config configs/smollm2-drafter.toml
+	rm -rf adaflash/assets/drafters/smollm2-135m && mkdir -p adaflash/assets/drafters
+	cp -r runs/train/smollm2-drafter/drafter adaflash/assets/drafters/smollm2-135m
 
 clean:
 	rm -rf $(VENV) build *.egg-info

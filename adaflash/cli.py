@@ -10,7 +10,7 @@ from typing import Sequence
 from adaflash.cli_args import add_model_args
 from adaflash.evaluation.offline import register_cli as register_bench_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
-from adaflash.models.registry import DEFAULT_TARGET
+from adaflash.models.registry import DEFAULT_TARGET, shipped_drafter
 from adaflash.pipeline import METHODS
 
 
@@ -22,9 +22,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
-    pipeline = Pipeline.load(args.model, args.drafter, args.dtype)
-    if args.method == "dflash" and pipeline.proposer is None:
-        raise SystemExit("error: --method dflash needs --drafter PATH (no trained drafter ships yet)")
+    drafter = args.drafter
+    if args.method != "ar" and drafter is None:
+        shipped = shipped_drafter(args.model)
+        if shipped is None:
+            raise SystemExit(f"error: --method {args.method} needs --drafter PATH (no drafter ships for {args.model})")
+        drafter = str(shipped)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype)
     items = [(None, None, user_messages(args.prompt))] if prompts is None else [(p.id, p.domain, p.messages) for p in prompts]
     for prompt_id, domain, messages in items:
         completion = pipeline.complete(

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import statistics
 import sys
-from pathlib import Path
-
 from tqdm import tqdm
 
+from adaflash.models.registry import shipped_drafter
 from adaflash.pipeline import Pipeline
 
 DEMO_PROMPTS = [
@@ -19,13 +18,9 @@ DEMO_PROMPTS = [
     ("math", "A shop sells pencils at 3 for $1. How much do 12 pencils cost? Explain step by step."),
 ]
 
-# Where a trained drafter for the default target ships inside the package (next issue).
-SHIPPED_DRAFTERS = {"smollm2-135m": Path(__file__).resolve().parent.parent / "assets" / "drafters" / "smollm2-135m"}
-
-
 def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int) -> int:
-    shipped = SHIPPED_DRAFTERS.get(model)
-    if drafter is None and shipped is not None and (shipped / "config.json").is_file():
+    shipped = shipped_drafter(model)
+    if drafter is None and shipped is not None:
         drafter = str(shipped)
     pipeline = Pipeline.load(model, drafter, dtype)
     if pipeline.proposer is None:

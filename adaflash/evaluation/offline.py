@@ -29,8 +29,8 @@ from typing import Any, Iterable, Sequence
 from tqdm import tqdm
 
 from adaflash.data.prompt import DatasetUnavailableError, Prompt
-from adaflash.evaluation.demo import SHIPPED_DRAFTERS
 from adaflash.cli_args import add_model_args, command_group
+from adaflash.models.registry import shipped_drafter
 from adaflash.pipeline import METHODS
 from adaflash.speculative.sampling import SamplingParams
 
@@ -289,11 +289,6 @@ def format_table(report: dict[str, Any], positions: int = 3) -> str:
 
 
 # ---- CLI -------------------------------------------------------------------------------------------
-
-
-def shipped_drafter(model: str) -> Path | None:
-    path = SHIPPED_DRAFTERS.get(model)
-    return path if path is not None and (path / "config.json").is_file() else None
 
 
 def resolve_drafter(model: str, drafter: str | None) -> str:

@@ -19,7 +19,7 @@ class UnsupportedModelError(ValueError):
     """The checkpoint is not a model this runtime implements."""
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
+def rope_theta_of(cfg: dict[str, Any]) -> float:
     # transformers 5 nests rope settings under `rope_parameters`; 4.x kept `rope_theta` at the top level.
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -76,7 +76,7 @@ class TransformerConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=rope_theta_of(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias and never an o bias; Llama/Qwen3 follow `attention_bias` for all four.
             qkv_bias=True if family == "qwen2" else attention_bias,
@@ -88,11 +88,15 @@ class TransformerConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "TransformerConfig":
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face checkpoint directory")
-        try:
-            cfg = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
-        return cls.from_hf_dict(cfg)
+        return cls.from_hf_dict(read_config_json(path, "a Hugging Face checkpoint directory"))
+
+
+def read_config_json(path: str | Path, what: str) -> dict[str, Any]:
+    """`path/config.json` as a dict, with errors that name the file and say what was expected."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}: expected {what}")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc

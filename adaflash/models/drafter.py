@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from adaflash.models.config import TransformerConfig
+from adaflash.models.config import TransformerConfig, rope_theta_of
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
 from adaflash.models.layers import apply_rope, rms_norm, rope_cos_sin
 
@@ -142,7 +142,6 @@ class DrafterConfig:
         layer_ids = dflash.get("target_layer_ids") or build_target_layer_ids(num_target_layers, num_layers)
         if "mask_token_id" not in dflash:
             raise ValueError("dflash_config.mask_token_id is missing")
-        rope = cfg.get("rope_parameters") or {}
         num_heads = int(cfg["num_attention_heads"])
         return cls(
             hidden_size=int(cfg["hidden_size"]),
@@ -157,7 +156,7 @@ class DrafterConfig:
             target_layer_ids=tuple(int(i) for i in layer_ids),
             num_target_layers=num_target_layers,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_theta=rope_theta_of(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
             extra={k: v for k, v in cfg.items() if k not in ("block_size", "num_target_layers")},
         )

@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from adaflash.models.config import read_config_json
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
 
 CONFIG_FILE = "config.json"
@@ -42,17 +43,11 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = 
 
 
 def load_drafter_config(path: str | Path) -> DrafterConfig:
-    config_file = Path(path) / CONFIG_FILE
-    if not config_file.is_file():
-        raise FileNotFoundError(f"drafter checkpoint {path} has no {CONFIG_FILE}")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
+    raw = read_config_json(path, "a DFlash drafter checkpoint (config.json + model.safetensors)")
     try:
         return DrafterConfig.from_hf_dict(raw)
     except (KeyError, ValueError, TypeError) as exc:
-        raise ValueError(f"{config_file} is not a usable DFlash drafter config: {exc}") from exc
+        raise ValueError(f"{Path(path) / CONFIG_FILE} is not a usable DFlash drafter config: {exc}") from exc
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> DFlashDrafter:

@@ -38,6 +38,16 @@ EMBEDDED_TARGETS = {
 }
 
 
+# Trained drafters that ship inside the package, by target name (DFlash-schema checkpoint directories).
+SHIPPED_DRAFTERS = {"smollm2-135m": Path(__file__).resolve().parent.parent / "assets" / "drafters" / "smollm2-135m"}
+
+
+def shipped_drafter(model: str) -> Path | None:
+    """The drafter shipped for a registry target, if one exists in this installation."""
+    path = SHIPPED_DRAFTERS.get(model)
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
 def cache_root() -> Path:
     """Where converted checkpoints live: $ADAFLASH_CACHE, else ~/.cache/adaflash."""
     return Path(os.environ.get("ADAFLASH_CACHE", Path.home() / ".cache" / "adaflash"))
