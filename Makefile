@@ -39,7 +39,7 @@ bench: install
 DRAFTER_DATA := runs/data/smollm2-v1
 drafter: install
 	$(VENV)/bin/adaflash data generate --out $(DRAFTER_DATA) --capture-layers 1,14,27 \
-		--mix gsm-symbolic:400,sharegpt-chat:300,sharegpt-code:200,champ:100 --max-new-tokens 192 --batch-size 32
+		--mix gsm-symbolic:300,sharegpt-chat:250,sharegpt-code:200,champ:100 --max-new-tokens 192 --max-prompt-tokens 256 --batch-size 32
 	$(VENV)/bin/adaflash train drafter --config configs/smollm2-drafter.toml
 	rm -rf adaflash/assets/drafters/smollm2-135m && mkdir -p adaflash/assets/drafters
 	cp -r runs/train/smollm2-drafter/drafter adaflash/assets/drafters/smollm2-135m

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from typing import Sequence
@@ -101,7 +102,9 @@ def _cmd_data_generate(args: argparse.Namespace) -> int:
         if args.capture_layers
         else build_target_layer_ids(pipeline.target.config.num_layers, args.drafter_layers)
     )
-    prompts = [p for name, n in _parse_mix(args.mix) for p in load_prompts(name, "train", limit=n, seed=args.seed)]
+    per_dataset = [load_prompts(name, "train", limit=n, seed=args.seed) for name, n in _parse_mix(args.mix)]
+    # Round-robin over the datasets, so a run stopped early still holds every domain.
+    prompts = [p for group in itertools.zip_longest(*per_dataset) for p in group if p is not None]
     config = DataGenConfig(
         model=args.model, capture_layers=layers, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, shard_size=args.shard_size,

@@ -1,0 +1,175 @@
+"""The continuous-batching speculative engine (token ids only; HTTP lives in the server).
+
+One step: admit waiting requests and prefill them in one ragged pass; then, for every other running
+request, ask the length policy how many drafts it gets, run one batched drafter pass, one batched target
+verification over the ragged per-request lengths (linear layers see only real tokens), verify each
+request with the pure verifier, commit, roll the caches back and feed accepted features to the drafter.
+The scheduler (slots, queue) knows nothing of drafting; the proposer nothing of scheduling.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.target import TargetModel
+from adaflash.serving.length_policy import FixedLength, LengthPolicy
+from adaflash.serving.request import Request, StepOutput
+from adaflash.serving.scheduler import Scheduler
+from adaflash.speculative.proposer import DFlashProposer
+from adaflash.speculative.sampling import draw_exponentials, logits_to_probs, sample_tokens
+from adaflash.speculative.verify import verify_greedy, verify_sampling
+
+
+class Engine:
+    def __init__(
+        self,
+        target: TargetModel,
+        proposer: DFlashProposer | None = None,
+        policy: LengthPolicy | None = None,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        max_len: int = 2048,
+    ) -> None:
+        self.target, self.proposer = target, proposer
+        self.policy = policy or FixedLength(proposer.block_size - 1 if proposer else 0)
+        self.scheduler = Scheduler(max_batch, max_queue)
+        self.max_len = max_len
+        self.target_cache = target.new_cache(max_batch, max_len)
+        self.draft_cache = proposer.new_cache(max_batch, max_len) if proposer else None
+        self.capture = proposer.capture_layers if proposer else ()
+        self.max_draft = proposer.block_size - 1 if proposer else 0
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        need = len(request.prompt_ids) + request.max_new_tokens + self.max_draft + 1
+        if need > self.max_len:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                f"exceeds the context of {self.max_len - self.max_draft - 1} tokens"
+            )
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.scheduler.find(request_id)
+        if request is None:
+            return False
+        request.finish_reason = "abort"
+        self.scheduler.release(request)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        admitted = self.scheduler.admit()
+        decoding = [r for r in self.scheduler.running if r not in admitted]
+        outputs = self._prefill(admitted) if admitted else []
+        if decoding:
+            outputs += self._speculate(decoding) if self.proposer else self._decode(decoding)
+        for request in [r for r in self.scheduler.running if r.finished]:
+            self.scheduler.release(request)
+        return outputs
+
+    def _pick(self, request: Request, logits: torch.Tensor) -> int:
+        if request.sampling.greedy:
+            return int(logits.argmax(-1))
+        return int(sample_tokens(logits_to_probs(logits[None], request.sampling), request.generator)[0])
+
+    def _prefill(self, requests: Sequence[Request]) -> list[StepOutput]:
+        for r in requests:
+            self.target_cache.reset(r.slot)
+            if self.draft_cache is not None:
+                self.draft_cache.reset(r.slot)
+        batch = RaggedBatch.build([r.slot for r in requests], [0] * len(requests), [len(r.prompt_ids) for r in requests])
+        ids = torch.tensor([t for r in requests for t in r.prompt_ids])
+        out = self.target(ids, batch, self.target_cache, self.capture, batch.last_token_indices())
+        if self.proposer is not None:
+            self.proposer.add_context(self.draft_cache, out.hidden, batch)
+        return [self._output(r, r.commit([self._pick(r, out.logits[i])])) for i, r in enumerate(requests)]
+
+    def _decode(self, requests: Sequence[Request]) -> list[StepOutput]:
+        """Plain autoregressive step for every request (no drafter)."""
+        batch = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], [1] * len(requests))
+        out = self.target(torch.tensor([r.output_ids[-1] for r in requests]), batch, self.target_cache)
+        outputs = []
+        for i, r in enumerate(requests):
+            outputs.append(self._output(r, r.commit([self._pick(r, out.logits[i])])))
+            r.accept_lengths.append(1)
+            r.draft_lengths.append(0)
+        return outputs
+
+    def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
+        wanted = self.policy.decide(requests, self.max_draft)
+        lengths = [max(0, min(k, self.max_draft, r.remaining - 1)) for k, r in zip(wanted, requests)]
+        drafting = [i for i, k in enumerate(lengths) if k > 0]
+        draft_tokens: list[list[int]] = [[] for _ in requests]
+        draft_probs: list[torch.Tensor | None] = [None] * len(requests)
+        if drafting:
+            sub = [requests[i] for i in drafting]
+            drafts = self.proposer.propose(
+                self.draft_cache, [r.slot for r in sub], [r.output_ids[-1] for r in sub],
+                [lengths[i] for i in drafting], [r.sampling for r in sub], [r.generator for r in sub],
+            )
+            for j, chunk in enumerate(drafts.tokens.split([lengths[i] for i in drafting])):
+                draft_tokens[drafting[j]] = chunk.tolist()
+                draft_probs[drafting[j]] = drafts.probs[j]
+
+        # One target pass over every request's [anchor, drafts...]: the ragged verify batch.
+        batch = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], [k + 1 for k in lengths])
+        ids = torch.tensor([t for r, d in zip(requests, draft_tokens) for t in [r.output_ids[-1], *d]])
+        out = self.target(ids, batch, self.target_cache, self.capture)
+        rows = out.logits.split([k + 1 for k in lengths])
+        features = out.hidden.split([k + 1 for k in lengths])
+
+        results = self._verify(requests, lengths, draft_tokens, draft_probs, rows)
+
+        # Roll each target cache back past its rejected drafts; the kept positions' features become context.
+        for r, (accepted, _) in zip(requests, results):
+            self.target_cache.rollback(r.slot, r.position + accepted + 1)
+        kept = [a + 1 for a, _ in results]
+        context = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], kept)
+        self.proposer.add_context(self.draft_cache, torch.cat([f[:n] for f, n in zip(features, kept)]), context)
+
+        outputs = []
+        for r, k, d, (accepted, next_token) in zip(requests, lengths, draft_tokens, results):
+            r.accept_lengths.append(accepted + 1)
+            r.draft_lengths.append(k)
+            self.policy.feedback(r, k, accepted)
+            outputs.append(self._output(r, r.commit(d[:accepted] + [next_token])))
+        return outputs
+
+    def _verify(self, requests, lengths, draft_tokens, draft_probs, rows) -> list[tuple[int, int]]:
+        """(accepted drafts, next token) per request. Greedy requests go through the ragged verifier in one
+        call; sampling requests one by one, since each has its own temperature / top-k / top-p."""
+        results: list[tuple[int, int] | None] = [None] * len(requests)
+        greedy = [i for i, r in enumerate(requests) if r.sampling.greedy]
+        if greedy:
+            res = verify_greedy(
+                torch.tensor([t for i in greedy for t in draft_tokens[i]], dtype=torch.long),
+                torch.cat([rows[i].argmax(-1) for i in greedy]),
+                [lengths[i] for i in greedy],
+            )
+            for j, i in enumerate(greedy):
+                results[i] = (int(res.num_accepted[j]), int(res.next_tokens[j]))
+        for i, r in enumerate(requests):
+            if results[i] is not None:
+                continue
+            k, p = lengths[i], logits_to_probs(rows[i], r.sampling)
+            q = draft_probs[i] if draft_probs[i] is not None else torch.zeros(0, p.shape[-1])
+            res = verify_sampling(
+                torch.tensor(draft_tokens[i], dtype=torch.long), q, p, [k],
+                torch.rand(k, generator=r.generator), draw_exponentials((1, p.shape[-1]), r.generator),
+            )
+            results[i] = (int(res.num_accepted[0]), int(res.next_tokens[0]))
+        return results
+
+    @staticmethod
+    def _output(request: Request, new_tokens: list[int]) -> StepOutput:
+        return StepOutput(request.request_id, new_tokens, request.finish_reason)

@@ -1,0 +1,192 @@
+"""Draft-length policies: how many drafted tokens each running request sends to verification this step.
+
+The engine calls `decide` once per step with every running request, and `feedback` after verification.
+Each policy's name (`fixed:K`, `heuristic`, `throughput`) is what logs and metrics show.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+
+from adaflash.serving.request import Request
+
+
+class LengthPolicy(Protocol):
+    name: str
+
+    def decide(self, requests: Sequence[Request], max_draft: int) -> list[int]: ...
+
+    def feedback(self, request: Request, drafted: int, accepted: int) -> None: ...
+
+
+@dataclass
+class FixedLength:
+    length: int
+
+    @property
+    def name(self) -> str:
+        return f"fixed:{self.length}"
+
+    def decide(self, requests: Sequence[Request], max_draft: int) -> list[int]:
+        return [min(self.length, max_draft)] * len(requests)
+
+    def feedback(self, request: Request, drafted: int, accepted: int) -> None:
+        pass
+
+
+@dataclass
+class HeuristicLength:
+    """transformers' assisted-generation schedule: +2 after a fully accepted draft, -1 after a rejection."""
+
+    initial: int = 8
+    name: str = "heuristic"
+
+    def decide(self, requests: Sequence[Request], max_draft: int) -> list[int]:
+        return [min(r.policy_state.setdefault("length", self.initial), max_draft) for r in requests]
+
+    def feedback(self, request: Request, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        length = request.policy_state.get("length", self.initial)
+        request.policy_state["length"] = length + 2 if accepted == drafted else max(1, length - 1)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one target verify pass as a function of the batch's total tokens, plus the drafter's
+    cost per drafting request.
+
+    Profiled on the running machine (`profile_cost_model`), piecewise-linear in between the measured points.
+    """
+
+    total_tokens: tuple[int, ...]
+    verify_s: tuple[float, ...]
+    draft_s: float
+
+    def verify(self, tokens: int) -> float:
+        xs, ys = self.total_tokens, self.verify_s
+        if tokens <= xs[0]:
+            return ys[0] * tokens / xs[0]
+        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)  # extrapolates linearly past the last point
+
+    def to_json(self) -> str:
+        return json.dumps({"total_tokens": self.total_tokens, "verify_s": self.verify_s, "draft_s": self.draft_s})
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        d = json.loads(text)
+        return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]))
+
+
+@dataclass
+class ThroughputLength:
+    """Pick lengths that maximise expected committed tokens per second for the whole batch.
+
+    Request r's draft position j is accepted with probability alpha_r^j (alpha_r: a running estimate of its
+    per-position acceptance). Starting from no drafts, the policy repeatedly adds the draft position with
+    the largest expected gain while (expected tokens) / (verify cost(total tokens) + drafter cost) rises.
+    At batch 1 verification is nearly free and lengths grow; under load every token costs and they shrink.
+    """
+
+    cost: CostModel
+    prior: float = 0.6
+    decay: float = 0.9  # weight of history in the acceptance estimate
+    name: str = "throughput"
+
+    def _alpha(self, request: Request) -> float:
+        return request.policy_state.get("alpha", self.prior)
+
+    def decide(self, requests: Sequence[Request], max_draft: int) -> list[int]:
+        lengths = [0] * len(requests)
+        expected = float(len(requests))  # every request commits at least the target's own token
+        tokens, drafting = len(requests), 0
+        best = expected / self.cost.verify(tokens)
+        heap = [(-self._alpha(r), i) for i, r in enumerate(requests)]  # gain of each request's next position
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, i = heapq.heappop(heap)
+            if lengths[i] >= max_draft:
+                continue
+            # A request's first draft position also puts it into the drafter pass.
+            now_drafting = drafting + (lengths[i] == 0)
+            rate = (expected - neg_gain) / (self.cost.verify(tokens + 1) + self.cost.draft_s * now_drafting)
+            if rate <= best:
+                break
+            lengths[i] += 1
+            expected, tokens, drafting, best = expected - neg_gain, tokens + 1, now_drafting, rate
+            heapq.heappush(heap, (neg_gain * self._alpha(requests[i]), i))
+        return lengths
+
+    def feedback(self, request: Request, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        # Positions 1..accepted succeeded; position accepted+1 (if drafted) failed: a per-position rate.
+        trials = accepted + (1 if accepted < drafted else 0)
+        observed = accepted / trials
+        request.policy_state["alpha"] = self.decay * self._alpha(request) + (1 - self.decay) * observed
+
+
+def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 3) -> CostModel:
+    """Measure verify time at a few total-token counts and one drafter pass, on this machine."""
+    from adaflash.models.kv_cache import RaggedBatch
+
+    points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
+    cache = target.new_cache(1, context + max_tokens)
+    target(torch.arange(context) + 100, RaggedBatch.build([0], [0], [context]), cache)
+    times = []
+    for n in points:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            target(torch.arange(n) + 100, RaggedBatch.build([0], [context], [n]), cache)
+            samples.append(time.perf_counter() - start)
+            cache.rollback(0, context)
+        times.append(sorted(samples)[len(samples) // 2])
+    draft_s = 0.0
+    if proposer is not None:
+        dcache = proposer.new_cache(1, context + proposer.block_size)
+        hidden = torch.zeros(context, len(proposer.capture_layers) * target.config.hidden_size, dtype=target.dtype)
+        proposer.add_context(dcache, hidden, RaggedBatch.build([0], [0], [context]))
+        from adaflash.speculative.sampling import SamplingParams
+
+        start = time.perf_counter()
+        for _ in range(repeats):
+            proposer.propose(dcache, [0], [100], [proposer.block_size - 1], [SamplingParams()], [None])
+        draft_s = (time.perf_counter() - start) / repeats
+    return CostModel(tuple(points), tuple(times), draft_s)
+
+
+def load_or_profile_cost_model(target, proposer, max_tokens: int, cache_file: Path | None) -> CostModel:
+    if cache_file is not None and cache_file.is_file():
+        return CostModel.from_json(cache_file.read_text())
+    model = profile_cost_model(target, proposer, max_tokens)
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(model.to_json())
+    return model
+
+
+def build_length_policy(spec: str, cost: CostModel | None = None) -> LengthPolicy:
+    """`fixed:K`, `heuristic` or `throughput` (which needs the profiled cost model)."""
+    if spec.startswith("fixed:"):
+        k = int(spec.split(":", 1)[1])
+        if k < 0:
+            raise ValueError(f"fixed length must be >= 0, got {k}")
+        return FixedLength(k)
+    if spec == "heuristic":
+        return HeuristicLength()
+    if spec == "throughput":
+        if cost is None:
+            raise ValueError("the throughput policy needs a cost model")
+        return ThroughputLength(cost)
+    raise ValueError(f"unknown length policy {spec!r}; expected fixed:K, heuristic or throughput")

@@ -1,0 +1,139 @@
+"""The continuous-batching engine: every request equals the single-request reference, whatever the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from adaflash.models.drafter import DrafterConfig
+from adaflash.models.drafter_checkpoint import init_drafter
+from adaflash.models.target import load_target
+from adaflash.serving.engine import Engine
+from adaflash.serving.length_policy import CostModel, FixedLength, HeuristicLength, ThroughputLength
+from adaflash.serving.request import Request
+from adaflash.serving.scheduler import QueueFullError
+from adaflash.speculative.proposer import DFlashProposer
+from adaflash.speculative.reference import autoregressive_generate
+from adaflash.speculative.sampling import SamplingParams
+from tests.helpers import TINY_VOCAB
+
+# Verify cost grows with total tokens past a knee, like a real machine under load.
+COST = CostModel(total_tokens=(1, 8, 32, 128), verify_s=(0.01, 0.011, 0.03, 0.12), draft_s=0.002)
+
+
+
+def _run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        for r in arrivals.get(step, []):
+            engine.add_request(r)
+            outputs[r.request_id] = []
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        if not engine.has_work() and step > max(arrivals):
+            break
+    return outputs
+
+
+PROMPTS = [[3, 14, 15, 92], [65, 35], [89, 79, 32, 38, 46, 26, 43], [11], [7, 7, 7, 7, 7, 7]]
+BUDGETS = [20, 7, 33, 12, 25]
+
+
+def _requests(sampling=SamplingParams(), seed_base=0):
+    return [
+        Request(f"r{i}", p, n, sampling=sampling, stop_token_ids=(1,), seed=seed_base + i)
+        for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))
+    ]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoints):
+    return load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def proposer(target):
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=8)
+    return DFlashProposer(init_drafter(cfg, seed=2), target)
+
+
+@pytest.mark.parametrize(
+    "policy", [FixedLength(7), FixedLength(3), FixedLength(0), HeuristicLength(initial=2), ThroughputLength(COST)],
+    ids=lambda p: p.name,
+)
+def test_greedy_engine_equals_reference_with_staggered_arrivals(target, proposer, policy):
+    expected = {f"r{i}": autoregressive_generate(target, p, n, stop_token_ids=(1,)).token_ids for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))}
+    reqs = _requests()
+    # Two slots for five requests: the queue, admission and slot reuse are exercised too.
+    engine = Engine(target, proposer, policy, max_batch=2, max_queue=8, max_len=128)
+    got = _run(engine, {0: reqs[:2], 3: reqs[2:4], 9: reqs[4:]})
+    assert got == expected
+    assert all(r.finish_reason in ("stop", "length") for r in reqs)
+    assert sorted(engine.scheduler.free_slots) == [0, 1]  # every slot released
+
+
+def test_scripted_drafts_exercise_acceptance(target):
+    """A mostly-right drafter: many tokens per pass, and still exactly the reference output."""
+    from tests.helpers import ScriptedProposer
+
+    prompt = PROMPTS[0]
+    ar = autoregressive_generate(target, prompt, 30).token_ids
+    scripted = ScriptedProposer(prompt + ar, TINY_VOCAB, corrupt_prob=0.2)
+    engine = Engine(target, scripted, FixedLength(5), max_batch=1, max_len=128)
+    req = Request("a", prompt, 30)
+    assert _run(engine, {0: [req]})["a"] == ar
+    assert sum(req.accept_lengths) / len(req.accept_lengths) > 2.0
+
+
+def test_autoregressive_engine_equals_reference(target):
+    expected = {f"r{i}": autoregressive_generate(target, p, n, stop_token_ids=(1,)).token_ids for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))}
+    engine = Engine(target, None, max_batch=3, max_len=128)
+    assert _run(engine, {0: _requests()}) == expected
+
+
+def test_sampling_engine_preserves_the_target_law(target, proposer):
+    """Many seeded sampling requests batched together: the law of their first 3 tokens equals the target's."""
+    from tests.speculative.test_reference import _exact_joint
+
+    params = SamplingParams(temperature=1.0, top_k=3)
+    prompt = [3, 14, 15, 92, 65, 35]
+    exact = _exact_joint(target, params, 3)
+    n = 900
+    engine = Engine(target, proposer, FixedLength(2), max_batch=16, max_queue=n, max_len=64)
+    reqs = [Request(f"s{i}", prompt, 3, sampling=params, seed=i) for i in range(n)]
+    got = _run(engine, {0: reqs}, max_steps=10_000)
+    counts = dict.fromkeys(exact, 0)
+    for toks in got.values():
+        counts[tuple(toks)] += 1
+    big = [k for k in exact if exact[k] * n >= 5]
+    observed = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
+    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_abort_queue_bound_and_context_limit(target, proposer):
+    engine = Engine(target, proposer, FixedLength(3), max_batch=1, max_queue=1, max_len=64)
+    engine.add_request(Request("a", [3, 4], 20))
+    engine.step()
+    engine.add_request(Request("b", [3, 4], 20))
+    with pytest.raises(QueueFullError):
+        engine.add_request(Request("c", [3, 4], 20))
+    assert engine.abort("a") and engine.scheduler.free_slots == [0]
+    engine.step()  # b is admitted into the freed slot
+    assert engine.scheduler.running[0].request_id == "b"
+    with pytest.raises(ValueError, match="exceeds the context"):
+        engine.add_request(Request("d", list(range(3, 50)), 20))
+
+
+def test_throughput_policy_shrinks_drafts_under_load():
+    policy = ThroughputLength(COST)
+    make = lambda n: [Request(f"x{i}", [3], 50) for i in range(n)]
+    one = policy.decide(make(1), 15)
+    many = policy.decide(make(64), 15)
+    assert one[0] >= 4  # verification is nearly free at batch 1
+    assert sum(many) / 64 < one[0]  # every token costs under load
+    weak = make(1)
+    for _ in range(30):
+        policy.feedback(weak[0], 5, 0)
+    assert policy.decide(weak, 15) == [0]  # a drafter that is never right is not consulted
