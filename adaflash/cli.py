@@ -10,6 +10,7 @@ from typing import Sequence
 
 from adaflash.cli_args import add_model_args
 from adaflash.evaluation.offline import register_cli as register_bench_cli
+from adaflash.evaluation.serve_bench import register_cli as register_serve_bench_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
 from adaflash.models.registry import DEFAULT_TARGET, shipped_drafter
 from adaflash.pipeline import METHODS
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--seed", type=int, default=0)
     dgen.set_defaults(func=_cmd_data_generate)
     register_bench_cli(sub)  # bench offline
+    register_serve_bench_cli(sub)  # bench serve
     register_eval_cli(sub)  # eval tau
     trainp = sub.add_parser("train", help="train drafters")
     train_sub = trainp.add_subparsers(dest="train_command", required=True)

@@ -1,0 +1,42 @@
+"""The serving benchmark client against a scripted OpenAI-compatible server (no network)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from adaflash.evaluation.serve_bench import _percentile, run_sweep
+
+METRICS = ["adaflash_accept_length_sum 30\nadaflash_accept_length_count 10\n", "adaflash_accept_length_sum 90\nadaflash_accept_length_count 30\n"]
+
+
+def _handler():
+    scrapes = iter(METRICS * 4)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=next(scrapes))
+        body = json.loads(request.content)
+        if body["messages"][0]["content"] == "fail":
+            return httpx.Response(503, json={"error": {"message": "busy"}}, headers={"Retry-After": "1"})
+        chunks = [{"choices": [{"delta": {"content": w}}]} for w in ("a", "b", "c")]
+        chunks.append({"choices": [], "usage": {"completion_tokens": 3}})
+        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handle)
+
+
+def test_sweep_counts_tokens_failures_and_scrapes_accept_length():
+    prompts = [[{"role": "user", "content": "hi"}]] * 5 + [[{"role": "user", "content": "fail"}]]
+    results = run_sweep("http://test", "m", prompts, [1, 3], 16, transport=_handler())
+    for r in results:
+        assert r.num_requests == 6 and r.failed == 1
+        assert r.output_tokens_per_s > 0 and r.ttft_p50_s is not None
+        assert r.accept_len_mean == 3.0  # (90 - 30) / (30 - 10): the window's own passes only
+
+
+def test_percentile():
+    assert _percentile([3, 1, 2], 0.5) == 2 and _percentile([], 0.5) is None
+    assert _percentile(list(range(101)), 0.99) == 99
