@@ -30,7 +30,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if shipped is None:
             raise SystemExit(f"error: --method {args.method} needs --drafter PATH (no drafter ships for {args.model})")
         drafter = str(shipped)
-    pipeline = Pipeline.load(args.model, drafter, args.dtype)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy)
     items = [(None, None, user_messages(args.prompt))] if prompts is None else [(p.id, p.domain, p.messages) for p in prompts]
     for prompt_id, domain, messages in items:
         completion = pipeline.complete(

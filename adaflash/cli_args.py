@@ -11,6 +11,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help=f"registry name or HF checkpoint dir (default {DEFAULT_TARGET})")
     p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir (default: the shipped one, if any)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
+    p.add_argument(
+        "--length-policy", default=None,
+        help="draft length per step: fixed:K, heuristic or throughput (profiled cost model); "
+        "default: the reference loop with --draft-length",
+    )
 
 
 def command_group(subparsers, name: str, help: str):

@@ -6,6 +6,7 @@ know only token ids.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -18,7 +19,12 @@ from adaflash.models.dtype import resolve_dtype
 from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
 from adaflash.models.target import TargetModel, load_target
 from adaflash.speculative.proposer import DFlashProposer
-from adaflash.speculative.reference import GenerationResult, autoregressive_generate, speculative_generate
+from adaflash.speculative.reference import (
+    GenerationResult,
+    GenerationStats,
+    autoregressive_generate,
+    speculative_generate,
+)
 from adaflash.speculative.sampling import SamplingParams
 
 METHODS = ("ar", "dflash")
@@ -40,32 +46,47 @@ class Completion:
 
 
 class Pipeline:
-    def __init__(self, target: TargetModel, tokenizer, proposer: DFlashProposer | None, model_name: str) -> None:
+    def __init__(
+        self,
+        target: TargetModel,
+        tokenizer,
+        proposer: DFlashProposer | None,
+        model_name: str,
+        length_policy: str | None = None,
+    ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.model_name = model_name
+        # None: the reference loop with a fixed draft length; else a serving-engine policy spec
+        # (fixed:K, heuristic, throughput) run through the engine at batch 1, exactly as `serve` runs it.
+        self.length_policy = length_policy
+        self._engine = None  # built on first use of an engine policy
         eos = set(target.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.stop_token_ids = tuple(sorted(eos))
 
     @classmethod
-    def load(cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto") -> "Pipeline":
+    def load(
+        cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto",
+        length_policy: str | None = None,
+    ) -> "Pipeline":
         checkpoint = resolve_target(model)
         torch_dtype = resolve_dtype(dtype)
         target = load_target(checkpoint, dtype=torch_dtype)
         proposer = None
         if drafter is not None:
             proposer = DFlashProposer(load_drafter(drafter, dtype=torch_dtype), target)
-        return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model))
+        return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model), length_policy=length_policy)
 
     def with_untrained_drafter(self, num_layers: int = 1, block_size: int = 16, seed: int = 0) -> "Pipeline":
         """A randomly initialised drafter: correct (lossless) but accepts almost nothing. For tests and demos."""
         mask = DEFAULT_MASK_TOKEN_IDS.get(self.model_name, 0)
         cfg = DrafterConfig.for_target(self.target.config, mask_token_id=mask, num_layers=num_layers, block_size=block_size)
         drafter = init_drafter(cfg, seed=seed, dtype=self.target.dtype)
-        return Pipeline(self.target, self.tokenizer, DFlashProposer(drafter, self.target), self.model_name)
+        proposer = DFlashProposer(drafter, self.target)
+        return Pipeline(self.target, self.tokenizer, proposer, self.model_name, self.length_policy)
 
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
         """Raw text is tokenised as is; chat messages go through the model's chat template."""
@@ -98,10 +119,33 @@ class Pipeline:
         if method == "dflash":
             if self.proposer is None:
                 raise ValueError("--method dflash needs a drafter (--drafter PATH)")
+            if self.length_policy is not None:
+                return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed)
             return speculative_generate(
                 self.target, self.proposer, prompt_ids, max_new_tokens, sampling, draft_length, self.stop_token_ids, seed
             )
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+
+    def _engine_generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int) -> GenerationResult:
+        from adaflash.serving.engine import Engine
+        from adaflash.serving.length_policy import build_length_policy, cost_model_for
+        from adaflash.serving.request import Request
+
+        if self._engine is None:
+            cost = cost_model_for(self, max_tokens=self.proposer.block_size) if self.length_policy == "throughput" else None
+            policy = build_length_policy(self.length_policy, cost)
+            self._engine = Engine(self.target, self.proposer, policy, max_batch=1, max_len=self.target.config.max_position_embeddings)
+        request = Request("generate", list(prompt_ids), max_new_tokens, sampling, self.stop_token_ids, seed)
+        start = time.perf_counter()
+        self._engine.add_request(request)
+        while self._engine.has_work():
+            self._engine.step()
+        stats = GenerationStats(
+            target_passes=len(request.accept_lengths), draft_tokens=sum(request.draft_lengths),
+            accept_lengths=request.accept_lengths, draft_lengths=request.draft_lengths,
+            elapsed_s=time.perf_counter() - start,
+        )
+        return GenerationResult(request.output_ids, stats)
 
     def complete(self, prompt_ids: Sequence[int], method: str = "ar", **kwargs) -> Completion:
         result = self.generate_ids(prompt_ids, method, **kwargs)

@@ -68,3 +68,16 @@ def test_generate_errors_are_clear(tiny_chat_checkpoint, tmp_path, capsys):
 def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "adaflash.cli", "generate", "--help"], capture_output=True, text=True, check=True)
     assert "--prompts-file" in out.stdout and "--method" in out.stdout
+
+
+@pytest.mark.parametrize("policy", ["fixed:3", "heuristic", "throughput"])
+def test_generate_with_engine_length_policies_equals_ar(tiny_chat_checkpoint, random_drafter, policy, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))  # the throughput policy caches its profiled cost model
+    base = ["generate", "--prompt", "Count to ten", "--model", tiny_chat_checkpoint, "--max-new-tokens", "10", "--json"]
+    assert main(base) == 0
+    ar = _json_lines(capsys.readouterr().out)[0]
+    assert main(base + ["--method", "dflash", "--drafter", random_drafter, "--length-policy", policy]) == 0
+    spec = _json_lines(capsys.readouterr().out)[0]
+    assert spec["token_ids"] == ar["token_ids"]
+    if policy == "throughput":
+        assert list((tmp_path / "cost_models").glob("*.json"))

@@ -176,6 +176,15 @@ def load_or_profile_cost_model(target, proposer, max_tokens: int, cache_file: Pa
     return model
 
 
+def cost_model_for(pipeline, max_tokens: int) -> CostModel:
+    """The cost model of this target + drafter on this machine, profiled once and cached in the user cache."""
+    from adaflash.models.registry import cache_root
+
+    t, d = pipeline.target, pipeline.proposer.drafter.config
+    name = f"{Path(str(pipeline.model_name)).name}-{str(t.dtype).split('.')[-1]}-L{d.num_layers}-B{d.block_size}-T{max_tokens}.json"
+    return load_or_profile_cost_model(t, pipeline.proposer, max_tokens, cache_root() / "cost_models" / name)
+
+
 def build_length_policy(spec: str, cost: CostModel | None = None) -> LengthPolicy:
     """`fixed:K`, `heuristic` or `throughput` (which needs the profiled cost model)."""
     if spec.startswith("fixed:"):
