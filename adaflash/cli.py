@@ -13,6 +13,7 @@ from adaflash.evaluation.offline import register_cli as register_bench_cli
 from adaflash.evaluation.serve_bench import register_cli as register_serve_bench_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
 from adaflash.models.registry import DEFAULT_TARGET, shipped_drafter
+from adaflash.serving.cli import register_cli as register_serve_cli
 from adaflash.pipeline import METHODS
 
 
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_cli(sub)  # bench offline
     register_serve_bench_cli(sub)  # bench serve
     register_eval_cli(sub)  # eval tau
+    register_serve_cli(sub)  # serve
     trainp = sub.add_parser("train", help="train drafters")
     train_sub = trainp.add_subparsers(dest="train_command", required=True)
     tdraft = train_sub.add_parser("drafter", help="DFlash block training (resumes from OUT/checkpoint; torchrun for DDP)")

@@ -1,0 +1,222 @@
+"""Run the Engine on one background thread and hand its outputs to asyncio tasks.
+
+The engine is not thread-safe, so only the engine thread touches it: `submit` and `abort` post commands
+to an inbox that the thread drains between steps. Each request's outputs flow back to the event loop that
+submitted it through an asyncio.Queue fed with `call_soon_threadsafe`. When there is no work the thread
+sleeps on a condition (no polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from adaflash.serving.engine import Engine
+from adaflash.serving.request import Request, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class RunnerStoppedError(RuntimeError):
+    """The engine thread is not running (not started yet, or shut down)."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the engine looks like after one loop iteration (for metrics)."""
+
+    running: int
+    waiting: int
+    free_slots: int
+    accept_lengths: tuple[int, ...] = ()  # tokens committed per target pass, one per request that decoded
+    draft_lengths: tuple[int, ...] = ()  # drafted tokens verified per target pass, likewise
+
+
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator; `close()` aborts it if still running."""
+
+    def __init__(self, runner: "EngineRunner", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._runner, self._loop = runner, loop
+        self._queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+
+    def push(self, item: StepOutput | BaseException) -> None:
+        """Called on the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is gone: nobody is listening
+            pass
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finish_reason is not None
+        return item
+
+    def close(self) -> bool:
+        """Abort the request unless it already finished; True if it was still running."""
+        if self.finished:
+            return False
+        self.finished = True
+        self._runner.abort(self.request_id)
+        return True
+
+
+@dataclass
+class _Entry:
+    request: Request
+    stream: RequestStream
+    seen_passes: int = 0  # accept_lengths already reported to the observer
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, observer: Callable[[StepStats], None] | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self._cond = threading.Condition()
+        self._inbox: list[Callable[[], None]] = []
+        self._entries: dict[str, _Entry] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def context_tokens(self) -> int:
+        """Prompt + generated tokens one request may hold (mirrors the bound Engine.add_request enforces)."""
+        return self.engine.max_len - self.engine.max_draft - 1
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> "EngineRunner":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="adaflash-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "EngineRunner":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- any thread / the event loop ---------------------------------------------------------------
+
+    async def submit(self, request: Request) -> RequestStream:
+        """Queue a request; raises QueueFullError (at capacity) or ValueError (too long) before returning."""
+        stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
+        added: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if not self._post(lambda: self._add(request, stream, added)):
+            raise RunnerStoppedError("the engine is not running")
+        try:
+            await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # the client left while we waited for the engine thread
+            self.abort(request.request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._post(lambda: self._abort(request_id))  # a stopped runner has nothing left to abort
+
+    def _post(self, command: Callable[[], None]) -> bool:
+        with self._cond:
+            if self._stopping or self._thread is None:
+                return False
+            self._inbox.append(command)
+            self._cond.notify()
+            return True
+
+    # ---- the engine thread -------------------------------------------------------------------------
+
+    def _add(self, request: Request, stream: RequestStream, added: concurrent.futures.Future) -> None:
+        if not added.set_running_or_notify_cancel():
+            return
+        try:
+            if request.request_id in self._entries:
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+            self.engine.add_request(request)
+        except Exception as exc:  # QueueFullError, ValueError: the submitter sees it
+            added.set_exception(exc)
+            return
+        self._entries[request.request_id] = _Entry(request, stream)
+        added.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            entry.stream.push(StepOutput(request_id, [], "abort"))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._inbox or self._stopping or self.engine.has_work())
+                commands, self._inbox, stopping = self._inbox, [], self._stopping
+            for command in commands:  # even when stopping: no submitter is left waiting on its future
+                try:
+                    command()
+                except Exception:  # a failed abort must not take the engine thread down
+                    log.exception("engine command failed")
+            if stopping:
+                break
+            accepts, drafts = [], []
+            if self.engine.has_work():
+                try:
+                    accepts, drafts = self._deliver(self.engine.step())
+                except Exception as exc:  # a bug, not bad input: fail the requests in flight, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(exc)
+            self._observe(accepts, drafts)
+        self._fail_all(RunnerStoppedError("the engine stopped"))
+
+    def _deliver(self, outputs: list[StepOutput]) -> tuple[list[int], list[int]]:
+        accepts: list[int] = []
+        drafts: list[int] = []
+        for out in outputs:
+            entry = self._entries.get(out.request_id)
+            if entry is None:
+                continue
+            r = entry.request
+            accepts += r.accept_lengths[entry.seen_passes:]
+            drafts += r.draft_lengths[entry.seen_passes:]
+            entry.seen_passes = len(r.accept_lengths)
+            entry.stream.push(out)
+            if out.finish_reason is not None:
+                del self._entries[out.request_id]
+        return accepts, drafts
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, entry in list(self._entries.items()):
+            self.engine.abort(request_id)
+            entry.stream.push(exc)
+        self._entries.clear()
+
+    def _observe(self, accepts: list[int], drafts: list[int]) -> None:
+        if self.observer is None:
+            return
+        s = self.engine.scheduler
+        try:
+            self.observer(StepStats(len(s.running), len(s.waiting), len(s.free_slots), tuple(accepts), tuple(drafts)))
+        except Exception:  # metrics must never stop the engine
+            log.exception("step observer failed")

@@ -1,0 +1,73 @@
+"""A real uvicorn server on a loopback port, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import httpx
+import pytest
+import uvicorn
+from openai import OpenAI
+
+from adaflash.serving.engine import Engine
+from adaflash.serving.length_policy import FixedLength
+from adaflash.serving.runner import EngineRunner
+from adaflash.serving.server import create_app
+from tests.serving.test_server import (  # noqa: F401  (fixtures)
+    CHAT, MODEL, PROMPT, metric, pipeline, random_drafter, reference, slow_steps, wait_for,
+)
+
+MAX_BATCH = 2
+
+
+@pytest.fixture
+def base_url(pipeline):
+    engine = Engine(pipeline.target, pipeline.proposer, FixedLength(3), max_batch=MAX_BATCH, max_queue=4, max_len=512)
+    slow_steps(engine, 0.005)  # a long request stays in flight while the client disconnects
+    runner = EngineRunner(engine).start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a free port, held from the start: no race with other processes
+    server = uvicorn.Server(uvicorn.Config(create_app(runner, pipeline.tokenizer, MODEL), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_for(lambda: server.started)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(10)
+    runner.stop()
+    sock.close()
+
+
+def test_openai_client_chat_completions_streaming_and_disconnect(base_url, pipeline):
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+    text, finish, n_prompt, n_out = reference(pipeline, 16, messages=CHAT)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == text and chat.choices[0].finish_reason == finish
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (n_prompt, n_out)
+
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == n_out
+
+    text, finish, _, _ = reference(pipeline, 12, prompt=PROMPT)
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert done.choices[0].text == text and done.choices[0].finish_reason == finish
+
+    # Read one chunk of a long stream, then hang up: the server must abort it and free the slot.
+    http = httpx.Client(base_url=base_url)
+    generated_before = metric(http, "adaflash_generation_tokens_total")
+    passes_before = metric(http, "adaflash_accept_length_count")
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=400, temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    assert wait_for(lambda: metric(http, "adaflash_client_disconnects_total") == 1)
+    assert wait_for(lambda: metric(http, "adaflash_free_slots") == MAX_BATCH)
+    assert metric(http, "adaflash_running_requests") == 0
+    assert metric(http, "adaflash_generation_tokens_total") - generated_before < 400
+    assert metric(http, "adaflash_accept_length_count") - passes_before < 200  # the engine stopped early, too
+
