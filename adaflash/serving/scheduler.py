@@ -21,7 +21,8 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
-        if len(self.waiting) >= self.max_queue and not self.free_slots:
+        # Waiting requests first fill the free slots at the next step; beyond those, max_queue may wait.
+        if len(self.waiting) >= self.max_queue + len(self.free_slots):
             raise QueueFullError(f"{len(self.running)} running and {len(self.waiting)} waiting: at capacity")
         self.waiting.append(request)
 
