@@ -50,3 +50,19 @@ def test_greedy_speculative_equals_ar_on_smollm2(pipeline, draft_length):
     spec = spec_pipeline.generate_ids(ids, "dflash", max_new_tokens=24, draft_length=draft_length)
     assert spec.token_ids == ar.token_ids
     assert spec.stats.draft_tokens >= draft_length
+
+
+def test_shipped_drafter_loads_and_is_lossless(pipeline):
+    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.registry import shipped_drafter
+    from adaflash.speculative.proposer import DFlashProposer
+
+    path = shipped_drafter("smollm2-135m")
+    assert path is not None, "the trained SmolLM2 drafter must ship in adaflash/assets/drafters/smollm2-135m"
+    drafter = load_drafter(path, dtype=torch.float32)
+    assert drafter.config.block_size == 16 and drafter.config.mask_token_id == 16
+    spec = Pipeline(pipeline.target, pipeline.tokenizer, DFlashProposer(drafter, pipeline.target), "smollm2-135m")
+    ids = pipeline.encode(messages=[{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many in total?"}])
+    ar = pipeline.generate_ids(ids, "ar", max_new_tokens=32)
+    for length in (4, 15):
+        assert spec.generate_ids(ids, "dflash", max_new_tokens=32, draft_length=length).token_ids == ar.token_ids
