@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from adaflash.cli_args import add_model_args
+from adaflash.evaluation.load_test import register_cli as register_load_cli
 from adaflash.evaluation.offline import register_cli as register_bench_cli
 from adaflash.evaluation.serve_bench import register_cli as register_serve_bench_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.set_defaults(func=_cmd_data_generate)
     register_bench_cli(sub)  # bench offline
     register_serve_bench_cli(sub)  # bench serve
+    register_load_cli(sub)  # bench load
     register_eval_cli(sub)  # eval tau
     register_serve_cli(sub)  # serve
     trainp = sub.add_parser("train", help="train drafters")

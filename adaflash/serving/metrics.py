@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest, ProcessCollector
 
 from adaflash.serving.runner import StepStats
 
@@ -16,6 +16,7 @@ DRAFT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 10, 12, 15, 16, 24, 32)
 class ServerMetrics:
     def __init__(self, policy: str, method: str, max_batch: int) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes: load tests check memory stays flat
         self.requests = Counter("adaflash_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("adaflash_prompt_tokens", "prompt tokens of admitted requests", registry=r)

@@ -71,3 +71,17 @@ def test_openai_client_chat_completions_streaming_and_disconnect(base_url, pipel
     assert metric(http, "adaflash_generation_tokens_total") - generated_before < 400
     assert metric(http, "adaflash_accept_length_count") - passes_before < 200  # the engine stopped early, too
 
+
+
+def test_short_soak_every_request_answered_or_refused_and_no_slot_leaks(base_url):
+    """A miniature of `adaflash bench load`: 12 streams on 2 slots + a queue of 4 for a few seconds."""
+    import asyncio
+
+    from adaflash.evaluation.load_test import run_load
+
+    report = asyncio.run(run_load(base_url, MODEL, streams=12, duration_s=4.0, max_tokens=8))
+    assert report.completed > 0 and report.refused > 0  # the queue bound was hit and answered with 503
+    assert report.failed == 0, report.statuses
+    assert report.running_after == 0 and report.queued_after == 0
+    assert report.free_slots_after == report.max_slots == MAX_BATCH
+    assert report.clean
