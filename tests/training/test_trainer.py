@@ -67,6 +67,11 @@ def test_training_learns_and_exports_dflash_checkpoint(tiny_checkpoints, tiny_da
     assert {"accuracy", "expected_accept_len", "lr", "grad_norm"} <= set(records[-1])
     config = json.loads((final / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["dflash_config"]["target_layer_ids"] == [1, 2]
+    from adaflash.training.summary import summarise, to_markdown
+
+    summary = summarise(tmp_path)
+    assert summary["steps"] == 30 and summary["final_loss"] < summary["first_loss"]
+    assert len(summary["final_accuracy_by_position"]) == 3 and "expected accept length" in to_markdown(summary)
 
 
 def test_resume_after_kill_is_exact(tiny_checkpoints, tiny_data, tmp_path):
