@@ -1,0 +1,103 @@
+"""Benchmark: our engine's batched AR decoding vs transformers' eager `generate` at the same batch size.
+
+    python -m adaflash.evaluation.engine_speed --batch 64 --max-new-tokens 32 --json docs/results/engine_speed.json
+
+Both decode the same chat prompts greedily to the same length (eos ignored), alternating; reports output
+tokens/s, the ratio, and the engine's achieved FLOP/s as a fraction of this machine's measured matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from adaflash.data import load_prompts
+from adaflash.models.dtype import resolve_dtype
+from adaflash.models.registry import load_tokenizer, resolve_target
+from adaflash.models.target import load_target
+from adaflash.serving.engine import Engine
+from adaflash.serving.request import Request
+
+
+def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def engine_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int) -> float:
+    engine = Engine(target, None, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 1)
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", ids, max_new_tokens))  # no stop tokens: fixed length
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return len(prompts) * max_new_tokens / (time.perf_counter() - start)
+
+
+def hf_tokens_per_s(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> float:
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for decoder-only
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                       min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    return len(prompts) * max_new_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", default="docs/results/engine_speed.json")
+    args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype)
+    checkpoint = resolve_target(args.model)
+    tokenizer = load_tokenizer(checkpoint)
+    chats = [p.messages for p in load_prompts("mt-bench", "eval")] * 4
+    prompts = [tokenizer.apply_chat_template(list(m), add_generation_prompt=True, tokenize=True, return_dict=False)
+               for m in chats[: args.batch]]
+    ours = load_target(checkpoint, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
+    engine_runs, hf_runs = [], []
+    for _ in range(args.repeats):
+        engine_runs.append(engine_tokens_per_s(ours, prompts, args.max_new_tokens))
+        hf_runs.append(hf_tokens_per_s(hf, tokenizer, prompts, args.max_new_tokens))
+    params = sum(p.numel() for p in ours.parameters())
+    peak = matmul_peak_flops(dtype)
+    engine_med, hf_med = statistics.median(engine_runs), statistics.median(hf_runs)
+    result = {
+        "command": f"python -m adaflash.evaluation.engine_speed --batch {args.batch} --max-new-tokens {args.max_new_tokens} "
+        f"--dtype {args.dtype} --repeats {args.repeats}",
+        "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": str(dtype)},
+        "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+        "engine_tokens_per_s": engine_med, "transformers_tokens_per_s": hf_med, "speedup": engine_med / hf_med,
+        "engine_runs": engine_runs, "transformers_runs": hf_runs,
+        "matmul_peak_GFLOPs": peak / 1e9,
+        # Decode FLOPs ~ 2 x parameters per token (attention over short contexts is small beside it).
+        "engine_fraction_of_compute_peak": 2 * params * engine_med / peak,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
