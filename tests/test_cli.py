@@ -81,3 +81,11 @@ def test_generate_with_engine_length_policies_equals_ar(tiny_chat_checkpoint, ra
     assert spec["token_ids"] == ar["token_ids"]
     if policy == "throughput":
         assert list((tmp_path / "cost_models").glob("*.json"))
+
+
+def test_demo_runs_all_variants_losslessly(tiny_chat_checkpoint, random_drafter, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
+    assert main(["demo", "--model", tiny_chat_checkpoint, "--drafter", random_drafter, "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical to AR: yes" in out and "dflash-adaptive: median speedup" in out
+    assert all(domain in out for domain in ("chat", "code", "math"))
