@@ -101,10 +101,14 @@ class ThroughputLength:
     cost: CostModel
     prior: float = 0.6
     decay: float = 0.9  # weight of history in the acceptance estimate
+    probe_every: int = 16  # steps without drafts after which a request drafts one token to re-measure alpha
     name: str = "throughput"
 
+    def __post_init__(self) -> None:
+        self.shared_alpha = self.prior  # across requests: where a new request's estimate starts
+
     def _alpha(self, request: Request) -> float:
-        return request.policy_state.get("alpha", self.prior)
+        return request.policy_state.get("alpha", self.shared_alpha)
 
     def decide(self, requests: Sequence[Request], max_draft: int) -> list[int]:
         lengths = [0] * len(requests)
@@ -125,6 +129,13 @@ class ThroughputLength:
             lengths[i] += 1
             expected, tokens, drafting, best = expected - neg_gain, tokens + 1, now_drafting, rate
             heapq.heappush(heap, (neg_gain * self._alpha(requests[i]), i))
+        # Exploration: an estimate that never gets feedback never recovers, so requests that went
+        # `probe_every` steps without drafting verify one draft (a cheap measurement).
+        for i, r in enumerate(requests):
+            idle = r.policy_state.get("idle", 0)
+            if lengths[i] == 0 and idle >= self.probe_every and max_draft > 0:
+                lengths[i] = 1
+            r.policy_state["idle"] = 0 if lengths[i] else idle + 1
         return lengths
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
@@ -134,6 +145,7 @@ class ThroughputLength:
         trials = accepted + (1 if accepted < drafted else 0)
         observed = accepted / trials
         request.policy_state["alpha"] = self.decay * self._alpha(request) + (1 - self.decay) * observed
+        self.shared_alpha = self.decay * self.shared_alpha + (1 - self.decay) * observed
 
 
 def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 3) -> CostModel:
