@@ -7,6 +7,7 @@ killed run resume exactly where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -202,7 +203,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
         for j, idx in enumerate(mine):
             generator = torch.Generator().manual_seed(hash((cfg.seed, epoch, idx)) & 0x7FFFFFFF)
             sync = j == len(mine) - 1 or not distributed
-            ctx = model.no_sync() if not sync else _null_context()
+            ctx = model.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
                 loss, stats = _sequence_loss(model, target, dataset.samples[idx], cfg, loss_fn, generator)
                 (loss / len(mine)).backward()
@@ -234,14 +235,6 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     if distributed:
         dist.barrier()
     return final
-
-
-class _null_context:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _accumulate(window: dict, loss: float, stats: dict) -> None:
