@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
-
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, load_drafter
 from adaflash.models.dtype import resolve_dtype
@@ -61,7 +59,7 @@ class Pipeline:
         # None: the reference loop with a fixed draft length; else a serving-engine policy spec
         # (fixed:K, heuristic, throughput) run through the engine at batch 1, exactly as `serve` runs it.
         self.length_policy = length_policy
-        self._engine = None  # built on first use of an engine policy
+        self._policy = None  # built on first use of an engine policy; kept so what it learned carries over
         eos = set(target.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -131,15 +129,17 @@ class Pipeline:
         from adaflash.serving.length_policy import build_length_policy, cost_model_for
         from adaflash.serving.request import Request
 
-        if self._engine is None:
+        if self._policy is None:
             cost = cost_model_for(self, max_tokens=self.proposer.block_size) if self.length_policy == "throughput" else None
-            policy = build_length_policy(self.length_policy, cost)
-            self._engine = Engine(self.target, self.proposer, policy, max_batch=1, max_len=self.target.config.max_position_embeddings)
+            self._policy = build_length_policy(self.length_policy, cost)
+        # A one-slot engine whose cache fits this request exactly (not the model's whole context).
+        max_len = len(prompt_ids) + max_new_tokens + self.proposer.block_size
+        engine = Engine(self.target, self.proposer, self._policy, max_batch=1, max_len=max_len)
         request = Request("generate", list(prompt_ids), max_new_tokens, sampling, self.stop_token_ids, seed)
         start = time.perf_counter()
-        self._engine.add_request(request)
-        while self._engine.has_work():
-            self._engine.step()
+        engine.add_request(request)
+        while engine.has_work():
+            engine.step()
         stats = GenerationStats(
             target_passes=len(request.accept_lengths), draft_tokens=sum(request.draft_lengths),
             accept_lengths=request.accept_lengths, draft_lengths=request.draft_lengths,

@@ -15,7 +15,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from adaflash.data.prompt import Prompt
+from adaflash.data.prompt import Prompt, package_file
+from adaflash.data.splits import bucket
 
 # Bump when the parsing/splitting logic changes, so old caches are not reused.
 CACHE_FORMAT = 1
@@ -65,3 +66,16 @@ def cached_prompts(name: str, build: Callable[[], list[Prompt]]) -> list[Prompt]
     with contextlib.suppress(OSError):
         write_prompts_atomic(path, prompts)
     return prompts
+
+
+def cached_package_prompts(
+    dist: str, relpath: str, pip_spec: str, cache_name: str, order: str, build: Callable[[], list[Prompt]]
+) -> tuple[Prompt, ...]:
+    """A packaged prompt set, cached under `cache_name` and sorted by the hash of (id, `order`): a fixed
+    order in which a `limit` prefix is a mixed sample.
+
+    The package is checked first, so a missing install fails with instructions even if a cache exists.
+    """
+    package_file(dist, relpath, pip_spec)
+    prompts = cached_prompts(cache_name, build)
+    return tuple(sorted(prompts, key=lambda p: bucket(p.id, order)))

