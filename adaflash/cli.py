@@ -9,12 +9,15 @@ import sys
 from typing import Sequence
 
 from adaflash.cli_args import add_model_args
+from adaflash.evaluation.drafter_eval import register_cli as register_drafter_eval_cli
 from adaflash.evaluation.load_test import register_cli as register_load_cli
 from adaflash.evaluation.offline import register_cli as register_bench_cli
 from adaflash.evaluation.serve_bench import register_cli as register_serve_bench_cli
+from adaflash.evaluation.serve_sweep import register_cli as register_sweep_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
-from adaflash.models.registry import DEFAULT_TARGET, shipped_drafter
+from adaflash.models.registry import DEFAULT_TARGET, resolve_drafter
 from adaflash.serving.cli import register_cli as register_serve_cli
+from adaflash.training.cli import register_cli as register_train_cli
 from adaflash.pipeline import METHODS
 
 
@@ -26,12 +29,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
-    drafter = args.drafter
-    if args.method != "ar" and drafter is None:
-        shipped = shipped_drafter(args.model)
-        if shipped is None:
-            raise SystemExit(f"error: --method {args.method} needs --drafter PATH (no drafter ships for {args.model})")
-        drafter = str(shipped)
+    drafter = resolve_drafter(args.model, args.drafter, args.method)
     pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy)
     items = [(None, None, user_messages(args.prompt))] if prompts is None else [(p.id, p.domain, p.messages) for p in prompts]
     for prompt_id, domain, messages in items:
@@ -122,15 +120,6 @@ def _cmd_data_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train_drafter(args: argparse.Namespace) -> int:
-    from adaflash.training.trainer import TrainConfig, train
-
-    cfg = TrainConfig.from_file(args.config, data_dir=args.data_dir, out_dir=args.out_dir, max_steps=args.max_steps)
-    final = train(cfg)
-    print(f"drafter written to {final}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaflash", description="Lossless adaptive speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,16 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_cli(sub)  # bench offline
     register_serve_bench_cli(sub)  # bench serve
     register_load_cli(sub)  # bench load
+    register_sweep_cli(sub)  # bench sweep
     register_eval_cli(sub)  # eval tau
+    register_drafter_eval_cli(sub)  # eval drafters
     register_serve_cli(sub)  # serve
-    trainp = sub.add_parser("train", help="train drafters")
-    train_sub = trainp.add_subparsers(dest="train_command", required=True)
-    tdraft = train_sub.add_parser("drafter", help="DFlash block training (resumes from OUT/checkpoint; torchrun for DDP)")
-    tdraft.add_argument("--config", required=True, help="TOML or JSON with TrainConfig fields")
-    tdraft.add_argument("--data-dir", default=None, help="override the config's data_dir")
-    tdraft.add_argument("--out-dir", default=None, help="override the config's out_dir")
-    tdraft.add_argument("--max-steps", type=int, default=None)
-    tdraft.set_defaults(func=_cmd_train_drafter)
+    register_train_cli(sub)  # train drafter, train distill
     return parser
 
 

@@ -13,7 +13,8 @@ def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = "the
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
     p.add_argument(
         "--length-policy", default=None,
-        help=f"draft length per step: fixed:K, heuristic or throughput (profiled cost model); default: {length_policy_default}",
+        help="draft length per step: fixed:K, heuristic, throughput (profiled cost model), adaflash (cost model + the "
+        f"drafter's per-position acceptance head) or block-head (the paper's block-level head); default: {length_policy_default}",
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, load_drafter
 from adaflash.models.dtype import resolve_dtype
+from adaflash.models.length_head import load_length_head
 from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
 from adaflash.models.target import TargetModel, load_target
 from adaflash.speculative.proposer import DFlashProposer
@@ -25,7 +26,7 @@ from adaflash.speculative.reference import (
 )
 from adaflash.speculative.sampling import SamplingParams
 
-METHODS = ("ar", "dflash")
+METHODS = ("ar", "dflash", "adaflash")  # adaflash: the drafter + its learned length head + adaflash policy
 
 # Token ids 3-16 of SmolLM2's vocabulary are code/meta specials that chat never uses; one is the mask.
 DEFAULT_MASK_TOKEN_IDS = {"smollm2-135m": 16}
@@ -51,15 +52,18 @@ class Pipeline:
         proposer: DFlashProposer | None,
         model_name: str,
         length_policy: str | None = None,
+        length_head=None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
+        self.length_head = length_head  # carried by the drafter checkpoint, if trained (adaflash.models.length_head)
         self.model_name = model_name
         # None: the reference loop with a fixed draft length; else a serving-engine policy spec
-        # (fixed:K, heuristic, throughput) run through the engine at batch 1, exactly as `serve` runs it.
+        # (fixed:K, heuristic, throughput, adaflash, block-head) run through the engine at batch 1, exactly as
+        # `serve` runs it.
         self.length_policy = length_policy
-        self._policy = None  # built on first use of an engine policy; kept so what it learned carries over
+        self._policy, self._policy_spec = None, None  # built on first use; kept so what it learned carries over
         eos = set(target.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -73,10 +77,12 @@ class Pipeline:
         checkpoint = resolve_target(model)
         torch_dtype = resolve_dtype(dtype)
         target = load_target(checkpoint, dtype=torch_dtype)
-        proposer = None
+        proposer, head = None, None
         if drafter is not None:
             proposer = DFlashProposer(load_drafter(drafter, dtype=torch_dtype), target)
-        return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model), length_policy=length_policy)
+            head = load_length_head(drafter)
+        return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model), length_policy=length_policy,
+                   length_head=head)
 
     def with_untrained_drafter(self, num_layers: int = 1, block_size: int = 16, seed: int = 0) -> "Pipeline":
         """A randomly initialised drafter: correct (lossless) but accepts almost nothing. For tests and demos."""
@@ -85,6 +91,10 @@ class Pipeline:
         drafter = init_drafter(cfg, seed=seed, dtype=self.target.dtype)
         proposer = DFlashProposer(drafter, self.target)
         return Pipeline(self.target, self.tokenizer, proposer, self.model_name, self.length_policy)
+
+    def with_length_policy(self, length_policy: str | None) -> "Pipeline":
+        """The same loaded models under another length policy (None: the reference loop)."""
+        return Pipeline(self.target, self.tokenizer, self.proposer, self.model_name, length_policy, self.length_head)
 
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
         """Raw text is tokenised as is; chat messages go through the model's chat template."""
@@ -114,24 +124,30 @@ class Pipeline:
     ) -> GenerationResult:
         if method == "ar":
             return autoregressive_generate(self.target, prompt_ids, max_new_tokens, sampling, self.stop_token_ids, seed)
+        if method in ("dflash", "adaflash") and self.proposer is None:
+            raise ValueError(f"--method {method} needs a drafter (--drafter PATH)")
+        if method == "adaflash":
+            if self.length_head is None:
+                raise ValueError("--method adaflash needs a drafter checkpoint with a length head "
+                                 "(`adaflash train length-head`)")
+            return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, self.length_policy or "adaflash")
         if method == "dflash":
-            if self.proposer is None:
-                raise ValueError("--method dflash needs a drafter (--drafter PATH)")
             if self.length_policy is not None:
-                return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed)
+                return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, self.length_policy)
             return speculative_generate(
                 self.target, self.proposer, prompt_ids, max_new_tokens, sampling, draft_length, self.stop_token_ids, seed
             )
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
 
-    def _engine_generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int) -> GenerationResult:
+    def _engine_generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int, spec: str) -> GenerationResult:
         from adaflash.serving.engine import Engine
         from adaflash.serving.length_policy import build_length_policy, cost_model_for
         from adaflash.serving.request import Request
 
-        if self._policy is None:
-            cost = cost_model_for(self, max_tokens=self.proposer.block_size) if self.length_policy == "throughput" else None
-            self._policy = build_length_policy(self.length_policy, cost)
+        if self._policy is None or self._policy_spec != spec:
+            needs_cost = spec in ("throughput", "adaflash")
+            cost = cost_model_for(self, max_tokens=self.proposer.block_size) if needs_cost else None
+            self._policy, self._policy_spec = build_length_policy(spec, cost, self.length_head), spec
         # A one-slot engine whose cache fits this request exactly (not the model's whole context).
         max_len = len(prompt_ids) + max_new_tokens + self.proposer.block_size
         engine = Engine(self.target, self.proposer, self._policy, max_batch=1, max_len=max_len)

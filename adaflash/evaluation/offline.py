@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from adaflash.data.prompt import DatasetUnavailableError, Prompt
 from adaflash.cli_args import add_model_args, command_group
-from adaflash.models.registry import shipped_drafter
+from adaflash.models.registry import resolve_drafter
 from adaflash.pipeline import METHODS
 from adaflash.speculative.sampling import SamplingParams
 
@@ -291,16 +291,6 @@ def format_table(report: dict[str, Any], positions: int = 3) -> str:
 # ---- CLI -------------------------------------------------------------------------------------------
 
 
-def resolve_drafter(model: str, drafter: str | None) -> str:
-    """The given drafter, else the one shipped for `model`; a clear error when there is neither."""
-    if drafter is not None:
-        return drafter
-    shipped = shipped_drafter(model)
-    if shipped is None:
-        raise ValueError(f"no drafter given and none ships for target {model!r}: pass --drafter DIR")
-    return str(shipped)
-
-
 def command_line(words: Sequence[str], options: Sequence[tuple[str, Any]]) -> str:
     """A shell command reproducing a run with every effective setting spelled out (None options are left out)."""
     parts = list(words)
@@ -325,7 +315,8 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     from adaflash.pipeline import Pipeline
 
     methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()], args.batch_size)
-    drafter = resolve_drafter(args.model, args.drafter) if len(methods) > 1 else args.drafter
+    # adaflash among the methods: its drafter (with the length head) serves dflash rows too (DFlash + RKL).
+    drafter = resolve_drafter(args.model, args.drafter, "adaflash" if "adaflash" in methods else methods[-1])
     try:
         prompts = _load_prompts(args)
     except DatasetUnavailableError as exc:  # a RuntimeError: say which package to install, no traceback

@@ -148,7 +148,7 @@ def _load_messages(args: argparse.Namespace) -> list[list[dict]]:
     else:
         from adaflash.data import load_prompts
 
-        prompts = load_prompts(args.dataset, "eval", limit=args.num_prompts)
+        prompts = load_prompts(args.dataset, args.split, limit=args.num_prompts)
     if not prompts:
         raise ValueError("no prompts to send")
     return [list(p.messages) for p in prompts[: args.num_prompts]]
@@ -180,6 +180,8 @@ def register_cli(subparsers) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--dataset", default="gsm8k")
     src.add_argument("--prompts-file", default=None)
+    p.add_argument("--split", default="eval", choices=["eval", "train"],
+                   help="train: drive a recording server (`serve --record`) without touching eval prompts")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")

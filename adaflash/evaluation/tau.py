@@ -19,11 +19,11 @@ from typing import Any, Sequence
 
 from adaflash.data import EVAL_BENCHMARKS, DatasetUnavailableError, Prompt, load_prompts
 from adaflash.cli_args import add_model_args, command_group
+from adaflash.models.registry import resolve_drafter
 from adaflash.evaluation.offline import (
     command_line,
     fmt,
     provenance,
-    resolve_drafter,
     run_offline_bench,
     write_json,
 )
@@ -172,7 +172,7 @@ def run_tau_eval(
 def _cmd_tau(args: argparse.Namespace) -> int:
     from adaflash.pipeline import Pipeline
 
-    drafter = resolve_drafter(args.model, args.drafter)
+    drafter = resolve_drafter(args.model, args.drafter)  # the DFlash drafter
     command = command_line(
         ["adaflash", "eval", "tau"],
         [("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens), ("--draft-length", args.draft_length),

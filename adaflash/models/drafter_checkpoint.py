@@ -88,3 +88,36 @@ def init_drafter(config: DrafterConfig, seed: int = 0, dtype: torch.dtype = torc
             else:
                 param.normal_(0.0, 0.02, generator=generator)
     return drafter.to(dtype).eval()
+
+
+LATEST_FILE = "LATEST"
+
+
+def publish_version(source: str | Path, versions_dir: str | Path) -> Path:
+    """Copy a drafter checkpoint to `versions_dir/vNNNN` and point `LATEST` at it, each step atomic (a rename):
+    a reader (a serving process watching the directory) sees the old version or the new, never half of one."""
+    import shutil
+
+    versions_dir = Path(versions_dir)
+    versions_dir.mkdir(parents=True, exist_ok=True)
+    numbers = [int(p.name[1:]) for p in versions_dir.glob("v[0-9][0-9][0-9][0-9]") if p.is_dir()]
+    final = versions_dir / f"v{max(numbers, default=0) + 1:04d}"
+    tmp = versions_dir / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    tmp.rename(final)
+    pointer = versions_dir / f".{LATEST_FILE}.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, versions_dir / LATEST_FILE)
+    return final
+
+
+def latest_version(versions_dir: str | Path) -> Path | None:
+    """The version `LATEST` names, or None before the first publish."""
+    pointer = Path(versions_dir) / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    path = Path(versions_dir) / pointer.read_text().strip()
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which holds no drafter checkpoint")
+    return path

@@ -39,13 +39,30 @@ EMBEDDED_TARGETS = {
 
 
 # Trained drafters that ship inside the package, by target name (DFlash-schema checkpoint directories).
-SHIPPED_DRAFTERS = {"smollm2-135m": Path(__file__).resolve().parent.parent / "assets" / "drafters" / "smollm2-135m"}
+_ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+# Per target and method: dflash = the DFlash-trained drafter; adaflash = the distilled drafter + length head.
+SHIPPED_DRAFTERS = {
+    ("smollm2-135m", "dflash"): _ASSETS / "smollm2-135m",
+    ("smollm2-135m", "adaflash"): _ASSETS / "smollm2-135m-adaflash",
+}
 
 
-def shipped_drafter(model: str) -> Path | None:
-    """The drafter shipped for a registry target, if one exists in this installation."""
-    path = SHIPPED_DRAFTERS.get(model)
+def shipped_drafter(model: str, method: str = "dflash") -> Path | None:
+    """The drafter shipped for a registry target and method, if one exists in this installation."""
+    path = SHIPPED_DRAFTERS.get((model, method))
     return path if path is not None and (path / "config.json").is_file() else None
+
+
+def resolve_drafter(model: str, drafter: str | None, method: str = "dflash") -> str | None:
+    """The given drafter, else the one shipped for `model` and `method`; None for plain decoding."""
+    if method == "ar":
+        return drafter
+    if drafter is not None:
+        return drafter
+    shipped = shipped_drafter(model, method)
+    if shipped is None:
+        raise ValueError(f"--method {method} needs --drafter DIR: no {method} drafter ships for target {model!r}")
+    return str(shipped)
 
 
 def cache_root() -> Path:

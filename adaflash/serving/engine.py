@@ -32,8 +32,10 @@ class Engine:
         max_batch: int = 8,
         max_queue: int = 64,
         max_len: int = 2048,
+        recorder=None,
     ) -> None:
         self.target, self.proposer = target, proposer
+        self.recorder = recorder  # optional: on-policy trajectories and verification outcomes (serving/recorder.py)
         self.policy = policy or FixedLength(proposer.block_size - 1 if proposer else 0)
         self.scheduler = Scheduler(max_batch, max_queue)
         self.max_len = max_len
@@ -41,6 +43,9 @@ class Engine:
         self.draft_cache = proposer.new_cache(max_batch, max_len) if proposer else None
         self.capture = proposer.capture_layers if proposer else ()
         self.max_draft = proposer.block_size - 1 if proposer else 0
+        # Target features not yet fed to the drafter, per slot: (first position, [T, n*d] chunks). Fed just
+        # before the slot's next drafter pass, so a request the policy keeps from drafting costs no drafter work.
+        self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -58,6 +63,7 @@ class Engine:
         if request is None:
             return False
         request.finish_reason = "abort"
+        self._pending.pop(request.slot, None)
         self.scheduler.release(request)
         return True
 
@@ -74,8 +80,34 @@ class Engine:
         if decoding:
             outputs += self._speculate(decoding) if self.proposer else self._decode(decoding)
         for request in [r for r in self.scheduler.running if r.finished]:
+            if self.recorder is not None:
+                self.recorder.on_finish(request)
+            self._pending.pop(request.slot, None)
             self.scheduler.release(request)
         return outputs
+
+    def swap_proposer(self, proposer: DFlashProposer, policy: LengthPolicy | None = None) -> None:
+        """Between steps, a new drafter (a published checkpoint) takes over; running requests keep going.
+
+        The old drafter's context K/V mean nothing to the new one, so each running request's context is
+        rebuilt from the target's features of its committed tokens, computed in a scratch cache: the
+        target's own cache, hence every output token, is untouched (the swap stays lossless).
+        """
+        if self.proposer is None or tuple(proposer.capture_layers) != tuple(self.capture) or proposer.block_size != self.max_draft + 1:
+            raise ValueError("a hot-swapped drafter must read the same target layers with the same block size")
+        draft_cache = proposer.new_cache(self.scheduler.max_batch, self.max_len)
+        with torch.inference_mode():
+            for r in self.scheduler.running:
+                committed = (r.prompt_ids + r.output_ids)[: r.position]
+                scratch = self.target.new_cache(1, len(committed))
+                out = self.target(torch.tensor(committed), RaggedBatch.build([0], [0], [len(committed)]), scratch,
+                                  self.capture, torch.tensor([len(committed) - 1]))
+                draft_cache.reset(r.slot)
+                proposer.add_context(draft_cache, out.hidden, RaggedBatch.build([r.slot], [0], [len(committed)]))
+        self.proposer, self.draft_cache = proposer, draft_cache
+        self._pending.clear()  # the rebuilt context already holds every committed position
+        if policy is not None:
+            self.policy = policy
 
     def _pick(self, request: Request, logits: torch.Tensor) -> int:
         if request.sampling.greedy:
@@ -91,7 +123,8 @@ class Engine:
         ids = torch.tensor([t for r in requests for t in r.prompt_ids])
         out = self.target(ids, batch, self.target_cache, self.capture, batch.last_token_indices())
         if self.proposer is not None:
-            self.proposer.add_context(self.draft_cache, out.hidden, batch)
+            for r, f in zip(requests, out.hidden.split([len(r.prompt_ids) for r in requests])):
+                self._pending[r.slot] = (0, [f])
         return [self._output(r, r.commit([self._pick(r, out.logits[i])])) for i, r in enumerate(requests)]
 
     def _decode(self, requests: Sequence[Request]) -> list[StepOutput]:
@@ -105,18 +138,43 @@ class Engine:
             r.draft_lengths.append(0)
         return outputs
 
+    def feed_context(self, slots: Sequence[int]) -> None:
+        """One ragged drafter-context pass over the pending target features of these slots."""
+        todo = [s for s in slots if s in self._pending]
+        if not todo:
+            return
+        starts = [self._pending[s][0] for s in todo]
+        chunks = [torch.cat(self._pending.pop(s)[1]) for s in todo]
+        batch = RaggedBatch.build(todo, starts, [len(c) for c in chunks])
+        self.proposer.add_context(self.draft_cache, torch.cat(chunks), batch)
+
     def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
-        wanted = self.policy.decide(requests, self.max_draft)
+        slots, anchors = [r.slot for r in requests], [r.output_ids[-1] for r in requests]
+        drafted_hidden: dict[int, torch.Tensor] = {}
+
+        def hidden_of(indices: Sequence[int]) -> torch.Tensor:
+            """The drafter's block hidden states [len(indices), B, d], one pass for those not yet drafted this step."""
+            todo = [i for i in indices if i not in drafted_hidden]
+            if todo:
+                self.feed_context([slots[i] for i in todo])
+                h = self.proposer.draft_hidden(self.draft_cache, [slots[i] for i in todo], [anchors[i] for i in todo])
+                drafted_hidden.update(zip(todo, h))
+            return torch.stack([drafted_hidden[i] for i in indices])
+
+        # Learned policies look at the drafter's blocks (of the requests they choose) before any LM head runs.
+        wanted = self.policy.decide(requests, self.max_draft, hidden_of)
         lengths = [max(0, min(k, self.max_draft, r.remaining - 1)) for k, r in zip(wanted, requests)]
         drafting = [i for i, k in enumerate(lengths) if k > 0]
         draft_tokens: list[list[int]] = [[] for _ in requests]
         draft_probs: list[torch.Tensor | None] = [None] * len(requests)
         if drafting:
             sub = [requests[i] for i in drafting]
-            drafts = self.proposer.propose(
-                self.draft_cache, [r.slot for r in sub], [r.output_ids[-1] for r in sub],
-                [lengths[i] for i in drafting], [r.sampling for r in sub], [r.generator for r in sub],
-            )
+            rest = ([lengths[i] for i in drafting], [r.sampling for r in sub], [r.generator for r in sub])
+            if drafted_hidden or self.recorder is not None:
+                drafts = self.proposer.draft_tokens(hidden_of(drafting), *rest)
+            else:
+                self.feed_context([slots[i] for i in drafting])
+                drafts = self.proposer.propose(self.draft_cache, [slots[i] for i in drafting], [anchors[i] for i in drafting], *rest)
             for j, chunk in enumerate(drafts.tokens.split([lengths[i] for i in drafting])):
                 draft_tokens[drafting[j]] = chunk.tolist()
                 draft_probs[drafting[j]] = drafts.probs[j]
@@ -133,10 +191,12 @@ class Engine:
         # Roll each target cache back past its rejected drafts; the kept positions' features become context.
         for r, (accepted, _) in zip(requests, results):
             self.target_cache.rollback(r.slot, r.position + accepted + 1)
-        kept = [a + 1 for a, _ in results]
-        context = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], kept)
-        self.proposer.add_context(self.draft_cache, torch.cat([f[:n] for f, n in zip(features, kept)]), context)
+        for r, f, (accepted, _) in zip(requests, features, results):
+            start, chunks = self._pending.setdefault(r.slot, (r.position, []))
+            chunks.append(f[: accepted + 1])  # the kept positions' features: the drafter's next context
 
+        if self.recorder is not None and drafting:
+            self.recorder.on_step(hidden_of(drafting), [lengths[i] for i in drafting], [results[i][0] for i in drafting])
         outputs = []
         for r, k, d, (accepted, next_token) in zip(requests, lengths, draft_tokens, results):
             r.accept_lengths.append(accepted + 1)

@@ -12,17 +12,25 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
 from adaflash.serving.request import Request
 
+if TYPE_CHECKING:  # the heads import torch.nn modules the rule-based policies never need
+    from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
+
+
+# hidden_of(indices) -> the drafter's block hidden states [len(indices), B, d] of those requests (one drafter
+# pass for the ones not yet drafted this step): what a learned head reads before any LM head runs.
+HiddenOf = Callable[[Sequence[int]], torch.Tensor]
+
 
 class LengthPolicy(Protocol):
     name: str
 
-    def decide(self, requests: Sequence[Request], max_draft: int) -> list[int]: ...
+    def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]: ...
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None: ...
 
@@ -35,7 +43,7 @@ class FixedLength:
     def name(self) -> str:
         return f"fixed:{self.length}"
 
-    def decide(self, requests: Sequence[Request], max_draft: int) -> list[int]:
+    def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
         return [min(self.length, max_draft)] * len(requests)
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
@@ -49,7 +57,7 @@ class HeuristicLength:
     initial: int = 8
     name: str = "heuristic"
 
-    def decide(self, requests: Sequence[Request], max_draft: int) -> list[int]:
+    def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
         return [min(r.policy_state.setdefault("length", self.initial), max_draft) for r in requests]
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
@@ -88,14 +96,40 @@ class CostModel:
         return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]))
 
 
+def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel, max_draft: int) -> list[int]:
+    """Draft lengths maximising expected committed tokens per second over the batch.
+
+    survival[r][j-1] = P(request r's drafts 1..j all accepted), non-increasing in j: the expected gain of
+    r's j-th draft position. Starting from no drafts, repeatedly add the position with the largest gain while
+    (expected tokens) / (verify cost(total tokens) + drafter cost x drafting requests) rises. At batch 1
+    verification is nearly free and lengths grow; under load every token costs and they shrink.
+    """
+    lengths = [0] * len(survival)
+    expected = float(len(survival))  # every request commits at least the target's own token
+    tokens, drafting = len(survival), 0
+    best = expected / cost.verify(tokens)
+    heap = [(-float(s[0]), i) for i, s in enumerate(survival) if max_draft > 0 and len(s)]
+    heapq.heapify(heap)
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        # A request's first draft position also puts it into the drafter pass.
+        now_drafting = drafting + (lengths[i] == 0)
+        rate = (expected - neg_gain) / (cost.verify(tokens + 1) + cost.draft_s * now_drafting)
+        if rate <= best:
+            break
+        lengths[i] += 1
+        expected, tokens, drafting, best = expected - neg_gain, tokens + 1, now_drafting, rate
+        if lengths[i] < min(max_draft, len(survival[i])):
+            heapq.heappush(heap, (-float(survival[i][lengths[i]]), i))
+    return lengths
+
+
 @dataclass
 class ThroughputLength:
-    """Pick lengths that maximise expected committed tokens per second for the whole batch.
+    """Expected-throughput lengths (`allocate_drafts`) from a running per-request acceptance estimate.
 
-    Request r's draft position j is accepted with probability alpha_r^j (alpha_r: a running estimate of its
-    per-position acceptance). Starting from no drafts, the policy repeatedly adds the draft position with
-    the largest expected gain while (expected tokens) / (verify cost(total tokens) + drafter cost) rises.
-    At batch 1 verification is nearly free and lengths grow; under load every token costs and they shrink.
+    Request r's draft position j is accepted with probability alpha_r^j, alpha_r a running estimate of its
+    per-position acceptance, learned from verification feedback.
     """
 
     cost: CostModel
@@ -110,25 +144,9 @@ class ThroughputLength:
     def _alpha(self, request: Request) -> float:
         return request.policy_state.get("alpha", self.shared_alpha)
 
-    def decide(self, requests: Sequence[Request], max_draft: int) -> list[int]:
-        lengths = [0] * len(requests)
-        expected = float(len(requests))  # every request commits at least the target's own token
-        tokens, drafting = len(requests), 0
-        best = expected / self.cost.verify(tokens)
-        heap = [(-self._alpha(r), i) for i, r in enumerate(requests)]  # gain of each request's next position
-        heapq.heapify(heap)
-        while heap:
-            neg_gain, i = heapq.heappop(heap)
-            if lengths[i] >= max_draft:
-                continue
-            # A request's first draft position also puts it into the drafter pass.
-            now_drafting = drafting + (lengths[i] == 0)
-            rate = (expected - neg_gain) / (self.cost.verify(tokens + 1) + self.cost.draft_s * now_drafting)
-            if rate <= best:
-                break
-            lengths[i] += 1
-            expected, tokens, drafting, best = expected - neg_gain, tokens + 1, now_drafting, rate
-            heapq.heappush(heap, (neg_gain * self._alpha(requests[i]), i))
+    def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
+        survival = [[self._alpha(r) ** j for j in range(1, max_draft + 1)] for r in requests]
+        lengths = allocate_drafts(survival, self.cost, max_draft)
         # Exploration: an estimate that never gets feedback never recovers, so requests that went
         # `probe_every` steps without drafting verify one draft (a cheap measurement).
         for i, r in enumerate(requests):
@@ -146,6 +164,54 @@ class ThroughputLength:
         observed = accepted / trials
         request.policy_state["alpha"] = self.decay * self._alpha(request) + (1 - self.decay) * observed
         self.shared_alpha = self.decay * self.shared_alpha + (1 - self.decay) * observed
+
+
+@dataclass
+class LearnedThroughputLength:
+    """AdaFlash's policy: a per-position acceptance head reads a request's drafted block, and its survival
+    products (expected accepted drafts for every length) feed the expected-throughput allocation under the
+    profiled cost model. It runs at every concurrency (no hidden switch).
+
+    Looking costs a drafter pass, which on a compute-bound machine is not free next to a decode step, so the
+    head looks only at requests whose running acceptance estimate says drafting may pay under this load (the
+    `throughput` policy's allocation, probes included); the others decode plainly at no drafter cost.
+    """
+
+    cost: CostModel
+    head: PositionAcceptanceHead
+    name: str = "adaflash"
+
+    def __post_init__(self) -> None:
+        self.screen = ThroughputLength(self.cost)
+
+    def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
+        if hidden_of is None:
+            raise ValueError("the adaflash length policy needs the drafter's hidden states")
+        look = [i for i, k in enumerate(self.screen.decide(requests, max_draft)) if k > 0]
+        survival: list[list[float]] = [[] for _ in requests]
+        if look:
+            for i, row in zip(look, self.head.survival(hidden_of(look))[:, :max_draft].tolist()):
+                survival[i] = row
+        return allocate_drafts(survival, self.cost, max_draft)
+
+    def feedback(self, request: Request, drafted: int, accepted: int) -> None:
+        self.screen.feedback(request, drafted, accepted)
+
+
+@dataclass
+class BlockHeadLength:
+    """The paper's block-level head alone: every request's block is read, draft = round(ratio x B x rate) - 1."""
+
+    head: BlockLengthHead
+    name: str = "block-head"
+
+    def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
+        if hidden_of is None:
+            raise ValueError("the block-head length policy needs the drafter's hidden states")
+        return self.head.draft_lengths(hidden_of(range(len(requests)))).clamp(max=max_draft).tolist()
+
+    def feedback(self, request: Request, drafted: int, accepted: int) -> None:
+        pass
 
 
 def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 3) -> CostModel:
@@ -193,12 +259,15 @@ def cost_model_for(pipeline, max_tokens: int) -> CostModel:
     from adaflash.models.registry import cache_root
 
     t, d = pipeline.target, pipeline.proposer.drafter.config
-    name = f"{Path(str(pipeline.model_name)).name}-{str(t.dtype).split('.')[-1]}-L{d.num_layers}-B{d.block_size}-T{max_tokens}.json"
+    # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
+    name = (f"{Path(str(pipeline.model_name)).name}-{str(t.dtype).split('.')[-1]}-L{d.num_layers}-B{d.block_size}"
+            f"-T{max_tokens}-th{torch.get_num_threads()}.json")
     return load_or_profile_cost_model(t, pipeline.proposer, max_tokens, cache_root() / "cost_models" / name)
 
 
-def build_length_policy(spec: str, cost: CostModel | None = None) -> LengthPolicy:
-    """`fixed:K`, `heuristic` or `throughput` (which needs the profiled cost model)."""
+def build_length_policy(spec: str, cost: CostModel | None = None, head=None) -> LengthPolicy:
+    """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model), `adaflash` (cost model + a
+    per-position acceptance head) or `block-head` (the paper's block-level head)."""
     if spec.startswith("fixed:"):
         k = int(spec.split(":", 1)[1])
         if k < 0:
@@ -206,8 +275,16 @@ def build_length_policy(spec: str, cost: CostModel | None = None) -> LengthPolic
         return FixedLength(k)
     if spec == "heuristic":
         return HeuristicLength()
+    if spec in ("throughput", "adaflash") and cost is None:
+        raise ValueError(f"the {spec} policy needs a cost model")
     if spec == "throughput":
-        if cost is None:
-            raise ValueError("the throughput policy needs a cost model")
         return ThroughputLength(cost)
-    raise ValueError(f"unknown length policy {spec!r}; expected fixed:K, heuristic or throughput")
+    if spec in ("adaflash", "block-head"):
+        from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
+
+        want = PositionAcceptanceHead if spec == "adaflash" else BlockLengthHead
+        if not isinstance(head, want):
+            raise ValueError(f"the {spec} policy needs a drafter checkpoint carrying a {want.__name__} "
+                             "(train one with `adaflash train length-head`)")
+        return LearnedThroughputLength(cost, head) if spec == "adaflash" else BlockHeadLength(head)
+    raise ValueError(f"unknown length policy {spec!r}; expected fixed:K, heuristic, throughput, adaflash or block-head")

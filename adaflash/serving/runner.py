@@ -136,6 +136,20 @@ class EngineRunner:
             raise
         return stream
 
+    def call(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between two steps (a hot swap, a new recorder): its result's future."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                done.set_result(fn(self.engine))
+            except Exception as exc:
+                done.set_exception(exc)
+
+        if not self._post(command):
+            raise RunnerStoppedError("the engine is not running")
+        return done
+
     def abort(self, request_id: str) -> None:
         self._post(lambda: self._abort(request_id))  # a stopped runner has nothing left to abort
 

@@ -246,7 +246,7 @@ def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: Server
     # The same encode/decode/stop tokens as the CLI, so server output equals `adaflash generate` output.
     pipeline = Pipeline(engine.target, tokenizer, engine.proposer, model_name)
     if metrics is None:
-        method = "dflash" if engine.proposer is not None else "ar"
+        method = "ar" if engine.proposer is None else ("adaflash" if engine.policy.name in ("adaflash", "block-head") else "dflash")
         metrics = ServerMetrics(engine.policy.name, method, engine.scheduler.max_batch)
     runner.observer = metrics.observe_step
     service = _Service(runner, pipeline, model_name, metrics)

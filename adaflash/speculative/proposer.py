@@ -1,7 +1,9 @@
 """The DFlash proposer: turns drafter hidden states into draft tokens for a ragged batch of requests.
 
 Narrow interface (as transformers' candidate generator and vLLM's proposers): `add_context` feeds back
-the target features of committed positions, `propose` drafts `num_draft[r]` tokens after each anchor.
+the target features of committed positions, `propose` drafts `num_draft[r]` tokens after each anchor. It
+is `draft_hidden` (one drafter pass) then `draft_tokens` (LM head on the verified positions only), split
+so a length head can read the block between the two.
 """
 
 from __future__ import annotations
@@ -45,23 +47,27 @@ class DFlashProposer:
         self.drafter.extend_context(cache, features, batch)
 
     @torch.inference_mode()
-    def propose(
+    def draft_hidden(self, cache: KVCache, slots: Sequence[int], anchors: Sequence[int]) -> torch.Tensor:
+        """The drafter's one pass over [anchor, MASK...] after each slot's context: hidden states [n, B, d].
+
+        Cheap next to the LM head for a small target, so a learned length head can judge the whole block
+        before any vocabulary projection runs."""
+        b, mask = self.block_size, self.drafter.config.mask_token_id
+        block_ids = torch.full((len(slots), b), mask, dtype=torch.long)
+        block_ids[:, 0] = torch.tensor(list(anchors))
+        return self.drafter.draft_hidden(cache, self.target.embed(block_ids.to(self.target.device)), slots)
+
+    @torch.inference_mode()
+    def draft_tokens(
         self,
-        cache: KVCache,
-        slots: Sequence[int],
-        anchors: Sequence[int],
+        hidden: torch.Tensor,
         num_draft: Sequence[int],
         sampling: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> Drafts:
-        """Draft after each anchor (the last committed token, placed at its slot's context length)."""
-        b, mask = self.block_size, self.drafter.config.mask_token_id
-        if any(not 0 <= k < b for k in num_draft):
-            raise ValueError(f"draft lengths must be in [0, {b - 1}], got {list(num_draft)}")
-        block_ids = torch.full((len(slots), b), mask, dtype=torch.long)
-        block_ids[:, 0] = torch.tensor(list(anchors))
-        hidden = self.drafter.draft_hidden(cache, self.target.embed(block_ids.to(self.target.device)), slots)
-        # LM head only on the positions that will be verified: it dominates the drafter's cost.
+        """Draft tokens from block hidden states [n, B, d]: the LM head runs only on the positions verified."""
+        if any(not 0 <= k < self.block_size for k in num_draft):
+            raise ValueError(f"draft lengths must be in [0, {self.block_size - 1}], got {list(num_draft)}")
         rows = [hidden[r, 1 : 1 + k] for r, k in enumerate(num_draft)]
         logits = self.target.logits(torch.cat(rows).to(self.target.dtype))
         tokens, probs, offset = [], [], 0
@@ -76,3 +82,17 @@ class DFlashProposer:
                 probs.append(p)
                 tokens.append(sample_tokens(p, gen))
         return Drafts(tokens=torch.cat(tokens), probs=tuple(probs), num_draft=tuple(num_draft))
+
+    def propose(
+        self,
+        cache: KVCache,
+        slots: Sequence[int],
+        anchors: Sequence[int],
+        num_draft: Sequence[int],
+        sampling: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> Drafts:
+        """Draft after each anchor (the last committed token, placed at its slot's context length)."""
+        if any(not 0 <= k < self.block_size for k in num_draft):
+            raise ValueError(f"draft lengths must be in [0, {self.block_size - 1}], got {list(num_draft)}")
+        return self.draft_tokens(self.draft_hidden(cache, slots, anchors), num_draft, sampling, generators)

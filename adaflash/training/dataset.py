@@ -9,13 +9,14 @@ import torch
 
 from adaflash.training.datagen import load_manifest, read_shard
 from adaflash.training.losses import IGNORE
+from adaflash.training.trajectories import read_trajectories
 
 
 @dataclass(frozen=True)
 class TrainSample:
     tokens: torch.Tensor  # [L] int64
     prompt_len: int
-    features: torch.Tensor  # [L - 1, n*d] target features of every position but the last
+    features: torch.Tensor | None  # [L - 1, n*d] target features of every position but the last; None: compute
 
 
 class DraftDataset:
@@ -39,6 +40,29 @@ class DraftDataset:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+
+class TrajectoryDataset:
+    """Token-only trajectories (on-policy data from the serving engine); features come from the target on the fly."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.samples = [
+            TrainSample(torch.tensor(t.tokens, dtype=torch.long), len(t.prompt_ids), None)
+            for t in read_trajectories(path)
+            if len(t.output_ids) >= 2
+        ]
+        if not self.samples:
+            raise ValueError(f"{path} has no trajectory with a response of at least 2 tokens")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def load_training_data(data_dir: str | Path, capture_layers: tuple[int, ...]) -> DraftDataset | TrajectoryDataset:
+    """Feature shards (`adaflash data generate`) when a manifest is there, else trajectories (*.jsonl)."""
+    if load_manifest(data_dir) is not None:
+        return DraftDataset(data_dir, capture_layers)
+    return TrajectoryDataset(data_dir)
 
 
 def sample_anchors(sample: TrainSample, num_anchors: int, generator: torch.Generator) -> torch.Tensor:

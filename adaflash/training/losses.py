@@ -21,35 +21,105 @@ def position_weights(num_positions: int, gamma: float, device=None) -> torch.Ten
     return torch.exp(-k / gamma) if gamma > 0 and math.isfinite(gamma) else torch.ones(num_positions, device=device)
 
 
+def _greedy_stats(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> dict:
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & valid
+        # Accepted under greedy verification = all earlier positions correct too.
+        accepted = correct.long().cumprod(dim=1).bool()
+    return {"correct": correct.sum(0).tolist(), "accepted": accepted.sum(0).tolist(), "valid": valid.sum(0).tolist()}
+
+
+def _weighted_mean(per_token: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:
+    weights = position_weights(per_token.shape[1], gamma, per_token.device)[None, :] * valid
+    return (per_token * weights).sum() / weights.sum().clamp_min(1e-8)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    a, k, v = logits.shape
+    return F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1).clamp_min(0), reduction="none").view(a, k)
+
+
 @dataclass(frozen=True)
 class BlockCrossEntropy:
     """DFlash's objective: position-weighted cross-entropy against the target's own (regenerated) tokens."""
 
     gamma: float = 7.0
     name: str = "ce"
+    needs_teacher = False
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None = None):
         """logits [A, K, V] (fp32), labels [A, K] with IGNORE where the block runs past the sequence end."""
-        a, k, v = logits.shape
         valid = labels != IGNORE
-        ce = F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1).clamp_min(0), reduction="none").view(a, k)
-        weights = position_weights(k, self.gamma, logits.device)[None, :] * valid
-        loss = (ce * weights).sum() / weights.sum().clamp_min(1e-8)
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == labels) & valid
-            # Accepted under greedy verification = all earlier positions correct too.
-            accepted = correct.long().cumprod(dim=1).bool()
-        return loss, {
-            "correct": correct.sum(0).tolist(),
-            "accepted": accepted.sum(0).tolist(),
-            "valid": valid.sum(0).tolist(),
-        }
+        return _weighted_mean(_cross_entropy(logits, labels), valid, self.gamma), _greedy_stats(logits, labels, valid)
 
 
-LOSSES = {"ce": BlockCrossEntropy}
+def divergence(kind: str, student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per-token divergence between drafter q and target p, exact over the vocabulary: [..., V] -> [...].
+
+    rkl = KL(q || p) (mode-seeking: q's mass moves where p accepts), fkl = KL(p || q), tv = 1/2 sum |p - q|.
+    """
+    log_q = F.log_softmax(student_logits / temperature, dim=-1)
+    log_p = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if kind == "rkl":
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+    if kind == "fkl":
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    if kind == "tv":
+        return 0.5 * (log_q.exp() - log_p.exp()).abs().sum(-1)
+    raise ValueError(f"unknown divergence {kind!r}; expected rkl, fkl or tv")
 
 
-def build_loss(name: str, **kwargs) -> BlockCrossEntropy:
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; expected one of {sorted(LOSSES)}")
-    return LOSSES[name](**kwargs)
+@dataclass(frozen=True)
+class BlockDistillation:
+    """AdaFlash's objective: alpha * CE(drafter, target argmax) + (1 - alpha) * sum_k w_k * clip(D(q_k, p_k), tau).
+
+    D is reverse KL by default (forward KL and TV make the divergence an experiment). Teacher logits are the
+    target's own on the same trajectory (teacher forcing). The per-token clip is a floor: a token whose
+    divergence is already below tau counts as tau and stops pulling (no gradient), so the updates go to the
+    positions the target still rejects. The release's "clip(KL, tau)" does not say which side; a ceiling at
+    tau = 0.01 would silence almost every token of a drafter that is not already near-perfect.
+    """
+
+    divergence: str = "rkl"
+    alpha: float = 0.8
+    tau: float = 0.01
+    gamma: float = 7.0
+    temperature: float = 1.0
+    needs_teacher = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.divergence not in ("rkl", "fkl", "tv"):
+            raise ValueError(f"unknown divergence {self.divergence!r}; expected rkl, fkl or tv")
+
+    @property
+    def name(self) -> str:
+        return self.divergence
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None = None):
+        """logits, teacher_logits [A, K, V]; labels [A, K] (IGNORE past the sequence end) mark valid positions."""
+        if teacher_logits is None:
+            raise ValueError(f"the {self.name} loss needs the target's logits (teacher forcing)")
+        valid = labels != IGNORE
+        teacher_argmax = torch.where(valid, teacher_logits.argmax(-1), labels)
+        ce = _weighted_mean(_cross_entropy(logits, teacher_argmax), valid, self.gamma)
+        per_token = divergence(self.divergence, logits, teacher_logits.detach(), self.temperature)
+        div = _weighted_mean(per_token.clamp_min(self.tau), valid, self.gamma)
+        stats = _greedy_stats(logits, teacher_argmax, valid)
+        stats["divergence"] = float(_weighted_mean(per_token.detach(), valid, self.gamma))
+        return self.alpha * ce + (1 - self.alpha) * div, stats
+
+
+LOSSES = {"ce": BlockCrossEntropy, "rkl": BlockDistillation, "fkl": BlockDistillation, "tv": BlockDistillation}
+
+
+def build_loss(name: str, gamma: float = 7.0, alpha: float = 0.8, tau: float = 0.01, temperature: float = 1.0):
+    """`ce` (DFlash) or a distillation divergence `rkl` / `fkl` / `tv` with AdaFlash's alpha, tau, temperature."""
+    if name == "ce":
+        return BlockCrossEntropy(gamma=gamma)
+    if name in ("rkl", "fkl", "tv"):
+        return BlockDistillation(divergence=name, alpha=alpha, tau=tau, gamma=gamma, temperature=temperature)
+    raise ValueError(f"unknown loss {name!r}; expected one of {sorted(LOSSES)}")

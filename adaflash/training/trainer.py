@@ -26,7 +26,8 @@ from adaflash.models.drafter import DFlashDrafter, DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, save_drafter
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import TargetModel, load_target
-from adaflash.training.dataset import DraftDataset, block_inputs, sample_anchors
+from adaflash.models.kv_cache import RaggedBatch
+from adaflash.training.dataset import block_inputs, load_training_data, sample_anchors
 from adaflash.training.losses import build_loss
 
 
@@ -41,8 +42,12 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None  # default: DFlash's spread for num_layers
     intermediate_size: int | None = None
     init_from_target: bool = True
-    loss: str = "ce"
+    init_from: str | None = None  # start from this drafter checkpoint (distillation) instead of a new one
+    loss: str = "ce"  # ce (DFlash) | rkl | fkl | tv (AdaFlash distillation)
     gamma: float = 7.0
+    alpha: float = 0.8  # distillation: weight of CE to the target argmax
+    tau: float = 0.01  # distillation: per-token divergence floor
+    temperature: float = 1.0  # distillation: softmax temperature of both distributions
     lr: float = 6e-4
     weight_decay: float = 0.0
     warmup_frac: float = 0.04
@@ -146,14 +151,35 @@ def _load_checkpoint(out_dir: Path, optimizer_factory) -> tuple[DFlashDrafter, t
     return drafter, optimizer, int(state["step"])
 
 
-def _sequence_loss(drafter, target: TargetModel, sample, cfg: TrainConfig, loss_fn, generator):
+def teacher_pass(target: TargetModel, tokens: torch.Tensor, capture_layers, logit_positions: torch.Tensor | None):
+    """The target over a whole trajectory: context features of every position but the last, and its logits at
+    `logit_positions` (the teacher of distillation). Cloned out of inference mode so autograd may read them."""
+    cache = target.new_cache(1, len(tokens))
+    out = target(tokens, RaggedBatch.build([0], [0], [len(tokens)]), cache, capture_layers,
+                 logit_positions if logit_positions is not None else torch.tensor([len(tokens) - 1]))
+    return out.hidden[:-1].clone(), (out.logits.clone() if logit_positions is not None else None)
+
+
+def _sequence_loss(drafter, dcfg, target: TargetModel, sample, cfg: TrainConfig, loss_fn, generator):
     anchors = sample_anchors(sample, cfg.anchors_per_sequence, generator)
-    block, labels = block_inputs(sample, anchors, cfg.block_size, cfg.mask_token_id)
+    block, labels = block_inputs(sample, anchors, dcfg.block_size, dcfg.mask_token_id)
+    features, teacher = sample.features, None
+    if features is None or loss_fn.needs_teacher:
+        # Block position k of anchor a predicts token a+k: the target's distribution for it is its logits
+        # at position a+k-1. Anchors overlap, so the LM head runs once per distinct position.
+        last = len(sample.tokens) - 2
+        positions = (anchors[:, None] + torch.arange(dcfg.block_size - 1)[None, :]).clamp(max=last)
+        unique, inverse = torch.unique(positions, return_inverse=True)
+        with torch.no_grad():
+            computed, logits = teacher_pass(target, sample.tokens, dcfg.target_layer_ids,
+                                            unique if loss_fn.needs_teacher else None)
+        features = features if features is not None else computed
+        teacher = logits[inverse] if logits is not None else None
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-        hidden = drafter(sample.features.float(), F.embedding(block, target.embed_tokens), anchors)
+        hidden = drafter(features.float(), F.embedding(block, target.embed_tokens), anchors)
         # Target's LM head (frozen) on the draft positions only; plain F.linear keeps autograd.
         logits = F.linear(hidden[:, 1:], target.lm_head).float()
-    return loss_fn(logits, labels)
+    return loss_fn(logits, labels, teacher)
 
 
 def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None) -> Path:
@@ -172,18 +198,22 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     target = load_target(resolve_target(cfg.model), dtype=torch.float32)
-    loss_fn = build_loss(cfg.loss, gamma=cfg.gamma)
+    loss_fn = build_loss(cfg.loss, gamma=cfg.gamma, alpha=cfg.alpha, tau=cfg.tau, temperature=cfg.temperature)
 
     def make_optimizer(model):
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
     resumed = _load_checkpoint(out_dir, make_optimizer)
     if resumed is None:
-        drafter = new_drafter(cfg, target)
+        if cfg.init_from:
+            drafter = load_drafter(cfg.init_from, dtype=torch.float32).train()
+            drafter.config.check_compatible(target.config)
+        else:
+            drafter = new_drafter(cfg, target)
         optimizer, step = make_optimizer(drafter), 0
     else:
         drafter, optimizer, step = resumed
-    dataset = DraftDataset(cfg.data_dir, drafter.config.target_layer_ids)
+    dataset = load_training_data(cfg.data_dir, drafter.config.target_layer_ids)
     steps_per_epoch = len(dataset) // cfg.sequences_per_step
     if steps_per_epoch == 0:
         raise ValueError(f"{len(dataset)} samples cannot fill one step of {cfg.sequences_per_step} sequences")
@@ -205,7 +235,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
             sync = j == len(mine) - 1 or not distributed
             ctx = model.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
-                loss, stats = _sequence_loss(model, target, dataset.samples[idx], cfg, loss_fn, generator)
+                loss, stats = _sequence_loss(model, drafter.config, target, dataset.samples[idx], cfg, loss_fn, generator)
                 (loss / len(mine)).backward()
             _accumulate(window, loss.item(), stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
@@ -239,6 +269,8 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
 
 def _accumulate(window: dict, loss: float, stats: dict) -> None:
     window.setdefault("losses", []).append(loss)
+    if "divergence" in stats:
+        window.setdefault("divergences", []).append(stats["divergence"])
     for key in ("correct", "accepted", "valid"):
         acc = window.setdefault(key, [0] * len(stats[key]))
         for i, v in enumerate(stats[key]):
@@ -257,4 +289,5 @@ def _summarise(window: dict, step: int, lr: float, grad_norm: float, elapsed: fl
         # Expected tokens per verify pass if the greedy drafts were verified at these anchors (incl. bonus).
         "expected_accept_len": 1.0 + sum(accepted),
         "elapsed_s": elapsed,
+        **({"divergence": sum(window["divergences"]) / len(window["divergences"])} if window.get("divergences") else {}),
     }

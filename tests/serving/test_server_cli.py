@@ -55,10 +55,10 @@ def test_serve_fixed_policy_and_plain_decoding(served, tiny_chat_checkpoint, ran
 
 
 def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):
-    with pytest.raises(SystemExit, match="needs --drafter"):
+    with pytest.raises(ValueError, match="needs --drafter"):
         args = _parse(["--model", tiny_chat_checkpoint])
         args.func(args)
-    with pytest.raises(ValueError, match="--method dflash only"):
+    with pytest.raises(ValueError, match="--method dflash or adaflash only"):
         args = _parse(["--model", tiny_chat_checkpoint, "--method", "ar", "--length-policy", "heuristic"])
         args.func(args)
     with pytest.raises(ValueError, match="unknown length policy"):

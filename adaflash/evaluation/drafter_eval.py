@@ -1,0 +1,167 @@
+"""Drafters compared along the same target trajectories (teacher forcing): accept length per benchmark, per
+block position and per context length, with and without their length heads.
+
+    adaflash eval drafters --drafter dflash=DIR --drafter dflash+rkl=DIR2 --limit 8 --out docs/results/variance
+
+Greedy verification of a full block keeps exactly the drafts that equal the target's own continuation, so
+scoring every anchor of the target's greedy responses (`score_blocks`) measures what serving with full
+blocks would measure, at every position at once and without a decode loop per drafter. The target's
+responses are generated once (batched, plain decoding) and cached. Reported per drafter: mean accept length
+per benchmark and its std across the six (the domain variance AdaFlash attacks), per-position acceptance
+and its std across positions, and, for a drafter with a per-position head, what the head's own cut (the
+longest length whose survival stays >= 0.5) verifies and keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from adaflash.cli_args import command_group
+from adaflash.data import EVAL_BENCHMARKS, load_prompts
+from adaflash.models.drafter_checkpoint import load_drafter
+from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
+from adaflash.serving.engine import Engine
+from adaflash.serving.request import Request
+from adaflash.training.block_outcomes import BlockScores, score_blocks
+from adaflash.training.outcomes import Outcomes
+from adaflash.training.trajectories import Trajectory, append_trajectories, read_trajectories
+
+
+def target_trajectories(pipeline, dataset: str, limit: int, max_new_tokens: int, cache_dir: Path) -> list[Trajectory]:
+    """The target's greedy responses to a benchmark's first `limit` eval prompts (batched; cached on disk)."""
+    path = cache_dir / f"{dataset}-{limit}-{max_new_tokens}.jsonl"
+    if path.is_file():
+        return read_trajectories(path)
+    prompts = load_prompts(dataset, "eval", limit=limit)
+    ids = [pipeline.encode(messages=p.messages) for p in prompts]
+    engine = Engine(pipeline.target, None, max_batch=len(ids), max_len=max(map(len, ids)) + max_new_tokens + 1)
+    requests = [Request(p.id, x, max_new_tokens, stop_token_ids=pipeline.stop_token_ids) for p, x in zip(prompts, ids)]
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    append_trajectories(path, [Trajectory(tuple(r.prompt_ids), tuple(r.output_ids), source=dataset) for r in requests])
+    return read_trajectories(path)
+
+
+def head_cut(head: PositionAcceptanceHead, scores: BlockScores, threshold: float = 0.5) -> dict:
+    """Verify the longest prefix whose predicted survival >= threshold (at least one draft): accept length and
+    tokens per verified token, against full blocks, on the same anchors."""
+    o = scores.outcomes
+    with torch.no_grad():
+        survival = head.survival(o.hidden.float())
+    cut = ((survival >= threshold).sum(-1)).clamp(min=1)
+    cut = torch.minimum(cut, o.drafted.clamp(min=1))
+    kept = torch.minimum(o.accepted, cut)
+    return {"accept_len": float((kept + 1).float().mean()), "verify_len": float((cut + 1).float().mean()),
+            "tokens_per_verified_token": float(((kept + 1) / (cut + 1)).mean()),
+            "predicted_accepted": float(survival.sum(-1).mean()), "observed_accepted": float(o.accepted.float().mean())}
+
+
+def evaluate_drafter(target, drafter_dir: str, trajectories: dict[str, list[Trajectory]], anchors: int | None) -> dict:
+    drafter = load_drafter(drafter_dir, dtype=torch.float32)
+    head = load_length_head(drafter_dir)
+    rows, all_scores = {}, []
+    for name, trajs in trajectories.items():
+        scores = score_blocks(target, drafter, trajs, anchors_per_sequence=anchors)
+        all_scores.append(scores)
+        rows[name] = {"accept_len": scores.accept_length, "per_position": scores.per_position_acceptance(),
+                      "anchors": len(scores.outcomes),
+                      "first_position_rkl": float(torch.cat(scores.divergence).mean())}
+        if isinstance(head, PositionAcceptanceHead):
+            rows[name]["head"] = head_cut(head, scores)
+    means = [r["accept_len"] for r in rows.values()]
+    pooled = BlockScores(Outcomes.concat([s.outcomes for s in all_scores]), (), ())
+    positions = [p for p in pooled.per_position_acceptance() if p == p]  # drop nan
+    return {"drafter": drafter_dir, "benchmarks": rows, "accept_len_mean": statistics.fmean(means),
+            "accept_len_std_across_benchmarks": statistics.pstdev(means),
+            "per_position": pooled.per_position_acceptance(),
+            "acceptance_std_across_positions": statistics.pstdev(positions) if len(positions) > 1 else 0.0}
+
+
+def context_length_table(target, drafter_dir: str, trajectories: Sequence[Trajectory], edges: Sequence[int]) -> list[dict]:
+    """Accept length by context length (the anchor's position), full blocks and the head's cut."""
+    drafter = load_drafter(drafter_dir, dtype=torch.float32)
+    head = load_length_head(drafter_dir)
+    scores = score_blocks(target, drafter, trajectories)
+    position = torch.cat(scores.anchors)
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = ((position >= lo) & (position < hi)).nonzero().flatten()
+        if len(sel) == 0:
+            continue
+        part = BlockScores(scores.outcomes.select(sel), (), ())
+        row = {"context_from": lo, "context_to": hi, "anchors": len(sel), "accept_len": part.accept_length}
+        if isinstance(head, PositionAcceptanceHead):
+            row["head"] = head_cut(head, part)
+        rows.append(row)
+    return rows
+
+
+def markdown(report: dict) -> str:
+    names = list(report["drafters"])
+    benches = list(next(iter(report["drafters"].values()))["benchmarks"])
+    lines = [f"# Drafters along the target's greedy responses\n\n`{report['command']}`\n",
+             "Full-block greedy accept length (tokens per target pass, incl. the target's own token), teacher-forced at "
+             "every anchor of the target's responses.\n",
+             "| drafter | " + " | ".join(benches) + " | mean | std across benchmarks | std across positions |",
+             "|---" * (len(benches) + 4) + "|"]
+    for n in names:
+        d = report["drafters"][n]
+        lines.append(f"| {n} | " + " | ".join(f"{d['benchmarks'][b]['accept_len']:.3f}" for b in benches)
+                     + f" | {d['accept_len_mean']:.3f} | {d['accept_len_std_across_benchmarks']:.4f} | "
+                     f"{d['acceptance_std_across_positions']:.4f} |")
+    heads = [n for n in names if "head" in next(iter(report["drafters"][n]["benchmarks"].values()))]
+    if heads:
+        lines += ["", "With the per-position head's cut (survival >= 0.5): accept length / verify length / "
+                  "tokens per verified token (full block verifies 16).", "",
+                  "| drafter | " + " | ".join(benches) + " |", "|---" * (len(benches) + 1) + "|"]
+        for n in heads:
+            cells = [report["drafters"][n]["benchmarks"][b]["head"] for b in benches]
+            lines.append(f"| {n} | " + " | ".join(f"{c['accept_len']:.2f} / {c['verify_len']:.2f} / "
+                                                 f"{c['tokens_per_verified_token']:.2f}" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from adaflash.evaluation.offline import command_line, provenance, write_json
+    from adaflash.pipeline import Pipeline
+
+    drafters = dict(d.split("=", 1) for d in args.drafter)
+    pipeline = Pipeline.load(args.model, None, "fp32")
+    cache = Path(args.cache_dir)
+    trajectories = {b: target_trajectories(pipeline, b, args.limit, args.max_new_tokens, cache) for b in args.benchmarks.split(",")}
+    report = {**provenance(command_line(["adaflash", "eval", "drafters"], [("--limit", args.limit),
+              ("--max-new-tokens", args.max_new_tokens), ("--benchmarks", args.benchmarks)])
+              + " " + " ".join(f"--drafter {n}={p}" for n, p in drafters.items())),
+              "drafters": {n: evaluate_drafter(pipeline.target, p, trajectories, args.anchors) for n, p in drafters.items()}}
+    if args.context_dataset:
+        long = target_trajectories(pipeline, args.context_dataset, args.limit, args.max_new_tokens, cache)
+        edges = [int(e) for e in args.context_edges.split(",")]
+        report["context_length"] = {n: context_length_table(pipeline.target, p, long, edges) for n, p in drafters.items()}
+    out = Path(args.out)
+    write_json(report, out.with_suffix(".json"))
+    out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    p = command_group(subparsers, "eval", help="evaluations").add_parser(
+        "drafters", help="drafters side by side along the target's greedy responses (accept length, variance, heads)")
+    p.add_argument("--drafter", action="append", required=True, help="NAME=DIR (repeat)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--benchmarks", default=",".join(EVAL_BENCHMARKS))
+    p.add_argument("--limit", type=int, default=8, help="eval prompts per benchmark")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--anchors", type=int, default=None, help="random anchors per response (default: every one)")
+    p.add_argument("--context-dataset", default=None, help="also tabulate accept length by context length on this set")
+    p.add_argument("--context-edges", default="0,128,256,512,1024,2048")
+    p.add_argument("--cache-dir", default="runs/trajectories", help="where the target's responses are cached")
+    p.add_argument("--out", required=True, help="path stem for .json and .md")
+    p.set_defaults(func=_cmd)

@@ -1,0 +1,175 @@
+"""`adaflash bench sweep`: several `adaflash serve` configurations under the same load, side by side.
+
+    adaflash bench sweep --server "ar=--method ar" --server "dflash-fixed16=--method dflash --length-policy fixed:15" \
+        --server "dflash-throughput=--method dflash --length-policy throughput" \
+        --datasets gsm8k,mt-bench --concurrency 1,8,32,64 --out docs/results/serve_sweep
+
+Starts one real server per configuration (each on its own port, same --max-batch), then for every dataset
+and concurrency level runs the `bench serve` client against each server in turn, so the methods of one
+cell are measured minutes apart, not an hour apart (these machines drift). Writes OUT.json, OUT.md (table
+with each method's throughput as a ratio of the first server's) and OUT.png (throughput vs concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from adaflash.cli_args import command_group
+from adaflash.evaluation.serve_bench import run_level
+
+
+@contextmanager
+def launched_server(name: str, serve_args: list[str], port: int, max_batch: int, log_dir: Path, threads: int | None = None,
+                    timeout_s: float = 600):
+    """A real `adaflash serve` subprocess; yields its base URL once /health answers, stops it on exit."""
+    cmd = [sys.executable, "-m", "adaflash.cli", "serve", *serve_args, "--port", str(port),
+           "--max-batch", str(max_batch), "--log-level", "warning"]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"{name}.log", "w")
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server {name!r} exited with {proc.returncode}; see {log_dir / (name + '.log')}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server {name!r} not healthy after {timeout_s:.0f} s")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _parse_server(text: str) -> tuple[str, list[str]]:
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--server expects NAME=SERVE_ARGS, got {text!r}")
+    return name, shlex.split(rest)
+
+
+def markdown_table(cells: list[dict], names: list[str]) -> str:
+    base = names[0]
+    head = "| dataset | concurrency | " + " | ".join(f"{n} tok/s" for n in names) + " | " + \
+        " | ".join(f"{n} / {base}" for n in names[1:]) + " | " + " | ".join(f"{n} accept / verify" for n in names[1:]) + " |"
+    lines = [head, "|" + "---|" * (2 + len(names) + 2 * (len(names) - 1))]
+    for cell in cells:
+        by = cell["results"]
+        tps = [by[n]["output_tokens_per_s"] for n in names]
+        ratios = [f"{t / tps[0]:.2f}x" for t in tps[1:]]
+        acc = []
+        for n in names[1:]:
+            a, v = by[n]["accept_len_mean"], by[n]["verify_len_mean"]
+            acc.append("-" if a is None else f"{a:.2f} / {v:.2f}")
+        lines.append(f"| {cell['dataset']} | {cell['concurrency']} | " + " | ".join(f"{t:.1f}" for t in tps) + " | "
+                     + " | ".join(ratios) + " | " + " | ".join(acc) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(cells: list[dict], names: list[str], path: Path) -> None:
+    from adaflash.evaluation.plots import _pyplot
+
+    plt = _pyplot()
+    datasets = list(dict.fromkeys(c["dataset"] for c in cells))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        rows = [c for c in cells if c["dataset"] == ds]
+        for n in names:
+            ax.plot([c["concurrency"] for c in rows], [c["results"][n]["output_tokens_per_s"] for c in rows],
+                    marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(ds)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from adaflash.data import load_prompts
+
+    servers = [_parse_server(s) for s in args.server]
+    names = [n for n, _ in servers]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    datasets = args.datasets.split(",")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prompts = {ds: [list(p.messages) for p in load_prompts(ds, "eval")] for ds in datasets}
+    cells: list[dict] = []
+    with ExitStack() as stack:
+        urls = {n: stack.enter_context(launched_server(n, a, args.port + i, args.max_batch, Path(args.log_dir), args.threads))
+                for i, (n, a) in enumerate(servers)}
+        model = httpx.get(f"{urls[names[0]]}/v1/models", timeout=30).json()["data"][0]["id"]
+        for ds in datasets:
+            for c in levels:
+                n_prompts = max(args.min_prompts, args.waves * c)
+                pool = (prompts[ds] * (n_prompts // len(prompts[ds]) + 1))[:n_prompts]
+                results = {}
+                for n in names:
+                    r = asyncio.run(run_level(urls[n], model, pool, c, args.max_tokens))
+                    results[n] = asdict(r)
+                    print(f"{ds:>10} c={c:<3} {n:>20}: {r.output_tokens_per_s:7.1f} tok/s  failed {r.failed}  "
+                          f"accept {r.accept_len_mean}  verify {r.verify_len_mean}", flush=True)
+                cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts, "results": results})
+                _write(out, args, servers, cells)  # partial results survive an interruption
+    _write(out, args, servers, cells)
+    plot_sweep(cells, names, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    return 0 if all(r["failed"] == 0 for c in cells for r in c["results"].values()) else 1
+
+
+def _write(out: Path, args: argparse.Namespace, servers, cells: list[dict]) -> None:
+    names = [n for n, _ in servers]
+    meta = {"command": "adaflash " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+            "servers": {n: a for n, a in servers}, "max_batch": args.max_batch, "max_tokens": args.max_tokens,
+            "threads_per_server": args.threads or "torch default"}
+    out.with_suffix(".json").write_text(json.dumps({**meta, "cells": cells}, indent=2) + "\n")
+    out.with_suffix(".md").write_text(
+        f"# Serving sweep\n\n`{meta['command']}`\n\nMachine: {meta['machine']}. Greedy, streaming chat completions, "
+        f"{args.max_tokens} max tokens, max batch {args.max_batch}; each cell runs the servers one after another on "
+        f"the same prompts. Ratios are against `{names[0]}`.\n\n" + markdown_table(cells, names))
+
+
+def register_cli(subparsers) -> None:
+    p = command_group(subparsers, "bench", help="benchmarks").add_parser(
+        "sweep", help="start several servers and bench them side by side over datasets x concurrency")
+    p.add_argument("--server", action="append", required=True, help='NAME="adaflash serve args"; the first is the baseline')
+    p.add_argument("--datasets", default="gsm8k,mt-bench")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--waves", type=int, default=2, help="prompts per level = max(--min-prompts, waves x concurrency)")
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--port", type=int, default=8310, help="first server's port; the others follow")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP threads per server (pin to 1 when other work shares the machine: OpenMP stalls under contention)")
+    p.add_argument("--log-dir", default="runs/logs/sweep", help="server logs")
+    p.add_argument("--out", required=True, help="path stem for .json, .md and .png")
+    p.set_defaults(func=_cmd)
