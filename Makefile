@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench drafter clean
+.PHONY: install demo test test-fast bench drafter adaflash-drafter clean
 
 install: $(STAMP)
 
@@ -43,6 +43,25 @@ drafter: install
 	$(VENV)/bin/adaflash train drafter --config configs/smollm2-drafter.toml
 	rm -rf adaflash/assets/drafters/smollm2-135m && mkdir -p adaflash/assets/drafters
 	cp -r runs/train/smollm2-drafter/drafter adaflash/assets/drafters/smollm2-135m
+
+# The AdaFlash drafter: record on-policy trajectories from a real server (fixed:7 drafts of the shipped DFlash
+# drafter) on train-split prompts, distill with reverse KL, fit the per-position length head on the distilled
+# drafter's own full-block outcomes along those trajectories, ship drafter + head together.
+ONPOLICY := runs/onpolicy/smollm2-r0
+ADAFLASH := adaflash/assets/drafters/smollm2-135m-adaflash
+adaflash-drafter: install
+	$(VENV)/bin/adaflash serve --method dflash --length-policy fixed:7 --record $(ONPOLICY) --max-batch 16 --port 8400 & \
+	  SERVER=$$!; sleep 60; \
+	  $(VENV)/bin/adaflash bench serve --base-url http://127.0.0.1:8400 --dataset gsm-symbolic --split train \
+	    --num-prompts 48 --concurrency 16 --max-tokens 160; \
+	  for spec in sharegpt-chat:20 sharegpt-code:16 champ:12; do \
+	    $(VENV)/bin/adaflash bench serve --base-url http://127.0.0.1:8400 --dataset $${spec%%:*} --split train \
+	      --num-prompts $${spec##*:} --concurrency 16 --max-tokens 128; done; kill $$SERVER
+	$(VENV)/bin/adaflash train distill --from adaflash/assets/drafters/smollm2-135m --data runs/onpolicy \
+		--out runs/distill/smollm2-rkl --config configs/smollm2-adaflash.toml
+	$(VENV)/bin/adaflash train length-head --trajectories runs/onpolicy --drafter runs/distill/smollm2-rkl/drafter \
+		--out $(ADAFLASH) --kind position --epochs 30 --lr 1e-3 \
+		--report docs/results/length_head.json --plot docs/results/length_head_reliability.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,6 +11,7 @@ from typing import Sequence
 from adaflash.cli_args import add_model_args
 from adaflash.evaluation.drafter_eval import register_cli as register_drafter_eval_cli
 from adaflash.evaluation.load_test import register_cli as register_load_cli
+from adaflash.evaluation.sensitivity import register_cli as register_sensitivity_cli
 from adaflash.evaluation.offline import register_cli as register_bench_cli
 from adaflash.evaluation.serve_bench import register_cli as register_serve_bench_cli
 from adaflash.evaluation.serve_sweep import register_cli as register_sweep_cli
@@ -167,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_load_cli(sub)  # bench load
     register_sweep_cli(sub)  # bench sweep
     register_eval_cli(sub)  # eval tau
-    register_drafter_eval_cli(sub)  # eval drafters
+    register_drafter_eval_cli(sub)  # eval drafters, eval rkl-picture
+    register_sensitivity_cli(sub)  # eval sensitivity
     register_serve_cli(sub)  # serve
     register_train_cli(sub)  # train drafter, train distill
     return parser

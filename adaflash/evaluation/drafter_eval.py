@@ -151,7 +151,51 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def token_divergence(pipeline, drafter_dir: str, trajectory: Trajectory, label: str):
+    """Reverse KL(q || p) of the drafter's first draft position for every response token (teacher forcing)."""
+    from adaflash.evaluation.token_picture import TokenScores
+
+    scores = score_blocks(pipeline.target, load_drafter(drafter_dir, dtype=torch.float32), [trajectory])
+    by_anchor = dict(zip(scores.anchors[0].tolist(), scores.divergence[0].tolist()))
+    start = len(trajectory.prompt_ids)
+    tokens = trajectory.tokens
+    values = [by_anchor[i - 1] for i in range(start, len(tokens))]
+    return TokenScores(tuple(pipeline.decode([t]) for t in tokens[start:]), tuple(values), label)
+
+
+def _cmd_rkl_picture(args: argparse.Namespace) -> int:
+    from adaflash.evaluation.offline import write_json
+    from adaflash.evaluation.token_picture import render_html, render_png
+    from adaflash.pipeline import Pipeline
+
+    pipeline = Pipeline.load(args.model, None, "fp32")
+    trajectory = target_trajectories(pipeline, args.dataset, args.index + 1, args.max_new_tokens, Path(args.cache_dir))[args.index]
+    rows = [token_divergence(pipeline, args.before, trajectory, f"before distillation ({args.before})"),
+            token_divergence(pipeline, args.after, trajectory, f"after distillation ({args.after})")]
+    out = Path(args.out)
+    title = f"Drafter vs target, reverse KL per token of one {args.dataset} response (first draft position)"
+    render_png(rows, out.with_suffix(".png"), title)
+    render_html(rows, out.with_suffix(".html"), title)
+    write_json({"dataset": args.dataset, "index": args.index, "rows": [
+        {"label": r.label, "mean": r.mean, "tokens": list(r.tokens), "values": list(r.values)} for r in rows]},
+        out.with_suffix(".json"))
+    print("  ".join(f"{r.label}: mean reverse KL {r.mean:.3f}" for r in rows))
+    return 0
+
+
 def register_cli(subparsers) -> None:
+    q = command_group(subparsers, "eval", help="evaluations").add_parser(
+        "rkl-picture", help="one response's tokens coloured by the drafter's reverse KL to the target, before/after")
+    q.add_argument("--before", required=True, help="drafter checkpoint before distillation")
+    q.add_argument("--after", required=True, help="drafter checkpoint after distillation")
+    q.add_argument("--model", default="smollm2-135m")
+    q.add_argument("--dataset", default="gsm8k")
+    q.add_argument("--index", type=int, default=0, help="which eval prompt")
+    q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--cache-dir", default="runs/trajectories")
+    q.add_argument("--out", required=True, help="path stem for .png, .html and .json")
+    q.set_defaults(func=_cmd_rkl_picture)
+
     p = command_group(subparsers, "eval", help="evaluations").add_parser(
         "drafters", help="drafters side by side along the target's greedy responses (accept length, variance, heads)")
     p.add_argument("--drafter", action="append", required=True, help="NAME=DIR (repeat)")

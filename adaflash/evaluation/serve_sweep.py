@@ -111,16 +111,27 @@ def plot_sweep(cells: list[dict], names: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def _cmd(args: argparse.Namespace) -> int:
-    from adaflash.data import load_prompts
+SIX_MIX = "six-mix"
 
+
+def prompt_pool(name: str) -> list[list[dict]]:
+    """A dataset's eval prompts; `six-mix` interleaves the six benchmarks (one of each in turn)."""
+    from adaflash.data import EVAL_BENCHMARKS, load_prompts
+
+    if name != SIX_MIX:
+        return [list(p.messages) for p in load_prompts(name, "eval")]
+    sets = [load_prompts(b, "eval") for b in EVAL_BENCHMARKS]
+    return [list(s[i].messages) for i in range(min(map(len, sets))) for s in sets]
+
+
+def _cmd(args: argparse.Namespace) -> int:
     servers = [_parse_server(s) for s in args.server]
     names = [n for n, _ in servers]
     levels = [int(c) for c in args.concurrency.split(",")]
     datasets = args.datasets.split(",")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prompts = {ds: [list(p.messages) for p in load_prompts(ds, "eval")] for ds in datasets}
+    prompts = {ds: prompt_pool(ds) for ds in datasets}
     cells: list[dict] = []
     with ExitStack() as stack:
         urls = {n: stack.enter_context(launched_server(n, a, args.port + i, args.max_batch, Path(args.log_dir), args.threads))
@@ -161,7 +172,7 @@ def register_cli(subparsers) -> None:
     p = command_group(subparsers, "bench", help="benchmarks").add_parser(
         "sweep", help="start several servers and bench them side by side over datasets x concurrency")
     p.add_argument("--server", action="append", required=True, help='NAME="adaflash serve args"; the first is the baseline')
-    p.add_argument("--datasets", default="gsm8k,mt-bench")
+    p.add_argument("--datasets", default="gsm8k,mt-bench", help=f"eval prompt sets; {SIX_MIX} = the six benchmarks interleaved")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=64)

@@ -7,6 +7,7 @@ and every error a client can cause is a 4xx with OpenAI's error body.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -19,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request as HTTPRequest
 
 from adaflash.pipeline import Pipeline
 from adaflash.serving.metrics import CountRequests, ServerMetrics
@@ -156,6 +158,30 @@ class _Job:
             self.metrics.generation_tokens.inc(len(self.text.token_ids))
 
 
+async def _drain(job: _Job) -> None:
+    async with contextlib.aclosing(job.events()) as events:
+        async for _ in events:
+            pass
+
+
+async def _finish_unless_disconnected(job: _Job, http_request: HTTPRequest, poll_s: float = 0.25) -> bool:
+    """Run a non-streaming request to its end while watching the connection: a client that hangs up has its
+    engine request aborted (cancelling the drain closes the job's stream) instead of running to max_tokens."""
+    drain = asyncio.ensure_future(_drain(job))
+    try:
+        while not drain.done():
+            await asyncio.wait({drain}, timeout=poll_s)
+            if not drain.done() and await http_request.is_disconnected():
+                drain.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await drain
+                return False
+        drain.result()  # re-raise what the generation raised
+        return True
+    finally:
+        drain.cancel()
+
+
 def _sse(model) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
@@ -195,7 +221,8 @@ class _Service:
             )
         return min(DEFAULT_MAX_TOKENS, room) if asked is None else asked
 
-    async def respond(self, body, shape_cls: type[ResponseShape], encode: Callable[[], list[int]], prompt_param: str):
+    async def respond(self, body, shape_cls: type[ResponseShape], encode: Callable[[], list[int]], prompt_param: str,
+                      http_request: HTTPRequest):
         self.check_model(body.model)
         try:
             prompt_ids = encode()
@@ -218,9 +245,8 @@ class _Service:
         job = _Job(shape, stream, TextStream(self.pipeline.decode, body.stop_sequences()), len(prompt_ids), self.metrics)
         if body.stream:
             return EventStream(self._stream(job, body.include_usage))
-        async with contextlib.aclosing(job.events()) as events:
-            async for _ in events:
-                pass
+        if not await _finish_unless_disconnected(job, http_request):
+            return Response(status_code=499)  # nobody is listening; the engine request is aborted
         return shape.full(job.text.text, job.finish_reason, job.usage())
 
     async def _stream(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
@@ -258,13 +284,15 @@ def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: Server
     _install_error_handlers(app)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await service.respond(body, CompletionShape, lambda: pipeline.encode(prompt=body.prompt), "prompt")
+    async def completions(body: CompletionRequest, http_request: HTTPRequest):
+        return await service.respond(body, CompletionShape, lambda: pipeline.encode(prompt=body.prompt), "prompt",
+                                     http_request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
         messages = [m.for_template() for m in body.messages]
-        return await service.respond(body, ChatShape, lambda: pipeline.encode(messages=messages), "messages")
+        return await service.respond(body, ChatShape, lambda: pipeline.encode(messages=messages), "messages",
+                                     http_request)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -25,3 +25,13 @@ def test_eval_drafters_report(tiny_chat_checkpoint, adaflash_drafter, tmp_path):
     assert a["accept_len_std_across_benchmarks"] >= 0 and "std across benchmarks" in out.with_suffix(".md").read_text()
     assert sum(r["anchors"] for r in report["context_length"]["a"]) > 0
     assert len(list((tmp_path / "cache").glob("*.jsonl"))) == 2  # target responses cached per benchmark
+
+
+def test_rkl_picture(tiny_chat_checkpoint, adaflash_drafter, tmp_path):  # noqa: F811
+    out = tmp_path / "rkl"
+    rc = main(["eval", "rkl-picture", "--model", tiny_chat_checkpoint, "--before", adaflash_drafter, "--after",
+               adaflash_drafter, "--max-new-tokens", "10", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+    assert rc == 0 and out.with_suffix(".png").stat().st_size > 0 and out.with_suffix(".html").is_file()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert rows[0]["values"] == rows[1]["values"] and len(rows[0]["tokens"]) == len(rows[0]["values"]) > 0
+    assert all(v >= -1e-6 for v in rows[0]["values"])

@@ -71,6 +71,15 @@ def test_openai_client_chat_completions_streaming_and_disconnect(base_url, pipel
     assert metric(http, "adaflash_generation_tokens_total") - generated_before < 400
     assert metric(http, "adaflash_accept_length_count") - passes_before < 200  # the engine stopped early, too
 
+    # A non-streaming client that gives up (times out) is aborted too, not run to max_tokens.
+    generated_before = metric(http, "adaflash_generation_tokens_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base_url}/v1/chat/completions", timeout=0.3,
+                   json={"model": MODEL, "messages": CHAT, "max_tokens": 400, "temperature": 0})
+    assert wait_for(lambda: metric(http, "adaflash_client_disconnects_total") == 2)
+    assert wait_for(lambda: metric(http, "adaflash_free_slots") == MAX_BATCH)
+    assert metric(http, "adaflash_generation_tokens_total") - generated_before < 400
+
 
 
 def test_short_soak_every_request_answered_or_refused_and_no_slot_leaks(base_url):
