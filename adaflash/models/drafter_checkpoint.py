@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from adaflash.models.config import read_config_json
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
+from adaflash.models.safetensors_io import atomic_write, check_state, read_tensors, save_tensors
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -27,18 +25,8 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
-    for name, write in (
-        (WEIGHTS_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"})),
-        (CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n")),
-    ):
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path)
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, path / name)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    save_tensors(path / WEIGHTS_FILE, state)
+    atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n"))
     return path
 
 
@@ -56,23 +44,10 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():
         raise FileNotFoundError(f"drafter checkpoint {path} has no {WEIGHTS_FILE}")
-    try:
-        state = load_file(str(weights_file))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"{weights_file} is corrupt or truncated: {exc}") from exc
+    state = read_tensors(weights_file)
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
-    expected = set(drafter.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{weights_file} does not match its config: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    for name, tensor in state.items():
-        want = drafter.state_dict()[name].shape
-        if tensor.shape != want:
-            raise ValueError(f"{weights_file}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
+    check_state(weights_file, state, drafter.state_dict())
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     return drafter.to(device).eval()
 

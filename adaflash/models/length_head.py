@@ -12,18 +12,15 @@ key in config.json), so a drafter and its head travel together and vLLM/SGLang i
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Union
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from adaflash.models.config import read_config_json
+from adaflash.models.safetensors_io import atomic_write, check_state, read_tensors, save_tensors
 
 KINDS = ("block", "position")
 CONFIG_KEY = "adaflash_length_head"
@@ -144,25 +141,14 @@ def build_length_head(config: LengthHeadConfig) -> LengthHead:
     return BlockLengthHead(config) if config.kind == "block" else PositionAcceptanceHead(config)
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def save_length_head(head: LengthHead, drafter_dir: str | Path) -> Path:
     """Weights first, then the config key, so config.json never points at a head that is not there yet."""
     drafter_dir = Path(drafter_dir)
     raw = read_config_json(drafter_dir, "a DFlash drafter checkpoint (config.json + model.safetensors)")
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in head.state_dict().items()}
-    _atomic_write(drafter_dir / HEAD_FILE, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    save_tensors(drafter_dir / HEAD_FILE, state)
     raw[CONFIG_KEY] = head.config.to_dict()
-    _atomic_write(drafter_dir / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(raw, indent=2) + "\n"))
+    atomic_write(drafter_dir / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(raw, indent=2) + "\n"))
     return drafter_dir / HEAD_FILE
 
 
@@ -179,18 +165,8 @@ def load_length_head(drafter_dir: str | Path, device: str | torch.device = "cpu"
     head_file = drafter_dir / HEAD_FILE
     if not head_file.is_file():
         raise FileNotFoundError(f"{drafter_dir / CONFIG_FILE} declares a length head but {head_file} is missing")
-    try:
-        state = load_file(str(head_file))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"{head_file} is corrupt or truncated: {exc}") from exc
+    state = read_tensors(head_file)
     head = build_length_head(config)
-    expected = head.state_dict()
-    if set(state) != set(expected):
-        raise ValueError(f"{head_file} has tensors {sorted(state)}, a {config.kind} head needs {sorted(expected)}")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"{head_file}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}"
-            )
+    check_state(head_file, state, head.state_dict())
     head.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
     return head.to(device).eval()

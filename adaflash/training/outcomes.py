@@ -7,16 +7,14 @@ that matters), counts in int64.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor
+
+from adaflash.models.safetensors_io import read_tensors, save_tensors
 
 _KEYS = ("hidden", "drafted", "accepted")
 
@@ -93,24 +91,11 @@ def save_outcomes(path: str | Path, outcomes: Outcomes) -> Path:
         "drafted": outcomes.drafted.detach().to("cpu", torch.int64).contiguous(),
         "accepted": outcomes.accepted.detach().to("cpu", torch.int64).contiguous(),
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "adaflash-outcomes", "version": "1"})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return save_tensors(path, tensors, {"format": "adaflash-outcomes", "version": "1"})
 
 
 def _load_one(path: Path) -> Outcomes:
-    if not path.is_file():
-        raise FileNotFoundError(f"outcomes file {path} does not exist")
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"{path} is corrupt or truncated: {exc}") from exc
+    tensors = read_tensors(path, "outcomes file")
     missing = [k for k in _KEYS if k not in tensors]
     if missing:
         raise ValueError(f"{path} is not an outcomes file: it lacks {missing}")

@@ -11,13 +11,13 @@ from adaflash.speculative.reference import speculative_generate
 from adaflash.training.block_outcomes import score_blocks
 from adaflash.training.trainer import train
 from adaflash.training.trajectories import Trajectory
-from tests.training.test_distill import _config, feature_data  # noqa: F401 (fixture)
+from tests.training.test_distill import _config
 
 
-def test_score_blocks_matches_real_verification(tiny_checkpoints, feature_data, tmp_path):  # noqa: F811
+def test_score_blocks_matches_real_verification(tiny_checkpoints, tiny_data, tmp_path):
     target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
     # A drafter trained a little on the tiny target, so that some drafts are accepted and some are not.
-    path = train(_config(tiny_checkpoints, feature_data, tmp_path, max_steps=40, lr=1e-2), progress=False)
+    path = train(_config(tiny_checkpoints, tiny_data, tmp_path, max_steps=40, lr=1e-2), progress=False)
     drafter = load_drafter(path, dtype=torch.float32)
     proposer = DFlashProposer(drafter, target)
     b = drafter.config.block_size

@@ -8,10 +8,8 @@ import pytest
 import torch
 
 from adaflash.cli import main
-from adaflash.data.prompt import Prompt, user_messages
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.target import load_target
-from adaflash.training.datagen import DataGenConfig, generate_dataset
 from adaflash.training.dataset import DraftDataset, TrajectoryDataset
 from adaflash.training.trainer import TrainConfig, teacher_pass, train
 from adaflash.training.trajectories import Trajectory, append_trajectories, read_trajectories
@@ -20,22 +18,10 @@ LAYERS = (1, 2)
 
 
 @pytest.fixture(scope="module")
-def feature_data(tiny_checkpoints, tmp_path_factory) -> str:
-    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
-    prompts = [Prompt(id=f"p{i}", domain="chat", dataset="t", messages=user_messages(f"q{i}")) for i in range(6)]
-    out = tmp_path_factory.mktemp("data")
-    generate_dataset(
-        target, lambda p: [3 + int(p.id[1:]), 7, 9 + int(p.id[1:])], [], prompts, out,
-        DataGenConfig(model="tiny", capture_layers=LAYERS, max_new_tokens=20, batch_size=6, shard_size=6),
-    )
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def trajectories(feature_data, tmp_path_factory) -> str:
+def trajectories(tiny_data, tmp_path_factory) -> str:
     """The same samples as token-only trajectories, as the server writes them."""
     path = tmp_path_factory.mktemp("traj") / "round-000.jsonl"
-    samples = DraftDataset(feature_data, LAYERS).samples
+    samples = DraftDataset(tiny_data, LAYERS).samples
     append_trajectories(path, [Trajectory(tuple(s.tokens[: s.prompt_len].tolist()), tuple(s.tokens[s.prompt_len:].tolist()),
                                           source="t") for s in samples])
     return str(path)
@@ -55,9 +41,9 @@ def test_trajectories_round_trip_and_torn_line(tmp_path):
         read_trajectories(tmp_path / "missing")
 
 
-def test_teacher_pass_features_equal_the_generated_ones(tiny_checkpoints, feature_data, trajectories):
+def test_teacher_pass_features_equal_the_generated_ones(tiny_checkpoints, tiny_data, trajectories):
     target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
-    stored = DraftDataset(feature_data, LAYERS).samples
+    stored = DraftDataset(tiny_data, LAYERS).samples
     on_the_fly = TrajectoryDataset(trajectories).samples
     assert len(stored) == len(on_the_fly)
     for a, b in zip(stored, on_the_fly):
@@ -78,8 +64,8 @@ def _config(tiny_checkpoints, data, out_dir, **kw) -> TrainConfig:
 
 
 @pytest.mark.parametrize("loss", ["rkl", "fkl", "tv"])
-def test_distillation_from_a_drafter_lowers_the_divergence(tiny_checkpoints, feature_data, trajectories, tmp_path, loss):
-    base = train(_config(tiny_checkpoints, feature_data, tmp_path / "base", max_steps=6), progress=False)
+def test_distillation_from_a_drafter_lowers_the_divergence(tiny_checkpoints, tiny_data, trajectories, tmp_path, loss):
+    base = train(_config(tiny_checkpoints, tiny_data, tmp_path / "base", max_steps=6), progress=False)
     cfg = _config(tiny_checkpoints, trajectories, tmp_path / "distill", init_from=str(base), loss=loss, alpha=0.0, lr=1e-2,
                   tau=0.0, max_steps=24)
     final = train(cfg, progress=False)
@@ -88,8 +74,8 @@ def test_distillation_from_a_drafter_lowers_the_divergence(tiny_checkpoints, fea
     assert load_drafter(final).config == load_drafter(base).config
 
 
-def test_train_distill_cli(tiny_checkpoints, feature_data, trajectories, tmp_path):
-    base = train(_config(tiny_checkpoints, feature_data, tmp_path / "base", max_steps=2), progress=False)
+def test_train_distill_cli(tiny_checkpoints, tiny_data, trajectories, tmp_path):
+    base = train(_config(tiny_checkpoints, tiny_data, tmp_path / "base", max_steps=2), progress=False)
     rc = main(["train", "distill", "--from", str(base), "--data", trajectories, "--out", str(tmp_path / "d"),
                "--model", tiny_checkpoints["llama"], "--max-steps", "2", "--sequences-per-step", "2",
                "--anchors-per-sequence", "4"])
