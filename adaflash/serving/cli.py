@@ -73,7 +73,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     with runner:
         if watcher is not None:
             watcher.start()
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        finally:
+            if watcher is not None:
+                watcher.stop()
     if runner.engine.recorder is not None:
         runner.engine.recorder.flush()  # the engine thread has stopped: the last outcomes shard is safe to write
     return 0

@@ -86,7 +86,7 @@ class Engine:
             self.scheduler.release(request)
         return outputs
 
-    def swap_proposer(self, proposer: DFlashProposer, policy: LengthPolicy | None = None) -> None:
+    def swap_proposer(self, proposer: DFlashProposer, policy: LengthPolicy | None = None, version: str = "") -> None:
         """Between steps, a new drafter (a published checkpoint) takes over; running requests keep going.
 
         The old drafter's context K/V mean nothing to the new one, so each running request's context is
@@ -106,6 +106,9 @@ class Engine:
                 proposer.add_context(draft_cache, out.hidden, RaggedBatch.build([r.slot], [0], [len(committed)]))
         self.proposer, self.draft_cache = proposer, draft_cache
         self._pending.clear()  # the rebuilt context already holds every committed position
+        if self.recorder is not None:  # outcomes of the old drafter's hidden states stay in their own shard
+            self.recorder.flush()
+            self.recorder.drafter_version = version
         if policy is not None:
             self.policy = policy
 

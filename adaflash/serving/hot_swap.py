@@ -37,7 +37,7 @@ class VersionWatcher:
         target = self.runner.engine.target
         proposer = DFlashProposer(load_drafter(latest, dtype=target.dtype), target)
         policy = self.make_policy(load_length_head(latest))
-        self.runner.call(lambda engine: engine.swap_proposer(proposer, policy)).result()
+        self.runner.call(lambda engine: engine.swap_proposer(proposer, policy, latest.name)).result()
         self.loaded = latest
         log.warning("hot-swapped drafter version %s (length policy %s)", latest.name, policy.name)
         return latest

@@ -21,7 +21,7 @@ from adaflash.models.target import TargetModel
 from adaflash.training.dataset import TrainSample, block_inputs, sample_anchors
 from adaflash.training.losses import IGNORE, divergence
 from adaflash.training.outcomes import Outcomes
-from adaflash.training.trainer import teacher_pass
+from adaflash.training.trainer import teacher_logits, teacher_pass
 from adaflash.training.trajectories import Trajectory
 
 
@@ -58,7 +58,8 @@ def score_blocks(
     """Full-block greedy outcomes at (all, or `anchors_per_sequence` random) anchors of each response."""
     cfg = drafter.config
     hidden_all, drafted_all, accepted_all, anchors_all, div_all = [], [], [], [], []
-    drafter = drafter.float().eval()
+    dtype = next(drafter.parameters()).dtype
+    lm_head = target.lm_head.float()  # scores in fp32 whatever the target's dtype
     for i, t in enumerate(trajectories):
         if len(t.output_ids) < 2:
             continue
@@ -66,9 +67,10 @@ def score_blocks(
         limit = anchors_per_sequence or len(sample.tokens)
         anchors = sample_anchors(sample, limit, torch.Generator().manual_seed(seed * 100003 + i))
         block, labels = block_inputs(sample, anchors, cfg.block_size, cfg.mask_token_id)
-        features, teacher = teacher_pass(target, sample.tokens, cfg.target_layer_ids, anchors)
-        hidden = drafter(features.float(), F.embedding(block, target.embed_tokens), anchors)
-        logits = F.linear(hidden[:, 1:], target.lm_head).float()
+        features, final = teacher_pass(target, sample.tokens, cfg.target_layer_ids)
+        teacher = teacher_logits(target, final, anchors)
+        hidden = drafter(features.to(dtype), F.embedding(block, target.embed_tokens).to(dtype), anchors).float()
+        logits = F.linear(hidden[:, 1:], lm_head)
         valid = labels != IGNORE
         correct = (logits.argmax(-1) == labels) & valid
         hidden_all.append(hidden.to(torch.bfloat16))
@@ -76,7 +78,7 @@ def score_blocks(
         accepted_all.append(correct.long().cumprod(1).sum(1))
         anchors_all.append(anchors)
         # The target's distribution for the first draft position (token a+1) is its logits at the anchor.
-        div_all.append(divergence("rkl", logits[:, 0], teacher, 1.0))
+        div_all.append(divergence("rkl", logits[:, 0], teacher.float(), 1.0))
     if not hidden_all:
         raise ValueError("no trajectory with a response of at least 2 tokens to score")
     outcomes = Outcomes(torch.cat(hidden_all), torch.cat(drafted_all).long(), torch.cat(accepted_all).long())

@@ -162,7 +162,7 @@ class OnlineAdaptation:
             self.current = publish_version(candidate, self.versions)
             proposer = DFlashProposer(load_drafter(self.current, dtype=self.target.dtype), self.target)
             policy = self._policy(load_length_head(self.current))
-            self.runner.call(lambda e: e.swap_proposer(proposer, policy)).result()
+            self.runner.call(lambda e: e.swap_proposer(proposer, policy, self.current.name)).result()
         self._write({"round": r, "version": self.current.name, "candidate_held_out_accept_len": new,
                      "held_out_accept_len": new if promoted else now, "promoted": promoted,
                      "gsm8k_accept_len": self._score(self.current, gsm8k), "trajectories": len(requests),

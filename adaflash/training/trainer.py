@@ -27,6 +27,7 @@ from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, save_
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import TargetModel, load_target
 from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.layers import rms_norm
 from adaflash.training.dataset import block_inputs, load_training_data, sample_anchors
 from adaflash.training.losses import build_loss
 
@@ -151,30 +152,53 @@ def _load_checkpoint(out_dir: Path, optimizer_factory) -> tuple[DFlashDrafter, t
     return drafter, optimizer, int(state["step"])
 
 
-def teacher_pass(target: TargetModel, tokens: torch.Tensor, capture_layers, logit_positions: torch.Tensor | None):
-    """The target over a whole trajectory: context features of every position but the last, and its logits at
-    `logit_positions` (the teacher of distillation). Cloned out of inference mode so autograd may read them."""
+def teacher_pass(target: TargetModel, tokens: torch.Tensor, capture_layers) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target over a whole trajectory: the drafter's context features of every position but the last
+    [L-1, n*d], and the target's final-layer states [L, d] (its logits at any position, see `teacher_logits`).
+    Cloned out of inference mode so autograd may read them."""
+    last, d = target.config.num_layers - 1, target.config.hidden_size
     cache = target.new_cache(1, len(tokens))
-    out = target(tokens, RaggedBatch.build([0], [0], [len(tokens)]), cache, capture_layers,
-                 logit_positions if logit_positions is not None else torch.tensor([len(tokens) - 1]))
-    return out.hidden[:-1].clone(), (out.logits.clone() if logit_positions is not None else None)
+    out = target(tokens, RaggedBatch.build([0], [0], [len(tokens)]), cache, (*capture_layers, last),
+                 torch.tensor([len(tokens) - 1]))
+    return out.hidden[:-1, :-d].clone(), out.hidden[:, -d:].clone()
 
 
-def _sequence_loss(drafter, dcfg, target: TargetModel, sample, cfg: TrainConfig, loss_fn, generator):
+def teacher_logits(target: TargetModel, final_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The target's logits at `positions` from its final-layer states (fp32)."""
+    return target.logits(rms_norm(final_states[positions].to(target.dtype), target.final_norm, target.config.rms_norm_eps)).clone()
+
+
+class TeacherCache:
+    """Target passes per training sample, computed once: the target is frozen, so later epochs reuse them."""
+
+    def __init__(self, target: TargetModel, capture_layers) -> None:
+        self.target, self.capture_layers = target, tuple(capture_layers)
+        self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, index: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if index not in self._store:
+            with torch.no_grad():
+                features, final = teacher_pass(self.target, tokens, self.capture_layers)
+            self._store[index] = (features.to(torch.bfloat16), final)  # features as the data shards keep them
+        return self._store[index]
+
+
+def _sequence_loss(drafter, dcfg, target: TargetModel, index: int, sample, cfg: TrainConfig, loss_fn, generator,
+                   teachers: TeacherCache):
     anchors = sample_anchors(sample, cfg.anchors_per_sequence, generator)
     block, labels = block_inputs(sample, anchors, dcfg.block_size, dcfg.mask_token_id)
     features, teacher = sample.features, None
     if features is None or loss_fn.needs_teacher:
-        # Block position k of anchor a predicts token a+k: the target's distribution for it is its logits
-        # at position a+k-1. Anchors overlap, so the LM head runs once per distinct position.
-        last = len(sample.tokens) - 2
-        positions = (anchors[:, None] + torch.arange(dcfg.block_size - 1)[None, :]).clamp(max=last)
-        unique, inverse = torch.unique(positions, return_inverse=True)
-        with torch.no_grad():
-            computed, logits = teacher_pass(target, sample.tokens, dcfg.target_layer_ids,
-                                            unique if loss_fn.needs_teacher else None)
+        computed, final = teachers.get(index, sample.tokens)
         features = features if features is not None else computed
-        teacher = logits[inverse] if logits is not None else None
+        if loss_fn.needs_teacher:
+            # Block position k of anchor a predicts token a+k: the target's distribution for it is its logits
+            # at position a+k-1. Anchors overlap, so the LM head runs once per distinct position.
+            last = len(sample.tokens) - 2
+            positions = (anchors[:, None] + torch.arange(dcfg.block_size - 1)[None, :]).clamp(max=last)
+            unique, inverse = torch.unique(positions, return_inverse=True)
+            with torch.no_grad():
+                teacher = teacher_logits(target, final, unique)[inverse]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
         hidden = drafter(features.float(), F.embedding(block, target.embed_tokens), anchors)
         # Target's LM head (frozen) on the draft positions only; plain F.linear keeps autograd.
@@ -214,6 +238,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     else:
         drafter, optimizer, step = resumed
     dataset = load_training_data(cfg.data_dir, drafter.config.target_layer_ids)
+    teachers = TeacherCache(target, drafter.config.target_layer_ids)
     steps_per_epoch = len(dataset) // cfg.sequences_per_step
     if steps_per_epoch == 0:
         raise ValueError(f"{len(dataset)} samples cannot fill one step of {cfg.sequences_per_step} sequences")
@@ -235,7 +260,8 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
             sync = j == len(mine) - 1 or not distributed
             ctx = model.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
-                loss, stats = _sequence_loss(model, drafter.config, target, dataset.samples[idx], cfg, loss_fn, generator)
+                loss, stats = _sequence_loss(model, drafter.config, target, idx, dataset.samples[idx], cfg, loss_fn,
+                                             generator, teachers)
                 (loss / len(mine)).backward()
             _accumulate(window, loss.item(), stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)

@@ -11,7 +11,8 @@ from adaflash.cli import main
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.target import load_target
 from adaflash.training.dataset import DraftDataset, TrajectoryDataset
-from adaflash.training.trainer import TrainConfig, teacher_pass, train
+from adaflash.models.kv_cache import RaggedBatch
+from adaflash.training.trainer import TrainConfig, teacher_logits, teacher_pass, train
 from adaflash.training.trajectories import Trajectory, append_trajectories, read_trajectories
 
 LAYERS = (1, 2)
@@ -48,9 +49,14 @@ def test_teacher_pass_features_equal_the_generated_ones(tiny_checkpoints, tiny_d
     assert len(stored) == len(on_the_fly)
     for a, b in zip(stored, on_the_fly):
         assert torch.equal(a.tokens, b.tokens) and b.features is None
-        features, _ = teacher_pass(target, b.tokens, LAYERS, None)
+        features, final = teacher_pass(target, b.tokens, LAYERS)
         # Stored features are bf16 (captured during batched generation); these are recomputed in fp32.
         torch.testing.assert_close(features, a.features.float(), atol=3e-2, rtol=2e-2)
+        # The teacher's logits from the final states are the target's own logits at those positions.
+        positions = torch.tensor([0, len(b.tokens) - 1])
+        cache = target.new_cache(1, len(b.tokens))
+        direct = target(b.tokens, RaggedBatch.build([0], [0], [len(b.tokens)]), cache, (), positions).logits
+        torch.testing.assert_close(teacher_logits(target, final, positions), direct, atol=1e-4, rtol=1e-4)
 
 
 def _config(tiny_checkpoints, data, out_dir, **kw) -> TrainConfig:
