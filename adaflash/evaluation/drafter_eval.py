@@ -32,13 +32,19 @@ from adaflash.training.outcomes import Outcomes
 from adaflash.training.trajectories import Trajectory, append_trajectories, read_trajectories
 
 
-def target_trajectories(pipeline, dataset: str, limit: int, max_new_tokens: int, cache_dir: Path) -> list[Trajectory]:
-    """The target's greedy responses to a benchmark's first `limit` eval prompts (batched; cached on disk)."""
-    path = cache_dir / f"{dataset}-{limit}-{max_new_tokens}.jsonl"
+def target_trajectories(pipeline, dataset: str, limit: int, max_new_tokens: int, cache_dir: Path,
+                        spread_lengths: bool = False, max_prompt_tokens: int = 1536) -> list[Trajectory]:
+    """The target's greedy responses to a benchmark's first `limit` eval prompts (batched; cached on disk).
+    `spread_lengths`: instead, `limit` prompts evenly spread over the set's prompt lengths (context sweeps)."""
+    path = cache_dir / f"{dataset}-{limit}-{max_new_tokens}{'-spread' if spread_lengths else ''}.jsonl"
     if path.is_file():
         return read_trajectories(path)
-    prompts = load_prompts(dataset, "eval", limit=limit)
+    prompts = load_prompts(dataset, "eval", limit=None if spread_lengths else limit)
     ids = [pipeline.encode(messages=p.messages) for p in prompts]
+    if spread_lengths:
+        fits = sorted((len(x), i) for i, x in enumerate(ids) if len(x) <= max_prompt_tokens)
+        pick = [fits[round(j * (len(fits) - 1) / max(1, limit - 1))][1] for j in range(min(limit, len(fits)))]
+        prompts, ids = [prompts[i] for i in pick], [ids[i] for i in pick]
     engine = Engine(pipeline.target, None, max_batch=len(ids), max_len=max(map(len, ids)) + max_new_tokens + 1)
     requests = [Request(p.id, x, max_new_tokens, stop_token_ids=pipeline.stop_token_ids) for p, x in zip(prompts, ids)]
     for r in requests:
@@ -141,7 +147,7 @@ def _cmd(args: argparse.Namespace) -> int:
               + " " + " ".join(f"--drafter {n}={p}" for n, p in drafters.items())),
               "drafters": {n: evaluate_drafter(pipeline.target, p, trajectories, args.anchors) for n, p in drafters.items()}}
     if args.context_dataset:
-        long = target_trajectories(pipeline, args.context_dataset, args.limit, args.max_new_tokens, cache)
+        long = target_trajectories(pipeline, args.context_dataset, args.limit, args.max_new_tokens, cache, spread_lengths=True)
         edges = [int(e) for e in args.context_edges.split(",")]
         report["context_length"] = {n: context_length_table(pipeline.target, p, long, edges) for n, p in drafters.items()}
     out = Path(args.out)

@@ -87,14 +87,18 @@ class BlockLengthHead(nn.Module):
         self.res = nn.Linear(config.head_dim, config.head_dim)
         self.out = nn.Linear(config.head_dim, 1)
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        """Ratio in (0, 1), [N]: the predicted (accepted + 1) / B."""
+    def logit(self, hidden: Tensor) -> Tensor:
+        """The ratio's logit, [N] (training uses it: a saturated sigmoid would stop the gradient)."""
         _check_hidden(hidden, self.config)
         hidden = hidden.to(self.inp.weight.dtype)
         x = torch.cat([hidden.mean(dim=1), hidden[:, -1]], dim=-1)
         x = nn.functional.silu(self.inp(x))
         x = x + nn.functional.silu(self.res(x))
-        return torch.sigmoid(self.out(x)).squeeze(-1)
+        return self.out(x).squeeze(-1)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """Ratio in (0, 1), [N]: the predicted (accepted + 1) / B."""
+        return torch.sigmoid(self.logit(hidden))
 
     def draft_lengths(self, hidden: Tensor) -> Tensor:
         """Drafts to verify, [N] long in [0, B-1]: the candidate length counts the anchor, drafts do not."""

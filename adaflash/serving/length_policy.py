@@ -135,7 +135,9 @@ class ThroughputLength:
     cost: CostModel
     prior: float = 0.6
     decay: float = 0.9  # weight of history in the acceptance estimate
-    probe_every: int = 16  # steps without drafts after which a request drafts one token to re-measure alpha
+    # Steps without drafts after which a request drafts one token to re-measure alpha. A probe costs a drafter
+    # pass plus feeding the context it skipped; at 16 that was ~15% of an AR step under load (docs/results/serve_sweep).
+    probe_every: int = 64
     name: str = "throughput"
 
     def __post_init__(self) -> None:

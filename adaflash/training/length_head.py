@@ -169,7 +169,10 @@ def _loss(head: LengthHead, kind: str, batch: Outcomes, device: str | torch.devi
     drafted, accepted = batch.drafted.to(device), batch.accepted.to(device)
     if kind == "block":
         label, _ = block_labels(drafted, accepted, batch.block_size)
-        return F.mse_loss(head(hidden), label)
+        # The release fits the ratio with MSE; cross-entropy on the same fractional label has the same
+        # minimiser (the label's conditional mean) but no vanishing gradient once the sigmoid saturates,
+        # which stalled MSE at all-zero ratios on SmolLM2's drafter states (large-norm inputs).
+        return F.binary_cross_entropy_with_logits(head.logit(hidden), label)
     labels, mask = position_labels(drafted, accepted, batch.block_size)
     bce = F.binary_cross_entropy_with_logits(head(hidden), labels, reduction="none")
     return (bce * mask).sum() / mask.sum().clamp(min=1)
