@@ -26,9 +26,9 @@ def build_runner(args: argparse.Namespace):
     # Check a bad policy before the (slow) model load; cost-model policies need the loaded models to profile.
     needs_cost = spec in ("throughput", "adaflash")
     policy = build_length_policy(spec) if args.method != "ar" and not needs_cost and spec != "block-head" else None
-    drafter = resolve_drafter(args.model, args.drafter, args.method)
-    if args.watch_versions and args.method != "ar":
-        drafter = str(latest_version(args.watch_versions) or drafter)  # the newest published version, if any
+    # With --watch-versions the newest published version, if any, is what serves first.
+    published = latest_version(args.watch_versions) if args.watch_versions and args.method != "ar" else None
+    drafter = str(published) if published else resolve_drafter(args.model, args.drafter, args.method)
     pipeline = Pipeline.load(args.model, drafter, args.dtype)
     make_policy = None
     if pipeline.proposer is not None and policy is None:

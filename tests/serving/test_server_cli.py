@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from adaflash.serving.cli import register_cli
 from tests.serving.test_server import random_drafter  # noqa: F401  (fixture)
+from tests.training.test_online import adaflash_drafter  # noqa: F401  (fixture)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -64,3 +65,17 @@ def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):
     with pytest.raises(ValueError, match="unknown length policy"):
         args = _parse(["--model", tiny_chat_checkpoint, "--drafter", random_drafter, "--length-policy", "fastest"])
         args.func(args)
+
+
+def test_serve_adaflash_records_and_watches_versions(served, tiny_chat_checkpoint, adaflash_drafter, tmp_path, capsys):
+    from adaflash.models.drafter_checkpoint import publish_version
+    from adaflash.training.trajectories import read_trajectories
+
+    versions = tmp_path / "versions"
+    publish_version(adaflash_drafter, versions)
+    got = served(["--model", tiny_chat_checkpoint, "--method", "adaflash", "--dtype", "fp32", "--max-batch", "2",
+                  "--max-len", "128", "--record", str(tmp_path / "buffer"), "--watch-versions", str(versions)])
+    assert "method adaflash, length policy adaflash" in capsys.readouterr().err
+    client = TestClient(got["app"])
+    assert 'method="adaflash"' in client.get("/metrics").text
+    assert (tmp_path / "buffer").is_dir() and read_trajectories(tmp_path / "buffer") == []  # nothing served yet
