@@ -46,20 +46,25 @@ def _cmd(args: argparse.Namespace) -> int:
     from adaflash.models.length_head import BlockLengthHead, load_length_head
     from adaflash.pipeline import Pipeline
     from adaflash.training.block_outcomes import score_blocks
-    from adaflash.training.trainer import TrainConfig, train
+    from adaflash.training.trainer import TeacherCache, TrainConfig, train
 
     base = TrainConfig.from_file(args.config)
     pipeline = Pipeline.load(base.model, None, "fp32")
     trajectories = target_trajectories(pipeline, "gsm8k", args.limit, args.max_new_tokens, Path(args.cache_dir))
     runs = Path(args.runs_dir)
+    teachers = None  # target passes shared by every run (same data, same target)
     report = {**provenance("adaflash " + " ".join(f"{a}" for a in ["eval", "sensitivity", "--config", args.config,
                                                                      "--steps", str(args.steps)])),
               "steps": args.steps, "distillation": {}}
     for param, values in GRID.items():
         rows = []
         for value in values:
-            cfg = dataclasses.replace(base, **{param: value}, max_steps=args.steps, out_dir=str(runs / f"{param}-{value}"))
-            drafter = train(cfg, progress=False)
+            cfg = dataclasses.replace(base, **{param: value}, max_steps=args.steps)
+            # Named by the whole setting: the defaults' run is shared by the three rows that contain it.
+            cfg = dataclasses.replace(cfg, out_dir=str(runs / f"alpha{cfg.alpha}-tau{cfg.tau}-gamma{cfg.gamma}"))
+            if teachers is None:
+                teachers = TeacherCache(pipeline.target, load_drafter(base.init_from).config.target_layer_ids)
+            drafter = train(cfg, progress=False, teachers=teachers)
             accept = score_blocks(pipeline.target, load_drafter(drafter, dtype=torch.float32), trajectories).accept_length
             rows.append({"value": value, "gsm8k_accept_len": accept})
             print(f"{param}={value}: gsm8k accept length {accept:.3f}", flush=True)

@@ -206,11 +206,13 @@ def _sequence_loss(drafter, dcfg, target: TargetModel, index: int, sample, cfg: 
     return loss_fn(logits, labels, teacher)
 
 
-def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None) -> Path:
+def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None,
+          teachers: TeacherCache | None = None) -> Path:
     """Train (or resume) a drafter; returns the directory of the final bf16 DFlash checkpoint.
 
     `stop_after` ends this invocation after that step (checkpoint saved, no export), as a time box or a
-    kill would; running again resumes.
+    kill would; running again resumes. `teachers` shares target passes between runs on the same data
+    (a hyper-parameter sweep).
     """
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed and not dist.is_initialized():
@@ -238,7 +240,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     else:
         drafter, optimizer, step = resumed
     dataset = load_training_data(cfg.data_dir, drafter.config.target_layer_ids)
-    teachers = TeacherCache(target, drafter.config.target_layer_ids)
+    teachers = teachers or TeacherCache(target, drafter.config.target_layer_ids)
     steps_per_epoch = len(dataset) // cfg.sequences_per_step
     if steps_per_epoch == 0:
         raise ValueError(f"{len(dataset)} samples cannot fill one step of {cfg.sequences_per_step} sequences")

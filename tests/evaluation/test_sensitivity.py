@@ -29,7 +29,7 @@ def test_sensitivity_runs_each_setting(tiny_chat_checkpoint, tmp_path, monkeypat
                  "--block-head", str(start), "--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"),
                  "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
-    assert set(report["distillation"]) == {"alpha", "gamma"} and (tmp_path / "runs" / "alpha-0.5" / "drafter").is_dir()
+    assert set(report["distillation"]) == {"alpha", "gamma"} and (tmp_path / "runs" / "alpha0.5-tau0.01-gamma7.0" / "drafter").is_dir()
     rates = report["rate"]
     assert [r["rate"] for r in rates] == list(sensitivity.RATES)
     assert all(1.0 <= r["accept_len"] <= r["verify_len"] <= 8 for r in rates)
