@@ -124,6 +124,15 @@ def prompt_pool(name: str) -> list[list[dict]]:
     return [list(s[i].messages) for i in range(min(map(len, sets))) for s in sets]
 
 
+def _fitting(pool: list[list[dict]], model: str, max_tokens: int) -> list[list[dict]]:
+    """The prompts whose chat-templated length fits (so every server can take every prompt)."""
+    from adaflash.models.registry import load_tokenizer, resolve_target
+
+    tok = load_tokenizer(resolve_target(model))
+    size = lambda m: len(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))  # noqa: E731
+    return [m for m in pool if size(m) <= max_tokens]
+
+
 def _cmd(args: argparse.Namespace) -> int:
     servers = [_parse_server(s) for s in args.server]
     names = [n for n, _ in servers]
@@ -132,6 +141,8 @@ def _cmd(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompts = {ds: prompt_pool(ds) for ds in datasets}
+    if args.max_prompt_tokens:
+        prompts = {ds: _fitting(pool, args.model, args.max_prompt_tokens) for ds, pool in prompts.items()}
     cells: list[dict] = []
     with ExitStack() as stack:
         urls = {n: stack.enter_context(launched_server(n, a, args.port + i, args.max_batch, Path(args.log_dir), args.threads))
@@ -174,6 +185,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--server", action="append", required=True, help='NAME="adaflash serve args"; the first is the baseline')
     p.add_argument("--datasets", default="gsm8k,mt-bench", help=f"eval prompt sets; {SIX_MIX} = the six benchmarks interleaved")
     p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer prompts (tokenised for --model)")
+    p.add_argument("--model", default="smollm2-135m", help="tokenizer for --max-prompt-tokens")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--waves", type=int, default=2, help="prompts per level = max(--min-prompts, waves x concurrency)")
