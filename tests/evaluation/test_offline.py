@@ -184,7 +184,7 @@ def test_cli_writes_json_with_provenance(tiny_chat_checkpoint, random_drafter, t
     [
         (["--batch-size", "2"], "serving engine"),
         (["--methods", "ar,nope"], "unknown method"),
-        (["--methods", "ar,dflash"], "pass --drafter"),  # no drafter given and none ships for this model
+        (["--methods", "ar,dflash"], "needs --drafter"),  # no drafter given and none ships for this model
         (["--methods", "ar", "--limit", "0"], "--limit"),
     ],
 )
