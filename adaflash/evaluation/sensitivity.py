@@ -57,6 +57,8 @@ def _cmd(args: argparse.Namespace) -> int:
                                                                      "--steps", str(args.steps)])),
               "steps": args.steps, "distillation": {}}
     for param, values in GRID.items():
+        if param not in args.params.split(","):
+            continue
         rows = []
         for value in values:
             cfg = dataclasses.replace(base, **{param: value}, max_steps=args.steps)
@@ -89,7 +91,8 @@ def _cmd(args: argparse.Namespace) -> int:
         lines += [f"| {r['rate']} | {r['accept_len']:.3f} | {r['verify_len']:.2f} |" for r in report["rate"]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(GRID), figsize=(4 * len(GRID), 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(report["distillation"])), figsize=(4 * max(1, len(report["distillation"])), 3.2),
+                             squeeze=False)
     for ax, (param, rows) in zip(axes[0], report["distillation"].items()):
         ax.plot([r["value"] for r in rows], [r["gsm8k_accept_len"] for r in rows], marker="o")
         ax.axhline(start, color="gray", linestyle=":", label="before distillation")
@@ -108,6 +111,7 @@ def register_cli(subparsers) -> None:
         "sensitivity", help="gsm8k accept length vs the distillation's alpha, tau, gamma and the block head's rate")
     p.add_argument("--config", required=True, help="the distillation recipe (TOML) whose values are varied")
     p.add_argument("--steps", type=int, default=30, help="distillation steps per setting")
+    p.add_argument("--params", default=",".join(GRID), help="which of the distillation knobs to vary")
     p.add_argument("--limit", type=int, default=12, help="gsm8k eval prompts scored")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-head", default=None, help="a drafter dir carrying a block length head (for the rate)")
