@@ -195,8 +195,8 @@ class Engine:
         for r, (accepted, _) in zip(requests, results):
             self.target_cache.rollback(r.slot, r.position + accepted + 1)
         for r, f, (accepted, _) in zip(requests, features, results):
-            start, chunks = self._pending.setdefault(r.slot, (r.position, []))
-            chunks.append(f[: accepted + 1])  # the kept positions' features: the drafter's next context
+            # The kept positions' features: the drafter's next context (after any still pending for the slot).
+            self._pending.setdefault(r.slot, (r.position, []))[1].append(f[: accepted + 1])
 
         if self.recorder is not None and drafting:
             self.recorder.on_step(hidden_of(drafting), [lengths[i] for i in drafting], [results[i][0] for i in drafting])

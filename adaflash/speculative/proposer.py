@@ -46,6 +46,10 @@ class DFlashProposer:
     def add_context(self, cache: KVCache, features: torch.Tensor, batch: RaggedBatch) -> None:
         self.drafter.extend_context(cache, features, batch)
 
+    def _check_lengths(self, num_draft: Sequence[int]) -> None:
+        if any(not 0 <= k < self.block_size for k in num_draft):
+            raise ValueError(f"draft lengths must be in [0, {self.block_size - 1}], got {list(num_draft)}")
+
     @torch.inference_mode()
     def draft_hidden(self, cache: KVCache, slots: Sequence[int], anchors: Sequence[int]) -> torch.Tensor:
         """The drafter's one pass over [anchor, MASK...] after each slot's context: hidden states [n, B, d].
@@ -66,8 +70,7 @@ class DFlashProposer:
         generators: Sequence[torch.Generator | None],
     ) -> Drafts:
         """Draft tokens from block hidden states [n, B, d]: the LM head runs only on the positions verified."""
-        if any(not 0 <= k < self.block_size for k in num_draft):
-            raise ValueError(f"draft lengths must be in [0, {self.block_size - 1}], got {list(num_draft)}")
+        self._check_lengths(num_draft)
         rows = [hidden[r, 1 : 1 + k] for r, k in enumerate(num_draft)]
         logits = self.target.logits(torch.cat(rows).to(self.target.dtype))
         tokens, probs, offset = [], [], 0
@@ -93,6 +96,5 @@ class DFlashProposer:
         generators: Sequence[torch.Generator | None],
     ) -> Drafts:
         """Draft after each anchor (the last committed token, placed at its slot's context length)."""
-        if any(not 0 <= k < self.block_size for k in num_draft):
-            raise ValueError(f"draft lengths must be in [0, {self.block_size - 1}], got {list(num_draft)}")
+        self._check_lengths(num_draft)  # before the drafter pass, not after it
         return self.draft_tokens(self.draft_hidden(cache, slots, anchors), num_draft, sampling, generators)
