@@ -6,6 +6,7 @@ import argparse
 import itertools
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from adaflash.cli_args import add_model_args
@@ -31,7 +32,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
     drafter = resolve_drafter(args.model, args.drafter, args.method)
-    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab)
     items = [(None, None, user_messages(args.prompt))] if prompts is None else [(p.id, p.domain, p.messages) for p in prompts]
     for prompt_id, domain, messages in items:
         completion = pipeline.complete(
@@ -61,7 +62,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from adaflash.evaluation.demo import run_demo
 
-    return run_demo(model=args.model, drafter=args.drafter, dtype=args.dtype, max_new_tokens=args.max_new_tokens)
+    return run_demo(model=args.model, drafter=args.drafter, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                    draft_vocab=args.draft_vocab)
 
 
 def _cmd_data_list(args: argparse.Namespace) -> int:
@@ -110,14 +112,16 @@ def _cmd_data_generate(args: argparse.Namespace) -> int:
     config = DataGenConfig(
         model=args.model, capture_layers=layers, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, shard_size=args.shard_size,
-        temperature=args.temperature, seed=args.seed,
+        temperature=args.temperature, seed=args.seed, top_logprobs=args.top_logprobs,
     )
     manifest = generate_dataset(
         pipeline.target, lambda p: pipeline.encode(messages=p.messages), pipeline.stop_token_ids, prompts, args.out, config
     )
     samples = sum(s["num_samples"] for s in manifest["shards"])
     tokens = sum(s["response_tokens"] for s in manifest["shards"])
-    print(f"{args.out}: {samples} samples, {tokens} response tokens, {len(manifest['skipped'])} prompts skipped (too long)")
+    size = sum(f.stat().st_size for f in Path(args.out).glob("shard-*.safetensors"))
+    print(f"{args.out}: {samples} samples, {tokens} response tokens, {len(manifest['skipped'])} prompts skipped (too long), "
+          f"{size / 1e9:.2f} GB on disk")
     return 0
 
 
@@ -158,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--capture-layers", default=None, help="explicit comma-separated target layer ids")
     dgen.add_argument("--max-new-tokens", type=int, default=256)
     dgen.add_argument("--max-prompt-tokens", type=int, default=512)
-    dgen.add_argument("--batch-size", type=int, default=16)
+    dgen.add_argument("--batch-size", type=int, default=64, help="sequences kept running (slots refilled as they finish)")
+    dgen.add_argument("--top-logprobs", type=int, default=0,
+                      help="also keep the target's top-k log-probabilities per response token (soft targets)")
     dgen.add_argument("--shard-size", type=int, default=64)
     dgen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     dgen.add_argument("--seed", type=int, default=0)

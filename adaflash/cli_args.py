@@ -10,6 +10,8 @@ from adaflash.models.registry import DEFAULT_TARGET
 def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = "the reference loop with --draft-length") -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help=f"registry name or HF checkpoint dir (default {DEFAULT_TARGET})")
     p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir (default: the shipped one, if any)")
+    p.add_argument("--draft-vocab", default=None, metavar="K|full",
+                   help="use only the K most frequent ids of the drafter's trimmed vocabulary, or 'full' to ignore it")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
     p.add_argument(
         "--length-policy", default=None,

@@ -72,14 +72,14 @@ class Pipeline:
     @classmethod
     def load(
         cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto",
-        length_policy: str | None = None,
+        length_policy: str | None = None, draft_vocab: str | None = None,
     ) -> "Pipeline":
         checkpoint = resolve_target(model)
         torch_dtype = resolve_dtype(dtype)
         target = load_target(checkpoint, dtype=torch_dtype)
         proposer, head = None, None
         if drafter is not None:
-            proposer = DFlashProposer(load_drafter(drafter, dtype=torch_dtype), target)
+            proposer = DFlashProposer(load_drafter(drafter, dtype=torch_dtype, draft_vocab=draft_vocab), target)
             head = load_length_head(drafter)
         return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model), length_policy=length_policy,
                    length_head=head)

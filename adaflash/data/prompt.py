@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DOMAINS = ("math", "code", "chat")
+# The built-in prompt sets' domains. A user's prompts file may carry any other label: it is reported as given.
+DOMAINS = ("math", "code", "chat", "multilingual")
 ROLES = ("system", "user", "assistant")
 
 
@@ -40,8 +41,8 @@ class Prompt:
         # Validate eagerly: a malformed prompt should fail where it is built, not deep in a decode loop.
         if not self.id:
             raise ValueError("Prompt.id must be non-empty")
-        if self.domain not in DOMAINS:
-            raise ValueError(f"Prompt {self.id!r}: domain {self.domain!r} not in {DOMAINS}")
+        if not isinstance(self.domain, str) or not self.domain.strip():
+            raise ValueError(f"Prompt {self.id!r}: domain must be a non-empty label, got {self.domain!r}")
         if not isinstance(self.messages, tuple) or not self.messages:
             raise ValueError(f"Prompt {self.id!r}: messages must be a non-empty tuple")
         for m in self.messages:

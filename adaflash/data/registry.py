@@ -9,7 +9,7 @@ from adaflash.data import champ, gsm_symbolic, humaneval, mtbench, sharegpt
 from adaflash.data.prompt import DatasetUnavailableError, Prompt
 from adaflash.data.splits import EVAL, SPLITS, TRAIN, check_split
 
-EVAL_BENCHMARKS = ("gsm8k", "champ", "humaneval", "sharegpt-code", "mt-bench", "sharegpt-chat")
+EVAL_BENCHMARKS = ("gsm8k", "champ", "humaneval", "sharegpt-code", "mt-bench", "sharegpt-chat", "mgsm")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,12 @@ def _gsm_symbolic(split: str, multi_turn: bool, seed: int, limit: int | None) ->
     return gsm_symbolic.GSMSymbolicStream(seed, split).take(limit)
 
 
+def _mgsm_symbolic(split: str, multi_turn: bool, seed: int, limit: int | None) -> list[Prompt]:
+    if limit is None:
+        raise ValueError("mgsm-symbolic is an endless generator: pass limit=N")
+    return gsm_symbolic.GSMSymbolicStream(seed, split, gsm_symbolic.MULTILINGUAL_LANGS).take(limit)
+
+
 _SOURCES = {
     s.name: s
     for s in (
@@ -52,6 +58,16 @@ _SOURCES = {
             "gsm-symbolic", "math", gsm_symbolic.PIP_SPEC,
             "fresh GSM-Symbolic variants from train templates only (seeded generator)",
             (TRAIN,), _gsm_symbolic, unbounded=True,
+        ),
+        _Source(
+            "mgsm", "multilingual", gsm_symbolic.PIP_SPEC,
+            f"GSM8K originals translated ({len(gsm_symbolic.MULTILINGUAL_LANGS)} languages), split by template id",
+            SPLITS, lambda split, mt, seed, limit: gsm_symbolic.load_mgsm(split),
+        ),
+        _Source(
+            "mgsm-symbolic", "multilingual", gsm_symbolic.PIP_SPEC,
+            "fresh GSM-Symbolic variants in the same languages, train templates only (seeded generator)",
+            (TRAIN,), _mgsm_symbolic, unbounded=True,
         ),
         _Source(
             "champ", "math", champ.PIP_SPEC, "CHAMP competition math problems (5 categories)",

@@ -18,11 +18,11 @@ DEMO_PROMPTS = [
     ("math", "A shop sells pencils at 3 for $1. How much do 12 pencils cost? Explain step by step."),
 ]
 
-def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int) -> int:
+def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, draft_vocab: str | None = None) -> int:
     shipped = shipped_drafter(model)
     if drafter is None and shipped is not None:
         drafter = str(shipped)
-    pipeline = Pipeline.load(model, drafter, dtype)
+    pipeline = Pipeline.load(model, drafter, dtype, draft_vocab=draft_vocab)
     if pipeline.proposer is None:
         print(
             "NOTE: no trained drafter is available for this target yet; using an UNTRAINED (random) drafter.\n"

@@ -322,7 +322,7 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     except DatasetUnavailableError as exc:  # a RuntimeError: say which package to install, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab)
     report = run_offline_bench(pipeline, prompts, methods, args.max_new_tokens, args.draft_length, args.batch_size)
     print(format_table(report))
     if args.json:

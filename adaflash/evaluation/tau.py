@@ -183,7 +183,7 @@ def _cmd_tau(args: argparse.Namespace) -> int:
     except DatasetUnavailableError as exc:  # a RuntimeError: say which package to install, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab)
     report = run_tau_eval(pipeline, args.out_dir, args.limit, args.max_new_tokens, args.draft_length, command, prompts=prompts)
     print(format_markdown(report))
     print(f"wrote {', '.join(str(Path(args.out_dir) / f) for f in FILES)}", file=sys.stderr)

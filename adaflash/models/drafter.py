@@ -10,7 +10,7 @@ LM head: it borrows the target's. Parameter names equal the public checkpoints' 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from adaflash.models.config import TransformerConfig, rope_theta_of
+from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
 from adaflash.models.layers import apply_rope, rms_norm, rope_cos_sin
 
@@ -46,6 +47,7 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    draft_vocab_size: int | None = None  # a trimmed draft vocabulary of this many ids (models/draft_vocab.py)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unknown keys, kept for round trips
 
     def __post_init__(self) -> None:
@@ -65,6 +67,7 @@ class DrafterConfig:
         block_size: int = 16,
         intermediate_size: int | None = None,
         target_layer_ids: Sequence[int] | None = None,
+        draft_vocab_size: int | None = None,
     ) -> "DrafterConfig":
         return cls(
             hidden_size=target.hidden_size,
@@ -81,6 +84,7 @@ class DrafterConfig:
             rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta,
             max_position_embeddings=target.max_position_embeddings,
+            draft_vocab_size=draft_vocab_size,
         )
 
     def check_compatible(self, target: TransformerConfig) -> None:
@@ -129,6 +133,8 @@ class DrafterConfig:
                 "target_layer_ids": list(self.target_layer_ids),
                 "block_size": self.block_size,
             },
+            # Beside dflash_config, not in it: full-vocabulary loaders ignore it and load the same drafter.
+            **({"draft_vocab": {"file": VOCAB_FILE, "size": self.draft_vocab_size}} if self.draft_vocab_size else {}),
         }
 
     @classmethod
@@ -158,7 +164,8 @@ class DrafterConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta_of(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-            extra={k: v for k, v in cfg.items() if k not in ("block_size", "num_target_layers")},
+            draft_vocab_size=int(cfg["draft_vocab"]["size"]) if cfg.get("draft_vocab") else None,
+            extra={k: v for k, v in cfg.items() if k not in ("block_size", "num_target_layers", "draft_vocab")},
         )
 
 
@@ -224,6 +231,14 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
+        # Not a parameter or buffer: the state dict stays the public schema's; saved in its own file.
+        self.draft_vocab: DraftVocab | None = None
+
+    def set_draft_vocab(self, vocab: DraftVocab | None) -> None:
+        if vocab is not None and vocab.vocab_size != self.config.vocab_size:
+            raise ValueError(f"a draft vocabulary over {vocab.vocab_size} ids for a drafter of vocab {self.config.vocab_size}")
+        self.draft_vocab = vocab
+        self.config = replace(self.config, draft_vocab_size=vocab.size if vocab is not None else None)
 
     @property
     def dtype(self) -> torch.dtype:

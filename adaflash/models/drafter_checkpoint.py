@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from adaflash.models.config import read_config_json
+from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
 from adaflash.models.safetensors_io import atomic_write, check_state, read_tensors, save_tensors
 
@@ -26,6 +27,10 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = 
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_tensors(path / WEIGHTS_FILE, state)
+    if drafter.draft_vocab is not None:
+        drafter.draft_vocab.save(path)
+    else:
+        (path / VOCAB_FILE).unlink(missing_ok=True)
     atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n"))
     return path
 
@@ -38,7 +43,9 @@ def load_drafter_config(path: str | Path) -> DrafterConfig:
         raise ValueError(f"{Path(path) / CONFIG_FILE} is not a usable DFlash drafter config: {exc}") from exc
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> DFlashDrafter:
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                 draft_vocab: str | None = None) -> DFlashDrafter:
+    """`draft_vocab`: None (as saved), "full" (ignore a trimmed vocabulary) or K (keep its K most frequent ids)."""
     path = Path(path)
     config = load_drafter_config(path)
     weights_file = path / WEIGHTS_FILE
@@ -49,7 +56,22 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
         drafter = DFlashDrafter(config)
     check_state(weights_file, state, drafter.state_dict())
     drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    if config.draft_vocab_size:
+        raw = read_config_json(path, "a DFlash drafter checkpoint (config.json + model.safetensors)")
+        drafter.set_draft_vocab(DraftVocab.load(path, raw["draft_vocab"], config.vocab_size))
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(_cut_vocab(drafter.draft_vocab, draft_vocab, path))
     return drafter.to(device).eval()
+
+
+def _cut_vocab(vocab: DraftVocab | None, spec: str, path: Path) -> DraftVocab | None:
+    if str(spec) == "full":
+        return None
+    if not str(spec).isdigit():
+        raise ValueError(f"--draft-vocab takes 'full' or a number of ids, got {spec!r}")
+    if vocab is None:
+        raise ValueError(f"drafter {path} has no trimmed vocabulary to cut to {spec} ids (it drafts over the full one)")
+    return vocab.truncated(int(spec))
 
 
 def init_drafter(config: DrafterConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> DFlashDrafter:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 import sys
 
@@ -58,23 +59,55 @@ def build_runner(args: argparse.Namespace):
     return pipeline, runner, watcher
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def server_config(args: argparse.Namespace):
+    """The HTTP layer's settings (checked before the slow model load); the key from --api-key or the env."""
+    from adaflash.serving.gate import API_KEY_ENV, ServerConfig
 
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    return ServerConfig(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, metrics_open=args.metrics_open,
+                        request_timeout_s=args.request_timeout)
+
+
+def build_app(args: argparse.Namespace):
+    """(app, runner, watcher) from the parsed `serve` arguments: the runner and watcher not started yet."""
     from adaflash.serving.server import create_app
 
+    config = server_config(args)
     pipeline, runner, watcher = build_runner(args)
-    name = args.served_model_name or args.model
+    app = create_app(runner, pipeline.tokenizer, args.served_model_name or args.model, config=config)
+    if watcher is not None:
+        watcher.observer = app.state.metrics.observe_hot_swap
+    app.state.watcher = watcher
+    return app, runner, watcher
+
+
+def _describe(args: argparse.Namespace, app, runner) -> str:
+    """The startup line (the key itself never appears in it, nor anywhere else in the output)."""
+    config = app.state.config
     policy = runner.engine.policy.name if args.method != "ar" else "none (autoregressive)"
-    print(f"adaflash serve: model {name!r}, method {args.method}, length policy {policy}, "
-          f"max batch {args.max_batch}, queue {args.max_queue}, context {runner.context_tokens} tokens, "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    app = create_app(runner, pipeline.tokenizer, name)
+    auth = "bearer key required" + (" (/metrics open)" if config.metrics_open else " (also /metrics)") \
+        if config.api_key else "none"
+    timeout = f"{config.request_timeout_s:g} s" if config.request_timeout_s else "none"
+    return (f"adaflash serve: model {args.served_model_name or args.model!r}, method {args.method}, length policy "
+            f"{policy}, max batch {args.max_batch}, queue {args.max_queue}, context {runner.context_tokens} tokens, "
+            f"auth {auth}, request timeout {timeout}, drain {args.drain_timeout:g} s, http://{args.host}:{args.port}/v1")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from adaflash.serving import shutdown
+
+    app, runner, watcher = build_app(args)
+    print(_describe(args, app, runner), file=sys.stderr, flush=True)
+    if app.state.config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"adaflash serve: warning: listening on {args.host} without an API key: anyone who can reach the port "
+              "can use this server (set ADAFLASH_API_KEY or --api-key)", file=sys.stderr, flush=True)
     with runner:
         if watcher is not None:
             watcher.start()
         try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+            shutdown.serve(app, app.state.admission, host=args.host, port=args.port, log_level=args.log_level,
+                           drain_timeout_s=args.drain_timeout)
         finally:
             if watcher is not None:
                 watcher.stop()
@@ -105,6 +138,19 @@ def register_cli(subparsers) -> None:
     p.add_argument("--record", default=None, metavar="DIR",
                    help="on-policy buffer: append finished requests to DIR/trajectories.jsonl and verification "
                    "outcomes to DIR/outcomes-*.safetensors (the data of `train distill` and `train length-head`)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every /v1 request (and /metrics unless --metrics-open); "
+                   "default: the ADAFLASH_API_KEY environment variable, which is better than this flag (a command line "
+                   "is visible to every user of the machine)")
+    p.add_argument("--metrics-open", action="store_true",
+                   help="with an API key, serve /metrics without it (for a scraper on a trusted network); /health is "
+                   "always open")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="per-request deadline from admission: a request still running is aborted in the engine (its "
+                   "slot freed) and answered 504 request_timeout (a stream ends with that error). Default: none")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM / Ctrl-C: refuse new requests (503) and let running ones finish for up to this "
+                   "long, then abort the rest and exit 0 (default 30)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

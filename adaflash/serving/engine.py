@@ -33,7 +33,10 @@ class Engine:
         max_queue: int = 64,
         max_len: int = 2048,
         recorder=None,
+        capture_layers: Sequence[int] | None = None,
     ) -> None:
+        """`capture_layers`: target layers whose features a plain (drafter-less) engine returns to requests that
+        ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers."""
         self.target, self.proposer = target, proposer
         self.recorder = recorder  # optional: on-policy trajectories and verification outcomes (serving/recorder.py)
         self.policy = policy or FixedLength(proposer.block_size - 1 if proposer else 0)
@@ -41,7 +44,9 @@ class Engine:
         self.max_len = max_len
         self.target_cache = target.new_cache(max_batch, max_len)
         self.draft_cache = proposer.new_cache(max_batch, max_len) if proposer else None
-        self.capture = proposer.capture_layers if proposer else ()
+        if proposer is not None and capture_layers is not None and tuple(capture_layers) != tuple(proposer.capture_layers):
+            raise ValueError(f"capture_layers {tuple(capture_layers)} differ from the drafter's {proposer.capture_layers}")
+        self.capture = tuple(proposer.capture_layers if proposer else capture_layers or ())
         self.max_draft = proposer.block_size - 1 if proposer else 0
         # Target features not yet fed to the drafter, per slot: (first position, [T, n*d] chunks). Fed just
         # before the slot's next drafter pass, so a request the policy keeps from drafting costs no drafter work.
@@ -125,18 +130,21 @@ class Engine:
         batch = RaggedBatch.build([r.slot for r in requests], [0] * len(requests), [len(r.prompt_ids) for r in requests])
         ids = torch.tensor([t for r in requests for t in r.prompt_ids])
         out = self.target(ids, batch, self.target_cache, self.capture, batch.last_token_indices())
+        features = out.hidden.split([len(r.prompt_ids) for r in requests]) if self.capture else [None] * len(requests)
         if self.proposer is not None:
-            for r, f in zip(requests, out.hidden.split([len(r.prompt_ids) for r in requests])):
+            for r, f in zip(requests, features):
                 self._pending[r.slot] = (0, [f])
-        return [self._output(r, r.commit([self._pick(r, out.logits[i])])) for i, r in enumerate(requests)]
+        return [self._output(r, r.commit([self._pick(r, out.logits[i])]), out.logits[i : i + 1], features[i])
+                for i, r in enumerate(requests)]
 
     def _decode(self, requests: Sequence[Request]) -> list[StepOutput]:
         """Plain autoregressive step for every request (no drafter)."""
         batch = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], [1] * len(requests))
-        out = self.target(torch.tensor([r.output_ids[-1] for r in requests]), batch, self.target_cache)
+        out = self.target(torch.tensor([r.output_ids[-1] for r in requests]), batch, self.target_cache, self.capture)
         outputs = []
         for i, r in enumerate(requests):
-            outputs.append(self._output(r, r.commit([self._pick(r, out.logits[i])])))
+            features = out.hidden[i : i + 1] if self.capture else None
+            outputs.append(self._output(r, r.commit([self._pick(r, out.logits[i])]), out.logits[i : i + 1], features))
             r.accept_lengths.append(1)
             r.draft_lengths.append(0)
         return outputs
@@ -201,11 +209,11 @@ class Engine:
         if self.recorder is not None and drafting:
             self.recorder.on_step(hidden_of(drafting), [lengths[i] for i in drafting], [results[i][0] for i in drafting])
         outputs = []
-        for r, k, d, (accepted, next_token) in zip(requests, lengths, draft_tokens, results):
+        for r, k, d, (accepted, next_token), row, f in zip(requests, lengths, draft_tokens, results, rows, features):
             r.accept_lengths.append(accepted + 1)
             r.draft_lengths.append(k)
             self.policy.feedback(r, k, accepted)
-            outputs.append(self._output(r, r.commit(d[:accepted] + [next_token])))
+            outputs.append(self._output(r, r.commit(d[:accepted] + [next_token]), row, f[: accepted + 1]))
         return outputs
 
     def _verify(self, requests, lengths, draft_tokens, draft_probs, rows) -> list[tuple[int, int]]:
@@ -234,5 +242,10 @@ class Engine:
         return results
 
     @staticmethod
-    def _output(request: Request, new_tokens: list[int]) -> StepOutput:
-        return StepOutput(request.request_id, new_tokens, request.finish_reason)
+    def _output(request: Request, new_tokens: list[int], logits: torch.Tensor, features: torch.Tensor | None) -> StepOutput:
+        """`logits` [>= len(new_tokens), V]: the target's rows the new tokens were chosen from (in order)."""
+        top_logprobs = top_ids = None
+        if request.top_logprobs > 0 and new_tokens:
+            top_logprobs, top_ids = torch.log_softmax(logits[: len(new_tokens)].float(), -1).topk(request.top_logprobs, -1)
+        returned = features if request.return_features and features is not None else None
+        return StepOutput(request.request_id, new_tokens, request.finish_reason, top_logprobs, top_ids, returned)

@@ -23,6 +23,15 @@ class ServerMetrics:
         self.generation_tokens = Counter("adaflash_generation_tokens", "tokens generated for clients", registry=r)
         self.disconnects = Counter("adaflash_client_disconnects",
                                    "requests aborted because the client went away before they finished", registry=r)
+        self.request_timeouts = Counter("adaflash_request_timeouts",
+                                        "requests aborted by the per-request deadline (--request-timeout)", registry=r)
+        self.shutdown_aborts = Counter("adaflash_shutdown_aborts",
+                                       "requests aborted because a shutdown's drain time ran out", registry=r)
+        self.hot_swaps = Counter("adaflash_hot_swaps", "published drafter versions swapped in (--watch-versions)",
+                                 registry=r)
+        self.hot_swap_refused = Counter("adaflash_hot_swap_refused",
+                                        "published drafter versions refused (failed to load or do not fit the target); "
+                                        "the incumbent keeps serving", registry=r)
         self.accept_length = Histogram("adaflash_accept_length",
                                        "tokens committed per target pass (accepted drafts + the target's own)",
                                        buckets=ACCEPT_BUCKETS, registry=r)
@@ -31,6 +40,7 @@ class ServerMetrics:
         self.running = Gauge("adaflash_running_requests", "requests in the running batch", registry=r)
         self.queue_depth = Gauge("adaflash_queue_depth", "requests waiting for a slot", registry=r)
         self.free_slots = Gauge("adaflash_free_slots", "unused batch slots", registry=r)
+        Gauge("adaflash_batch_slots", "batch slots in all (--max-batch)", registry=r).set(max_batch)
         Info("adaflash_length_policy", "the draft-length policy and decoding method in use", registry=r).info(
             {"policy": policy, "method": method}
         )
@@ -45,6 +55,10 @@ class ServerMetrics:
             self.accept_length.observe(n)
         for k in stats.draft_lengths:
             self.verify_length.observe(k)
+
+    def observe_hot_swap(self, swapped: bool) -> None:
+        """The version watcher's observer: one call per published version it swapped in or refused."""
+        (self.hot_swaps if swapped else self.hot_swap_refused).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

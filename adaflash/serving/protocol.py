@@ -12,7 +12,7 @@ import secrets
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from adaflash.speculative.sampling import SamplingParams
 
@@ -57,9 +57,17 @@ class _GenerationRequest(_Strict):
     top_k: int | None = Field(None, ge=0)  # extension (vLLM's name); 0 = off
     stop: StopSequence | list[StopSequence] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # torch.Generator's range
-    n: int | None = Field(None, ge=1, le=1)  # one choice per request
+    n: int | None = Field(None, ge=1)  # one choice per request: n > 1 is refused (_one_choice)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n > 1:
+            raise ValueError(f"n={n} is not supported: this server returns one choice per request (send n=1, or "
+                             "several requests with different seeds)")
+        return n
 
     @model_validator(mode="after")
     def _reject_unsupported(self):

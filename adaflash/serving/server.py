@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
 
 from adaflash.pipeline import Pipeline
+from adaflash.serving.gate import Admission, Gate, ServerConfig
 from adaflash.serving.metrics import CountRequests, ServerMetrics
 from adaflash.serving.protocol import (
     DEFAULT_MAX_TOKENS,
@@ -125,7 +126,17 @@ class TextStream:
         return delta
 
 
-@dataclass
+def _timed_out(timeout_s: float) -> APIError:
+    return APIError(504, f"the request ran past this server's deadline of {timeout_s:g} s and was aborted; ask for "
+                    "fewer tokens (max_tokens) or retry when the server is less busy", type="timeout_error",
+                    code="request_timeout")
+
+
+SHUTTING_DOWN = ("the server shut down before the request finished (its drain time ran out) and aborted it; "
+                 "retry on another replica or after it restarts")
+
+
+@dataclass(eq=False)  # hashed by identity: the service keeps its running jobs in a set
 class _Job:
     """One admitted request: its engine stream, its text, and the response shape of its endpoint."""
 
@@ -134,18 +145,45 @@ class _Job:
     text: TextStream
     prompt_tokens: int
     metrics: ServerMetrics
+    runner: EngineRunner
+    on_release: Callable[["_Job"], None] = lambda job: None
     finish_reason: str | None = field(default=None, init=False)
+    aborted: APIError | None = field(default=None, init=False)  # why the server itself aborted the request
+    timer: asyncio.TimerHandle | None = field(default=None, init=False)
+    released: bool = field(default=False, init=False)
 
     def usage(self) -> Usage:
         return Usage.of(self.prompt_tokens, len(self.text.token_ids))
+
+    def abort(self, error: APIError) -> bool:
+        """The server ends the request (deadline, shutdown): the engine frees its slot, the client gets `error`."""
+        if self.stream.finished or self.aborted is not None:
+            return False
+        self.aborted = error
+        self.runner.abort(self.stream.request_id)  # the engine answers with an "abort" output, which events() turns into `error`
+        return True
+
+    def release(self) -> None:
+        """Idempotent end of the job: stop its deadline, abort the engine request if it still runs (the client
+        went away), count its tokens."""
+        if self.released:
+            return
+        self.released = True
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.stream.close() and not self.text.stopped:
+            self.metrics.disconnects.inc()
+        self.metrics.generation_tokens.inc(len(self.text.token_ids))
+        self.on_release(self)
 
     async def events(self) -> AsyncIterator[str]:
         """Text deltas until the request finishes (then `finish_reason` is set). Leaving early, by a stop
         string or a client that went away, aborts the engine request so its slot frees at once."""
         try:
             async for out in self.stream:
-                if out.finish_reason == "abort":  # only a runner shutting down aborts on its own
-                    raise RuntimeError("the request was aborted by the server")
+                if out.finish_reason == "abort":  # the server's own abort (deadline, shutdown) or the runner stopping
+                    raise self.aborted or APIError(503, "the request was aborted by the server", type="server_error",
+                                                   code="aborted")
                 delta = self.text.push(out.new_token_ids, out.finish_reason is not None)
                 if delta:
                     yield delta
@@ -153,9 +191,7 @@ class _Job:
                     self.finish_reason = "stop" if self.text.stopped else out.finish_reason
                     return
         finally:
-            if self.stream.close() and not self.text.stopped:
-                self.metrics.disconnects.inc()
-            self.metrics.generation_tokens.inc(len(self.text.token_ids))
+            self.release()
 
 
 async def _drain(job: _Job) -> None:
@@ -188,21 +224,38 @@ def _sse(model) -> str:
 
 class EventStream(StreamingResponse):
     """Server-sent events whose body generator is closed as soon as the response ends, so a client that
-    disconnects mid-stream aborts its engine request now, not whenever the generator is garbage-collected."""
+    disconnects mid-stream aborts its engine request now, not whenever the generator is garbage-collected
+    (and the job is released even if its body never started)."""
 
-    def __init__(self, body: AsyncIterator[str]) -> None:
+    def __init__(self, body: AsyncIterator[str], job: _Job) -> None:
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.job = job
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            self.job.release()
 
 
 class _Service:
-    def __init__(self, runner: EngineRunner, pipeline: Pipeline, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, runner: EngineRunner, pipeline: Pipeline, model_name: str, metrics: ServerMetrics,
+                 config: ServerConfig) -> None:
         self.runner, self.pipeline, self.model_name, self.metrics = runner, pipeline, model_name, metrics
+        self.config = config
+        self.jobs: set[_Job] = set()  # admitted and not yet released (the event loop's thread only)
+
+    def abort_all(self) -> int:
+        """A shutdown whose drain time ran out: abort every running request; how many were aborted."""
+        error = APIError(503, SHUTTING_DOWN, type="server_error", code="server_shutting_down")
+        aborted = sum(job.abort(error) for job in list(self.jobs))
+        self.metrics.shutdown_aborts.inc(aborted)
+        return aborted
+
+    def _expire(self, job: _Job) -> None:
+        if job.abort(_timed_out(self.config.request_timeout_s)):
+            self.metrics.request_timeouts.inc()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -242,11 +295,18 @@ class _Service:
         except ValueError as exc:  # the engine's own bound (kept in step with max_new_tokens above)
             raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        job = _Job(shape, stream, TextStream(self.pipeline.decode, body.stop_sequences()), len(prompt_ids), self.metrics)
+        job = _Job(shape, stream, TextStream(self.pipeline.decode, body.stop_sequences()), len(prompt_ids), self.metrics,
+                   self.runner, self.jobs.discard)
+        self.jobs.add(job)
+        if self.config.request_timeout_s is not None:  # the deadline runs from admission, queueing included
+            job.timer = asyncio.get_running_loop().call_later(self.config.request_timeout_s, self._expire, job)
         if body.stream:
-            return EventStream(self._stream(job, body.include_usage))
-        if not await _finish_unless_disconnected(job, http_request):
-            return Response(status_code=499)  # nobody is listening; the engine request is aborted
+            return EventStream(self._stream(job, body.include_usage), job)
+        try:
+            if not await _finish_unless_disconnected(job, http_request):
+                return Response(status_code=499)  # nobody is listening; the engine request is aborted
+        finally:
+            job.release()
         return shape.full(job.text.text, job.finish_reason, job.usage())
 
     async def _stream(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
@@ -260,14 +320,18 @@ class _Service:
             yield _sse(shape.finish(job.finish_reason))
             if include_usage:
                 yield _sse(shape.usage_chunk(job.usage()))
+        except APIError as exc:  # the server aborted it (deadline, shutdown): say so in the stream
+            yield _sse(ErrorResponse(error=exc.detail))
         except Exception:  # the status line is sent already: report in the stream, as OpenAI does
             log.exception("generation failed mid-stream")
             yield _sse(ErrorResponse(error=ErrorDetail(message="internal server error", type="server_error")))
         yield "data: [DONE]\n\n"
 
 
-def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: ServerMetrics | None = None) -> FastAPI:
-    """The app over a runner the caller starts and stops; it installs its metrics as the runner's observer."""
+def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: ServerMetrics | None = None,
+               config: ServerConfig = ServerConfig()) -> FastAPI:
+    """The app over a runner the caller starts and stops; it installs its metrics as the runner's observer.
+    `app.state.admission` is what a graceful shutdown (serving/shutdown.py) drains."""
     engine = runner.engine
     # The same encode/decode/stop tokens as the CLI, so server output equals `adaflash generate` output.
     pipeline = Pipeline(engine.target, tokenizer, engine.proposer, model_name)
@@ -275,11 +339,14 @@ def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: Server
         method = "ar" if engine.proposer is None else ("adaflash" if engine.policy.name in ("adaflash", "block-head") else "dflash")
         metrics = ServerMetrics(engine.policy.name, method, engine.scheduler.max_batch)
     runner.observer = metrics.observe_step
-    service = _Service(runner, pipeline, model_name, metrics)
+    service = _Service(runner, pipeline, model_name, metrics, config)
+    admission = Admission()
+    admission.on_abort_all(service.abort_all)
     created = int(time.time())
 
     app = FastAPI(title="adaflash", summary="OpenAI-compatible speculative decoding server")
-    app.state.metrics = metrics
+    app.state.metrics, app.state.admission, app.state.config = metrics, admission, config
+    app.add_middleware(Gate, config=config, admission=admission)  # inside CountRequests: 401s and 503s are counted
     app.add_middleware(CountRequests, metrics=metrics)
     _install_error_handlers(app)
 
@@ -305,7 +372,9 @@ def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: Server
 
     @app.get("/health")
     async def health():
-        if not runner.alive:  # a load balancer should stop sending us traffic
+        if admission.draining:  # a load balancer should stop sending us traffic
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not runner.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return {"status": "ok"}
 

@@ -3,7 +3,8 @@
 Narrow interface (as transformers' candidate generator and vLLM's proposers): `add_context` feeds back
 the target features of committed positions, `propose` drafts `num_draft[r]` tokens after each anchor. It
 is `draft_hidden` (one drafter pass) then `draft_tokens` (LM head on the verified positions only), split
-so a length head can read the block between the two.
+so a length head can read the block between the two. A drafter with a trimmed draft vocabulary projects onto
+its K rows of the target's LM head only, and its tokens map back to target ids; verification never changes.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Sequence
 
 import torch
 
+from adaflash.models.draft_vocab import DraftHead
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.kv_cache import KVCache, RaggedBatch
+from adaflash.models.layers import linear
 from adaflash.models.target import TargetModel
 from adaflash.speculative.sampling import SamplingParams, logits_to_probs, sample_tokens
 
@@ -31,6 +34,8 @@ class DFlashProposer:
         drafter.config.check_compatible(target.config)
         self.drafter = drafter
         self.target = target
+        # The target's LM head, or its rows of the draft vocabulary (sliced once, contiguous).
+        self.head = DraftHead(target.lm_head, drafter.draft_vocab)
 
     @property
     def block_size(self) -> int:
@@ -72,19 +77,27 @@ class DFlashProposer:
         """Draft tokens from block hidden states [n, B, d]: the LM head runs only on the positions verified."""
         self._check_lengths(num_draft)
         rows = [hidden[r, 1 : 1 + k] for r, k in enumerate(num_draft)]
-        logits = self.target.logits(torch.cat(rows).to(self.target.dtype))
+        logits = linear(torch.cat(rows).to(self.target.dtype), self.head.weight).float()
         tokens, probs, offset = [], [], 0
         for k, params, gen in zip(num_draft, sampling, generators):
             chunk = logits[offset : offset + k]
             offset += k
             if params.greedy:
-                tokens.append(chunk.argmax(-1))
+                tokens.append(self.head.ids_of(chunk.argmax(-1)))
                 probs.append(None)
             else:
                 p = logits_to_probs(chunk, params)
-                probs.append(p)
-                tokens.append(sample_tokens(p, gen))
+                tokens.append(self.head.ids_of(sample_tokens(p, gen)))
+                probs.append(self._to_target_vocab(p))
         return Drafts(tokens=torch.cat(tokens), probs=tuple(probs), num_draft=tuple(num_draft))
+
+    def _to_target_vocab(self, probs: torch.Tensor) -> torch.Tensor:
+        """The drafter's distribution over the target's vocabulary (zero outside the draft vocabulary): the q of
+        rejection sampling, which stays lossless for any q the drafts were really drawn from."""
+        if self.head.ids is None:
+            return probs
+        full = probs.new_zeros(probs.shape[0], self.target.config.vocab_size)
+        return full.index_copy_(1, self.head.ids, probs)
 
     def propose(
         self,

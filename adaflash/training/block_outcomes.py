@@ -21,6 +21,7 @@ from adaflash.models.target import TargetModel
 from adaflash.training.dataset import TrainSample, block_inputs, sample_anchors
 from adaflash.training.losses import IGNORE, divergence
 from adaflash.training.outcomes import Outcomes
+from adaflash.models.draft_vocab import DraftHead
 from adaflash.training.trainer import teacher_logits, teacher_pass
 from adaflash.training.trajectories import Trajectory
 
@@ -59,7 +60,7 @@ def score_blocks(
     cfg = drafter.config
     hidden_all, drafted_all, accepted_all, anchors_all, div_all = [], [], [], [], []
     dtype = next(drafter.parameters()).dtype
-    lm_head = target.lm_head.float()  # scores in fp32 whatever the target's dtype
+    head = DraftHead(target.lm_head.float(), drafter.draft_vocab)  # scores in fp32 whatever the target's dtype
     for i, t in enumerate(trajectories):
         if len(t.output_ids) < 2:
             continue
@@ -70,15 +71,15 @@ def score_blocks(
         features, final = teacher_pass(target, sample.tokens, cfg.target_layer_ids)
         teacher = teacher_logits(target, final, anchors)
         hidden = drafter(features.to(dtype), F.embedding(block, target.embed_tokens).to(dtype), anchors).float()
-        logits = F.linear(hidden[:, 1:], lm_head)
+        logits = F.linear(hidden[:, 1:], head.weight)
         valid = labels != IGNORE
-        correct = (logits.argmax(-1) == labels) & valid
+        correct = (head.ids_of(logits.argmax(-1)) == labels) & valid
         hidden_all.append(hidden.to(torch.bfloat16))
         drafted_all.append(valid.sum(1))
         accepted_all.append(correct.long().cumprod(1).sum(1))
         anchors_all.append(anchors)
         # The target's distribution for the first draft position (token a+1) is its logits at the anchor.
-        div_all.append(divergence("rkl", logits[:, 0], teacher.float(), 1.0))
+        div_all.append(divergence("rkl", logits[:, 0], head.restrict(teacher.float()), 1.0))
     if not hidden_all:
         raise ValueError("no trajectory with a response of at least 2 tokens to score")
     outcomes = Outcomes(torch.cat(hidden_all), torch.cat(drafted_all).long(), torch.cat(accepted_all).long())

@@ -17,6 +17,10 @@ class TrainSample:
     tokens: torch.Tensor  # [L] int64
     prompt_len: int
     features: torch.Tensor | None  # [L - 1, n*d] target features of every position but the last; None: compute
+    # The target's stored top-k at each response position (row r: position prompt_len - 1 + r), if the data has it.
+    top_logprobs: torch.Tensor | None = None  # [L - prompt_len, k] fp16
+    top_ids: torch.Tensor | None = None  # [L - prompt_len, k] int32
+    domain: str = ""
 
 
 class DraftDataset:
@@ -30,11 +34,12 @@ class DraftDataset:
         if found != tuple(capture_layers):
             raise ValueError(f"{data_dir} holds features of target layers {found}, the drafter reads {capture_layers}")
         self.samples = [
-            TrainSample(torch.tensor(tokens, dtype=torch.long), prompt_len, feats)
+            TrainSample(torch.tensor(s.tokens, dtype=torch.long), s.prompt_len, s.features, s.top_logprobs, s.top_ids, domain)
             for shard in manifest["shards"]
-            for tokens, prompt_len, feats in read_shard(Path(data_dir) / shard["file"])
-            if len(tokens) - prompt_len >= 2  # at least one anchor with a label
+            for s, domain in zip(read_shard(Path(data_dir) / shard["file"]), shard["domains"])
+            if len(s.tokens) - s.prompt_len >= 2  # at least one anchor with a label
         ]
+        self.has_soft_targets = all(s.top_logprobs is not None for s in self.samples)
         if not self.samples:
             raise ValueError(f"{data_dir} has no sample with a response of at least 2 tokens")
 
@@ -53,6 +58,7 @@ class TrajectoryDataset:
         ]
         if not self.samples:
             raise ValueError(f"{path} has no trajectory with a response of at least 2 tokens")
+        self.has_soft_targets = False
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -84,3 +90,16 @@ def block_inputs(sample: TrainSample, anchors: torch.Tensor, block_size: int, ma
     block = torch.full((len(anchors), block_size), mask_token_id, dtype=torch.long)
     block[:, 0] = sample.tokens[anchors]
     return block, labels
+
+
+def block_soft_targets(sample: TrainSample, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored top-k (log-probabilities [A, B-1, k] fp32, target ids [A, B-1, k]) for each block position.
+
+    Block position j of anchor a predicts token a + j, drawn from the target's distribution at position
+    a + j - 1, i.e. stored row a + j - prompt_len. Rows past the sequence end repeat the last (their labels
+    are IGNORE anyway)."""
+    if sample.top_logprobs is None:
+        raise ValueError("this sample has no stored soft targets")
+    rows = anchors[:, None] + torch.arange(1, block_size)[None, :] - sample.prompt_len
+    rows = rows.clamp(0, sample.top_logprobs.shape[0] - 1)
+    return sample.top_logprobs[rows].float(), sample.top_ids[rows].long()

@@ -2,6 +2,9 @@
 
 A strategy turns the drafter's block logits and the batch's labels into a scalar loss and metrics; the
 loop does not know which one runs (the reverse-KL distillation of the AdaFlash method is one more).
+
+Labels are rows of the drafter's head: with a trimmed draft vocabulary a target token outside it is MISS
+(-1): it carries no cross-entropy (the head cannot name it) but counts as a wrong draft in the metrics.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+IGNORE = -100  # past the end of the sequence: neither a loss term nor a metric
+MISS = -1  # a target token outside the draft vocabulary: a certain rejection
 
 
 def position_weights(num_positions: int, gamma: float, device=None) -> torch.Tensor:
@@ -35,8 +39,10 @@ def _weighted_mean(per_token: torch.Tensor, valid: torch.Tensor, gamma: float) -
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token CE [A, K]; zero where the label is IGNORE or MISS (mask those out of the mean)."""
     a, k, v = logits.shape
-    return F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1).clamp_min(0), reduction="none").view(a, k)
+    ce = F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1).clamp_min(0), reduction="none").view(a, k)
+    return ce * (labels >= 0)
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,51 @@ class BlockCrossEntropy:
     gamma: float = 7.0
     name: str = "ce"
     needs_teacher = False
+    needs_soft_targets = False
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None = None):
         """logits [A, K, V] (fp32), labels [A, K] with IGNORE where the block runs past the sequence end."""
         valid = labels != IGNORE
-        return _weighted_mean(_cross_entropy(logits, labels), valid, self.gamma), _greedy_stats(logits, labels, valid)
+        return _weighted_mean(_cross_entropy(logits, labels), labels >= 0, self.gamma), _greedy_stats(logits, labels, valid)
+
+
+@dataclass(frozen=True)
+class SoftTargets:
+    """The target's stored top-k next-token distribution at each block position (`data generate --top-logprobs`)."""
+
+    logprobs: torch.Tensor  # [A, K, k] fp32 log-probabilities under the full vocabulary
+    rows: torch.Tensor  # [A, K, k] draft-head rows of those tokens; MISS outside the draft vocabulary
+
+
+@dataclass(frozen=True)
+class BlockSoftTargets:
+    """CE on the target's tokens plus `weight` x KL(p || q) to the target's top-k distribution at each position.
+
+    p is the stored top-k renormalised over the tokens the drafter can propose (the mass it could ever match);
+    the forward direction, since only the target's own top-k is known. Position-weighted as the CE.
+    """
+
+    weight: float = 1.0
+    gamma: float = 7.0
+    name: str = "ce+kl"
+    needs_teacher = False
+    needs_soft_targets = True
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, teacher: SoftTargets | None = None):
+        if teacher is None:
+            raise ValueError("the ce+kl loss needs soft targets: regenerate the data with `--top-logprobs K`")
+        valid = labels != IGNORE
+        ce = _weighted_mean(_cross_entropy(logits, labels), labels >= 0, self.gamma)
+        kept = teacher.rows >= 0
+        log_p = torch.log_softmax(teacher.logprobs.masked_fill(~kept, float("-inf")), dim=-1)
+        p = log_p.exp().masked_fill(~kept, 0.0)
+        log_q = torch.log_softmax(logits, dim=-1).gather(-1, teacher.rows.clamp_min(0))
+        per_token = (p * (log_p.masked_fill(~kept, 0.0) - log_q)).sum(-1)
+        has_mass = valid & kept.any(-1)
+        kl = _weighted_mean(per_token, has_mass, self.gamma)
+        stats = _greedy_stats(logits, labels, valid)
+        stats["divergence"] = float(kl.detach())
+        return ce + self.weight * kl, stats
 
 
 def divergence(kind: str, student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -86,6 +132,7 @@ class BlockDistillation:
     gamma: float = 7.0
     temperature: float = 1.0
     needs_teacher = True
+    needs_soft_targets = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -104,6 +151,7 @@ class BlockDistillation:
         if teacher_logits is None:
             raise ValueError(f"the {self.name} loss needs the target's logits (teacher forcing)")
         valid = labels != IGNORE
+        # With a draft vocabulary the teacher logits are already restricted to its rows: the argmax is a row.
         teacher_argmax = torch.where(valid, teacher_logits.argmax(-1), labels)
         ce = _weighted_mean(_cross_entropy(logits, teacher_argmax), valid, self.gamma)
         per_token = divergence(self.divergence, logits, teacher_logits.detach(), self.temperature)
@@ -113,13 +161,18 @@ class BlockDistillation:
         return self.alpha * ce + (1 - self.alpha) * div, stats
 
 
-LOSSES = {"ce": BlockCrossEntropy, "rkl": BlockDistillation, "fkl": BlockDistillation, "tv": BlockDistillation}
+LOSSES = {"ce": BlockCrossEntropy, "ce+kl": BlockSoftTargets, "rkl": BlockDistillation, "fkl": BlockDistillation,
+          "tv": BlockDistillation}
 
 
-def build_loss(name: str, gamma: float = 7.0, alpha: float = 0.8, tau: float = 0.01, temperature: float = 1.0):
-    """`ce` (DFlash) or a distillation divergence `rkl` / `fkl` / `tv` with AdaFlash's alpha, tau, temperature."""
+def build_loss(name: str, gamma: float = 7.0, alpha: float = 0.8, tau: float = 0.01, temperature: float = 1.0,
+               soft_weight: float = 1.0):
+    """`ce` (DFlash), `ce+kl` (CE plus KL to the stored top-k soft targets), or a distillation divergence
+    `rkl` / `fkl` / `tv` with AdaFlash's alpha, tau, temperature."""
     if name == "ce":
         return BlockCrossEntropy(gamma=gamma)
+    if name == "ce+kl":
+        return BlockSoftTargets(weight=soft_weight, gamma=gamma)
     if name in ("rkl", "fkl", "tv"):
         return BlockDistillation(divergence=name, alpha=alpha, tau=tau, gamma=gamma, temperature=temperature)
     raise ValueError(f"unknown loss {name!r}; expected one of {sorted(LOSSES)}")

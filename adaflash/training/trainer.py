@@ -28,8 +28,10 @@ from adaflash.models.registry import resolve_target
 from adaflash.models.target import TargetModel, load_target
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.layers import rms_norm
-from adaflash.training.dataset import block_inputs, load_training_data, sample_anchors
-from adaflash.training.losses import build_loss
+from adaflash.models.draft_vocab import DraftHead, DraftVocab, count_tokens
+from adaflash.training.dataset import block_inputs, block_soft_targets, load_training_data, sample_anchors
+from adaflash.training.losses import IGNORE, SoftTargets, build_loss
+from adaflash.training.validation import holdout_accept_lengths, split_holdout
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,11 @@ class TrainConfig:
     intermediate_size: int | None = None
     init_from_target: bool = True
     init_from: str | None = None  # start from this drafter checkpoint (distillation) instead of a new one
-    loss: str = "ce"  # ce (DFlash) | rkl | fkl | tv (AdaFlash distillation)
+    loss: str = "ce"  # ce (DFlash) | ce+kl (CE + KL to stored soft targets) | rkl | fkl | tv (AdaFlash distillation)
+    soft_weight: float = 1.0  # ce+kl: weight of the KL term
+    draft_vocab_size: int | None = None  # trim the drafter's head to the K most frequent target tokens of the data
+    holdout_samples: int = 0  # samples kept out of training; their teacher-forced accept length is logged
+    holdout_anchors: int = 32
     gamma: float = 7.0
     alpha: float = 0.8  # distillation: weight of CE to the target argmax
     tau: float = 0.01  # distillation: per-token divergence floor
@@ -102,6 +108,11 @@ def _copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
             layer.mlp.down_proj.weight.copy_(src.down)
             layer.input_layernorm.weight.copy_(src.input_norm)
             layer.post_attention_layernorm.weight.copy_(src.post_norm)
+
+
+def data_vocab(samples, size: int, vocab_size: int) -> DraftVocab:
+    """The `size` target tokens most frequent in the responses of training samples (the target's own outputs)."""
+    return DraftVocab.most_frequent(count_tokens(s.tokens[s.prompt_len :] for s in samples), size, vocab_size)
 
 
 def new_drafter(cfg: TrainConfig, target: TargetModel) -> DFlashDrafter:
@@ -183,11 +194,15 @@ class TeacherCache:
         return self._store[index]
 
 
-def _sequence_loss(drafter, dcfg, target: TargetModel, index: int, sample, cfg: TrainConfig, loss_fn, generator,
-                   teachers: TeacherCache):
-    anchors = sample_anchors(sample, cfg.anchors_per_sequence, generator)
+def _sequence_loss(drafter, dcfg, target: TargetModel, head: DraftHead, index: int, sample, cfg: TrainConfig, loss_fn,
+                   generator, teachers: TeacherCache, num_anchors: int | None = None):
+    anchors = sample_anchors(sample, num_anchors or cfg.anchors_per_sequence, generator)
     block, labels = block_inputs(sample, anchors, dcfg.block_size, dcfg.mask_token_id)
+    labels = head.rows_of(labels, ignore=IGNORE)  # MISS where the target's token is outside the draft vocabulary
     features, teacher = sample.features, None
+    if loss_fn.needs_soft_targets:
+        logprobs, ids = block_soft_targets(sample, anchors, dcfg.block_size)
+        teacher = SoftTargets(logprobs, head.rows_of(ids))
     if features is None or loss_fn.needs_teacher:
         computed, final = teachers.get(index, sample.tokens)
         features = features if features is not None else computed
@@ -198,11 +213,11 @@ def _sequence_loss(drafter, dcfg, target: TargetModel, index: int, sample, cfg: 
             positions = (anchors[:, None] + torch.arange(dcfg.block_size - 1)[None, :]).clamp(max=last)
             unique, inverse = torch.unique(positions, return_inverse=True)
             with torch.no_grad():
-                teacher = teacher_logits(target, final, unique)[inverse]
+                teacher = head.restrict(teacher_logits(target, final, unique))[inverse]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
         hidden = drafter(features.float(), F.embedding(block, target.embed_tokens), anchors)
-        # Target's LM head (frozen) on the draft positions only; plain F.linear keeps autograd.
-        logits = F.linear(hidden[:, 1:], target.lm_head).float()
+        # The (trimmed) LM head, frozen, on the draft positions only; plain F.linear keeps autograd.
+        logits = F.linear(hidden[:, 1:], head.weight).float()
     return loss_fn(logits, labels, teacher)
 
 
@@ -224,7 +239,8 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     target = load_target(resolve_target(cfg.model), dtype=torch.float32)
-    loss_fn = build_loss(cfg.loss, gamma=cfg.gamma, alpha=cfg.alpha, tau=cfg.tau, temperature=cfg.temperature)
+    loss_fn = build_loss(cfg.loss, gamma=cfg.gamma, alpha=cfg.alpha, tau=cfg.tau, temperature=cfg.temperature,
+                         soft_weight=cfg.soft_weight)
 
     def make_optimizer(model):
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -240,12 +256,19 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     else:
         drafter, optimizer, step = resumed
     dataset = load_training_data(cfg.data_dir, drafter.config.target_layer_ids)
+    if loss_fn.needs_soft_targets and not dataset.has_soft_targets:
+        raise ValueError(f"loss {cfg.loss!r} needs soft targets: {cfg.data_dir} was generated without --top-logprobs")
+    train_ids, holdout_ids = split_holdout(len(dataset), cfg.holdout_samples)
+    if cfg.draft_vocab_size and drafter.draft_vocab is None and step == 0:
+        drafter.set_draft_vocab(data_vocab([dataset.samples[i] for i in train_ids], cfg.draft_vocab_size, target.config.vocab_size))
+    head = DraftHead(target.lm_head, drafter.draft_vocab)
     teachers = teachers or TeacherCache(target, drafter.config.target_layer_ids)
-    steps_per_epoch = len(dataset) // cfg.sequences_per_step
+    steps_per_epoch = len(train_ids) // cfg.sequences_per_step
     if steps_per_epoch == 0:
         raise ValueError(f"{len(dataset)} samples cannot fill one step of {cfg.sequences_per_step} sequences")
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
     model = torch.nn.parallel.DistributedDataParallel(drafter) if distributed else drafter
+    mean_response = sum(len(dataset.samples[i].tokens) - dataset.samples[i].prompt_len for i in train_ids) / len(train_ids)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_frac), last_epoch=step - 1)
     metrics_file = out_dir / "metrics.jsonl"
     bar = tqdm(total=total, initial=step, desc="train drafter", unit="step", disable=not progress or rank != 0)
@@ -253,8 +276,9 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     started = time.perf_counter()
     while step < total:
         epoch, in_epoch = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-        global_ids = order[in_epoch * cfg.sequences_per_step : (in_epoch + 1) * cfg.sequences_per_step].tolist()
+        order = torch.randperm(len(train_ids), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+        picked = order[in_epoch * cfg.sequences_per_step : (in_epoch + 1) * cfg.sequences_per_step].tolist()
+        global_ids = [train_ids[i] for i in picked]
         mine = global_ids[rank::world]
         optimizer.zero_grad(set_to_none=True)
         for j, idx in enumerate(mine):
@@ -262,8 +286,8 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
             sync = j == len(mine) - 1 or not distributed
             ctx = model.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
-                loss, stats = _sequence_loss(model, drafter.config, target, idx, dataset.samples[idx], cfg, loss_fn,
-                                             generator, teachers)
+                loss, stats = _sequence_loss(model, drafter.config, target, head, idx, dataset.samples[idx], cfg,
+                                             loss_fn, generator, teachers)
                 (loss / len(mine)).backward()
             _accumulate(window, loss.item(), stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
@@ -273,6 +297,12 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
         bar.update(1)
         if rank == 0 and (step % cfg.log_every == 0 or step == total):
             record = _summarise(window, step, scheduler.get_last_lr()[0], float(grad_norm), time.perf_counter() - started)
+            record["train_tokens_seen"] = step * cfg.sequences_per_step * mean_response
+            if holdout_ids and (step % cfg.save_every == 0 or step == total):
+                record["holdout"] = holdout_accept_lengths(
+                    lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss_fn,
+                                                g, teachers, cfg.holdout_anchors),
+                    drafter, holdout_ids, [dataset.samples[i].domain for i in holdout_ids])
             with metrics_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['accuracy'][0]:.2f}")

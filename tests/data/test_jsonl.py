@@ -42,7 +42,8 @@ def test_good_file(tmp_path):
         ({"messages": [{"role": "user"}]}, "role.*content"),
         ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "last message"),
         ({"messages": [{"role": "wizard", "content": "q"}]}, "role"),
-        ({"prompt": "x", "domain": "poetry"}, "domain"),
+        ({"prompt": "x", "domain": ""}, "domain"),
+        ({"prompt": "x", "domain": 7}, "domain"),
         ({"prompt": "x", "id": "q1"}, "duplicate id"),
         ('["a list"]', "JSON object"),
     ],
@@ -52,3 +53,8 @@ def test_bad_line_names_file_and_line(tmp_path, bad, message):
     with pytest.raises(ValueError, match=message) as info:
         read_prompts_file(path)
     assert f"{path}:2:" in str(info.value)
+
+
+def test_any_domain_label_is_kept(tmp_path):
+    path = _write(tmp_path, [{"prompt": "Wie viel ist 2+2?", "domain": "multilingual"}, {"prompt": "a verse", "domain": "poetry"}])
+    assert [p.domain for p in read_prompts_file(path)] == ["multilingual", "poetry"]

@@ -16,6 +16,7 @@ from adaflash.data import (
 )
 
 DOMAIN = {
+    "mgsm": "multilingual",
     "gsm8k": "math",
     "champ": "math",
     "humaneval": "code",
@@ -32,6 +33,7 @@ SIZES = {
     "sharegpt-code": {"eval": 221, "train": 2790},
     "mt-bench": {"eval": 80},
     "sharegpt-chat": {"eval": 526, "train": 6479},
+    "mgsm": {"eval": 405, "train": 435},
 }
 EVAL_ID_DIGEST = {
     "gsm8k": "5c95408bef569765",
@@ -40,6 +42,7 @@ EVAL_ID_DIGEST = {
     "sharegpt-code": "97132067e7ff7a6c",
     "mt-bench": "d34b28d17028b86e",
     "sharegpt-chat": "e538cdba0f8c3fa1",
+    "mgsm": "f715d83e21290cde",
 }
 
 
@@ -48,7 +51,7 @@ def _digest(prompts):
 
 
 def test_benchmark_list():
-    assert EVAL_BENCHMARKS == ("gsm8k", "champ", "humaneval", "sharegpt-code", "mt-bench", "sharegpt-chat")
+    assert EVAL_BENCHMARKS == ("gsm8k", "champ", "humaneval", "sharegpt-code", "mt-bench", "sharegpt-chat", "mgsm")
     assert set(EVAL_BENCHMARKS) <= set(dataset_names())
 
 
@@ -146,8 +149,9 @@ def test_missing_package_names_the_pip_command(monkeypatch):
 def test_prompt_validation():
     msgs = ({"role": "user", "content": "hi"},)
     Prompt("a", "chat", "x", msgs)
+    assert Prompt("a", "poetry", "x", msgs).domain == "poetry"  # a user's label is kept as given
     with pytest.raises(ValueError, match="domain"):
-        Prompt("a", "poetry", "x", msgs)
+        Prompt("a", " ", "x", msgs)
     with pytest.raises(ValueError, match="non-empty"):
         Prompt("a", "chat", "x", ())
     with pytest.raises(ValueError, match="last message"):

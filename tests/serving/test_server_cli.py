@@ -1,11 +1,10 @@
-"""`adaflash serve`: argument handling, engine construction and the policy it reports (uvicorn stubbed out)."""
+"""`adaflash serve`: argument handling, engine construction and the policy it reports (the HTTP server stubbed out)."""
 
 from __future__ import annotations
 
 import argparse
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from adaflash.serving.cli import register_cli
@@ -21,10 +20,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 @pytest.fixture
 def served(monkeypatch, tmp_path):
-    """Run `serve` with uvicorn.run replaced: returns what it would have served."""
+    """Run `serve` with the HTTP server replaced: returns what it would have served."""
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
     captured: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: captured.update(app=app, **kw))
+    monkeypatch.setattr("adaflash.serving.shutdown.serve", lambda app, admission, **kw: captured.update(app=app, **kw))
 
     def run(argv: list[str]) -> dict:
         args = _parse(argv)

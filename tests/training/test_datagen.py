@@ -11,21 +11,32 @@ from adaflash.data.prompt import Prompt, user_messages
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.target import load_target
 from adaflash.speculative.reference import autoregressive_generate
-from adaflash.training.datagen import DataGenConfig, generate_batch, generate_dataset, load_manifest, read_shard
+from adaflash.training.datagen import DataGenConfig, generate_dataset, generate_samples, load_manifest, read_shard
 
 LAYERS = (1, 2)
 
 
-def test_batched_generation_equals_reference_and_captures_features(tiny_checkpoints):
+def test_continuous_generation_equals_reference_and_captures_features_and_soft_targets(tiny_checkpoints):
     target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
-    prompts = [[3, 4, 5], [10, 11, 12, 13, 14, 15], [7]]
-    outs = generate_batch(target, prompts, 12, LAYERS, stop_token_ids=[1])
-    for prompt, (response, feats) in zip(prompts, outs):
-        assert response == autoregressive_generate(target, prompt, 12, stop_token_ids=[1]).token_ids
-        seq = prompt + response[:-1]
-        ref = target(torch.tensor(seq), RaggedBatch.build([0], [0], [len(seq)]), target.new_cache(1, 64), LAYERS).hidden
-        assert feats.shape == (len(prompt) + len(response) - 1, 2 * 64)
-        torch.testing.assert_close(feats, ref, atol=1e-4, rtol=1e-4)
+    ids = [[3, 4, 5], [10, 11, 12, 13, 14, 15], [7], [8, 9], [20, 21, 22, 23]]
+    prompts = [Prompt(id=f"p{i}", domain="chat", dataset="t", messages=user_messages("x")) for i in range(len(ids))]
+    # Two slots for five prompts: slots are refilled as sequences finish.
+    config = DataGenConfig(model="tiny", capture_layers=LAYERS, max_new_tokens=12, max_prompt_tokens=8, batch_size=2,
+                           top_logprobs=4)
+    samples = {s.prompt_id: s for s in generate_samples(target, zip(prompts, ids), config, stop_token_ids=[1])}
+    assert sorted(samples) == [p.id for p in prompts]
+    for prompt, prompt_ids in zip(prompts, ids):
+        s = samples[prompt.id]
+        response = autoregressive_generate(target, prompt_ids, 12, stop_token_ids=[1]).token_ids
+        assert s.tokens == prompt_ids + response and s.prompt_len == len(prompt_ids)
+        seq = s.tokens[:-1]
+        out = target(torch.tensor(seq), RaggedBatch.build([0], [0], [len(seq)]), target.new_cache(1, 64), LAYERS)
+        assert s.features.shape == (len(seq), 2 * 64)
+        torch.testing.assert_close(s.features, out.hidden, atol=1e-4, rtol=1e-4)
+        # Soft targets: the target's top-k at every response position, the greedy token first.
+        logprobs = torch.log_softmax(out.logits[len(prompt_ids) - 1 :], -1)
+        assert s.top_ids.shape == (len(response), 4) and s.top_ids[:, 0].tolist() == response
+        torch.testing.assert_close(s.top_logprobs.float(), logprobs.topk(4, -1).values, atol=2e-3, rtol=2e-3)
 
 
 class _Encoder:
@@ -50,10 +61,13 @@ def test_dataset_shards_round_trip_and_resume(tiny_checkpoints, tmp_path):
     encoder = _Encoder()
     manifest = generate_dataset(target, encoder, [1], _prompts(5), tmp_path, config)
     assert encoder.calls == 2
-    assert [pid for s in manifest["shards"] for pid in s["prompt_ids"]] == ["p0", "p1", "p2", "p3", "p4"]
+    held = [pid for s in manifest["shards"] for pid in s["prompt_ids"]]  # in the order sequences finished
+    assert sorted(held) == ["p0", "p1", "p2", "p3", "p4"]
     assert load_manifest(tmp_path) == json.loads((tmp_path / "manifest.json").read_text())
     samples = [s for shard in manifest["shards"] for s in read_shard(tmp_path / shard["file"])]
-    for (tokens, prompt_len, feats), prompt in zip(samples, _prompts(5)):
+    by_id = {p.id: p for p in _prompts(5)}
+    for (tokens, prompt_len, feats, soft, _), prompt in zip(samples, [by_id[pid] for pid in held]):
+        assert soft is None  # no soft targets asked for
         ids = _Encoder()(prompt)
         assert tokens[:prompt_len] == ids
         assert tokens[prompt_len:] == autoregressive_generate(target, ids, 6, stop_token_ids=[1]).token_ids

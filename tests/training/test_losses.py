@@ -71,3 +71,37 @@ def test_build_loss_and_errors():
         BlockDistillation(alpha=1.5)
     with pytest.raises(ValueError, match="teacher"):
         BlockDistillation()(_logits(0), torch.zeros(3, 4, dtype=torch.long))
+
+
+def test_miss_labels_carry_no_cross_entropy_but_count_as_rejections():
+    from adaflash.training.losses import MISS
+
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 0, 1] = 5.0
+    hit, stats = BlockCrossEntropy(gamma=float("inf"))(logits, torch.tensor([[1, MISS, 2]]))
+    assert stats["correct"] == [1, 0, 0] and stats["valid"] == [1, 1, 1] and stats["accepted"] == [1, 0, 0]
+    only_hits, _ = BlockCrossEntropy(gamma=float("inf"))(logits, torch.tensor([[1, -100, 2]]))
+    torch.testing.assert_close(hit, only_hits)  # the MISS position adds nothing to the loss
+
+
+def test_soft_targets_are_ce_plus_forward_kl_over_the_kept_top_k():
+    from adaflash.training.losses import MISS, BlockSoftTargets, SoftTargets
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 6, requires_grad=True)
+    labels = torch.tensor([[0, 1, 2], [3, MISS, -100]])
+    top = torch.log_softmax(torch.randn(2, 3, 4), -1)
+    rows = torch.tensor([[0, 1, 2, MISS]]).expand(2, 3, 4).contiguous()
+    loss, stats = BlockSoftTargets(weight=0.5, gamma=float("inf"))(logits, labels, SoftTargets(top, rows))
+    # By hand: p renormalised over its kept entries, KL(p || q) at the valid positions, plain means.
+    log_q = torch.log_softmax(logits, -1)
+    p = torch.softmax(top[..., :3], -1)
+    kl = (p * (p.log() - log_q[..., :3])).sum(-1)
+    valid = labels != -100
+    ce_terms = [-log_q[0, 0, 0], -log_q[0, 1, 1], -log_q[0, 2, 2], -log_q[1, 0, 3]]
+    expected = torch.stack(ce_terms).mean() + 0.5 * kl[valid].mean()
+    torch.testing.assert_close(loss, expected)
+    assert stats["divergence"] == pytest.approx(float(kl[valid].mean().detach()), rel=1e-5)
+    loss.backward()
+    with pytest.raises(ValueError, match="top-logprobs"):
+        BlockSoftTargets()(logits, labels, None)

@@ -69,6 +69,37 @@ def test_resume_after_kill_is_exact(tiny_checkpoints, tiny_data, tmp_path):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
 
+def test_trimmed_vocabulary_with_soft_targets_learns_resumes_and_ships(tiny_checkpoints, tiny_soft_data, tmp_path):
+    kw = dict(data_dir=tiny_soft_data, loss="ce+kl", draft_vocab_size=24, holdout_samples=2, max_steps=12, lr=5e-3,
+              save_every=6, log_every=6)
+    straight = train(_config(tiny_checkpoints, tiny_soft_data, tmp_path / "a", **kw), progress=False)
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] and "divergence" in records[-1]
+    # The held-out samples' accept length is logged per domain with every checkpoint.
+    assert set(records[-1]["holdout"]) <= {"all", "chat", "math"} and records[-1]["holdout"]["all"] >= 1.0
+    drafter = load_drafter(straight, dtype=torch.float32)
+    assert drafter.draft_vocab is not None and drafter.draft_vocab.size == 24
+    # The vocabulary is the training responses' most frequent tokens (held-out samples excluded).
+    from adaflash.training.dataset import DraftDataset
+    from adaflash.training.trainer import data_vocab
+    from adaflash.training.validation import split_holdout
+
+    data = DraftDataset(tiny_soft_data, LAYERS)
+    train_ids, _ = split_holdout(len(data), 2)
+    expected = data_vocab([data.samples[i] for i in train_ids], 24, drafter.config.vocab_size)
+    assert drafter.draft_vocab.token_ids.tolist() == expected.token_ids.tolist()
+    train(_config(tiny_checkpoints, tiny_soft_data, tmp_path / "b", **kw), progress=False, stop_after=6)
+    resumed = train(_config(tiny_checkpoints, tiny_soft_data, tmp_path / "b", **kw), progress=False)
+    for (name, a), (_, b) in zip(_weights(straight).items(), _weights(resumed).items()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    assert load_drafter(resumed).draft_vocab.token_ids.tolist() == expected.token_ids.tolist()
+
+
+def test_soft_target_loss_needs_soft_target_data(tiny_checkpoints, tiny_data, tmp_path):
+    with pytest.raises(ValueError, match="top-logprobs"):
+        train(_config(tiny_checkpoints, tiny_data, tmp_path, loss="ce+kl"), progress=False)
+
+
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "c.json"
     bad.write_text(json.dumps({"data_dir": "d", "out_dir": "o", "lr_typo": 1}))

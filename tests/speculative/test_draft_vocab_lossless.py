@@ -1,0 +1,82 @@
+"""A drafter with a trimmed draft vocabulary stays lossless: greedy tokens and the sampling law are the target's,
+in the reference loop and in the batched engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from adaflash.models.draft_vocab import DraftVocab
+from adaflash.models.drafter import DrafterConfig
+from adaflash.models.drafter_checkpoint import init_drafter
+from adaflash.models.target import load_target
+from adaflash.serving.engine import Engine
+from adaflash.serving.length_policy import FixedLength
+from adaflash.serving.request import Request
+from adaflash.speculative.proposer import DFlashProposer
+from adaflash.speculative.reference import autoregressive_generate, speculative_generate
+from adaflash.speculative.sampling import SamplingParams
+from tests.speculative.test_reference import PROMPT, _exact_joint
+
+VOCAB = 96
+
+
+def _trimmed_proposer(target, ids, block=8, seed=0):
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=block)
+    drafter = init_drafter(cfg, seed=seed)
+    drafter.set_draft_vocab(DraftVocab(torch.tensor(ids, dtype=torch.long), VOCAB))
+    return DFlashProposer(drafter, target)
+
+
+def _vocab_around(tokens, extra=8):
+    """The given tokens' ids (some drafts can be right) plus a few others (some drafts are surely wrong)."""
+    kept = list(dict.fromkeys(tokens))
+    return kept + [t for t in range(6, VOCAB) if t not in kept][:extra]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-tied"])
+def test_greedy_trimmed_drafts_equal_autoregressive(tiny_checkpoints, name):
+    target = load_target(tiny_checkpoints[name], dtype=torch.float32)
+    ar = autoregressive_generate(target, PROMPT, 40).token_ids
+    # Half of the tokens the target emits are outside the draft vocabulary: those are certain rejections.
+    proposer = _trimmed_proposer(target, _vocab_around(ar[::2]))
+    drafts = proposer.propose(proposer.new_cache(1, 64), [0], [PROMPT[-1]], [7], [SamplingParams()], [None])
+    assert set(drafts.tokens.tolist()) <= set(proposer.drafter.draft_vocab.token_ids.tolist())
+    for k in (1, 3, 7):
+        assert speculative_generate(target, proposer, PROMPT, 40, draft_length=k).token_ids == ar
+    engine = Engine(target, proposer, FixedLength(7), max_batch=2, max_len=128)
+    requests = [Request("a", PROMPT, 40), Request("b", PROMPT[:3], 25)]
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    assert requests[0].output_ids == ar
+    assert requests[1].output_ids == autoregressive_generate(target, PROMPT[:3], 25).token_ids
+
+
+def test_trimmed_sampling_preserves_the_target_law(tiny_checkpoints):
+    """Chi-square of 3-token sequences against the exact law, the drafter proposing only from its vocabulary."""
+    target = load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    exact = _exact_joint(target, params, 3)
+    support = sorted({t for seq in exact for t in seq})
+    # Keep only part of the target's support: its other tokens can come only from the target's residual.
+    proposer = _trimmed_proposer(target, _vocab_around(support[: max(1, len(support) // 2)], extra=2), seed=3)
+    n = 1200
+    counts = dict.fromkeys(exact, 0)
+    for seed in range(n // 2):
+        counts[tuple(speculative_generate(target, proposer, PROMPT, 3, params, draft_length=2, seed=seed).token_ids)] += 1
+    engine = Engine(target, proposer, FixedLength(2), max_batch=16, max_queue=n, max_len=64)
+    reqs = [Request(f"s{i}", PROMPT, 3, sampling=params, seed=10_000 + i) for i in range(n - n // 2)]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    for r in reqs:
+        counts[tuple(r.output_ids)] += 1
+    assert sum(sum(r.draft_lengths) for r in reqs) > 0 and any(a > 1 for r in reqs for a in r.accept_lengths)
+    big = [k for k in exact if exact[k] * n >= 5]
+    observed = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
+    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
+    assert chisquare(observed, expected).pvalue > 1e-3
