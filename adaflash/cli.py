@@ -17,6 +17,7 @@ from adaflash.evaluation.offline import register_cli as register_bench_cli
 from adaflash.evaluation.serve_bench import register_cli as register_serve_bench_cli
 from adaflash.evaluation.serve_sweep import register_cli as register_sweep_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
+from adaflash.evaluation.vocab_coverage import register_cli as register_vocab_cli
 from adaflash.models.registry import DEFAULT_TARGET, resolve_drafter
 from adaflash.serving.cli import register_cli as register_serve_cli
 from adaflash.training.cli import register_cli as register_train_cli
@@ -127,6 +128,9 @@ def _cmd_data_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaflash", description="Lossless adaptive speculative decoding")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for every command (default: $ADAFLASH_THREADS, else all cores); "
+                        "benchmarks should run with nothing else on those cores")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with AR or speculative decoding")
@@ -174,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_load_cli(sub)  # bench load
     register_sweep_cli(sub)  # bench sweep
     register_eval_cli(sub)  # eval tau
+    register_vocab_cli(sub)  # eval vocab
     register_drafter_eval_cli(sub)  # eval drafters, eval rkl-picture
     register_sensitivity_cli(sub)  # eval sensitivity
     register_serve_cli(sub)  # serve
@@ -181,9 +186,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def set_threads(threads: int | None) -> int:
+    """--threads, else $ADAFLASH_THREADS, else torch's default (one per core); returns the number in force."""
+    import os
+
+    import torch
+
+    if threads is None and os.environ.get("ADAFLASH_THREADS"):
+        try:
+            threads = int(os.environ["ADAFLASH_THREADS"])
+        except ValueError:
+            raise ValueError(f"ADAFLASH_THREADS must be a whole number, got {os.environ['ADAFLASH_THREADS']!r}") from None
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        set_threads(args.threads)
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

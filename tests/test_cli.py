@@ -65,6 +65,31 @@ def test_generate_errors_are_clear(tiny_chat_checkpoint, tmp_path, capsys):
     assert "needs --drafter" in capsys.readouterr().err
 
 
+def test_multilingual_domain_label_is_reported(tiny_chat_checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Wie viel ist 2+2?", "domain": "multilingual"}) + "\n")
+    assert main(["generate", "--prompts-file", str(prompts), "--model", tiny_chat_checkpoint, "--max-new-tokens", "4",
+                 "--json"]) == 0
+    assert _json_lines(capsys.readouterr().out)[0]["domain"] == "multilingual"
+
+
+def test_threads_flag_and_environment(monkeypatch, capsys):
+    from adaflash.cli import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(1) == 1
+        monkeypatch.setenv("ADAFLASH_THREADS", "2")
+        assert set_threads(None) == 2
+        monkeypatch.setenv("ADAFLASH_THREADS", "many")
+        assert main(["data", "list"]) == 2
+        assert "ADAFLASH_THREADS" in capsys.readouterr().err
+        assert main(["--threads", "0", "data", "list"]) == 2
+        assert "--threads" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "adaflash.cli", "generate", "--help"], capture_output=True, text=True, check=True)
     assert "--prompts-file" in out.stdout and "--method" in out.stdout

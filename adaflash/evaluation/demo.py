@@ -16,6 +16,7 @@ DEMO_PROMPTS = [
     ("chat", "Give me three tips for staying focused while working from home."),
     ("code", "Write a Python function that returns the n-th Fibonacci number iteratively."),
     ("math", "A shop sells pencils at 3 for $1. How much do 12 pencils cost? Explain step by step."),
+    ("multilingual", "Löse Schritt für Schritt: Ein Zug fährt 3 Stunden mit 80 km/h. Wie weit fährt er?"),
 ]
 
 def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, draft_vocab: str | None = None) -> int:
@@ -54,7 +55,7 @@ def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, d
             all_identical &= identical
             rows.append((domain, {name: r.stats for name, r in results.items()}, identical))
 
-    print(f"\n{'domain':<7}{'AR tok/s':>10}{'full-block tok/s':>17}{'accept':>8}{'speedup':>9}"
+    print(f"\n{'domain':<13}{'AR tok/s':>10}{'full-block tok/s':>17}{'accept':>8}{'speedup':>9}"
           f"{'adaptive tok/s':>16}{'accept':>8}{'speedup':>9}  identical")
     for domain, stats, identical in rows:
         ar = stats["ar"]["tokens_per_s"]
@@ -62,7 +63,7 @@ def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, d
             f"{stats[v]['tokens_per_s']:>{w}.1f}{stats[v]['accept_len_mean']:>8.2f}{stats[v]['tokens_per_s'] / ar:>8.2f}x"
             for v, w in (("dflash-full", 17), ("dflash-adaptive", 16))
         )
-        print(f"{domain:<7}{ar:>10.1f}{cells}  {'yes' if identical else 'NO'}")
+        print(f"{domain:<13}{ar:>10.1f}{cells}  {'yes' if identical else 'NO'}")
     for v in ("dflash-full", "dflash-adaptive"):
         speedups = [stats[v]["tokens_per_s"] / stats["ar"]["tokens_per_s"] for _, stats, _ in rows]
         print(f"{v}: median speedup {statistics.median(speedups):.2f}x")

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -234,15 +233,19 @@ def soak_markdown(report: LoadReport, command: str, note: str = "") -> str:
     return "\n".join(lines)
 
 
-def _command_line() -> str:
-    """This invocation, the API key masked (it never goes into a file)."""
-    argv = list(sys.argv[1:])
-    for i, a in enumerate(argv):
-        if a == "--api-key" and i + 1 < len(argv):
-            argv[i + 1] = "***"
-        elif a.startswith("--api-key="):
-            argv[i] = "--api-key=***"
-    return "adaflash " + " ".join(argv)
+def _command_line(args: argparse.Namespace, keyed: bool) -> str:
+    """The run's settings as a command line; the API key masked (it never goes into a file)."""
+    parts = ["adaflash bench load", f"--base-url {args.base_url}", f"--streams {args.streams}",
+             f"--duration {args.duration:g}", f"--max-tokens {args.max_tokens}"]
+    if args.disconnect_rate:
+        parts.append(f"--disconnect-rate {args.disconnect_rate:g}")
+    if args.soak:
+        parts += ["--soak", f"--rss-interval {args.rss_interval:g}", f"--max-rss-growth-mb {args.max_rss_growth_mb:g}"]
+    if args.server_pid is not None:
+        parts.append("--server-pid PID")
+    if keyed:
+        parts.append("--api-key ***")
+    return " ".join(parts)
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -256,10 +259,11 @@ def _cmd(args: argparse.Namespace) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "rss_samples"}, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({**result, "command": _command_line(), "note": args.note}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({**result, "command": _command_line(args, bool(api_key)), "note": args.note},
+                                              indent=2) + "\n")
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(soak_markdown(report, _command_line(), args.note))
+        Path(args.markdown).write_text(soak_markdown(report, _command_line(args, bool(api_key)), args.note))
     return 0 if report.clean else 1
 
 

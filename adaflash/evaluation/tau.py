@@ -176,7 +176,8 @@ def _cmd_tau(args: argparse.Namespace) -> int:
     command = command_line(
         ["adaflash", "eval", "tau"],
         [("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens), ("--draft-length", args.draft_length),
-         ("--model", args.model), ("--drafter", drafter), ("--dtype", args.dtype), ("--out-dir", args.out_dir)],
+         ("--model", args.model), ("--drafter", drafter), ("--dtype", args.dtype), ("--draft-vocab", args.draft_vocab),
+         ("--length-policy", args.length_policy), ("--out-dir", args.out_dir)],
     )
     try:
         prompts = load_benchmarks(args.limit)

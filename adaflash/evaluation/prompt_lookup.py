@@ -1,0 +1,115 @@
+"""Our speculative speedup vs transformers' prompt-lookup decoding speedup, per domain, in one run.
+
+    python -m adaflash.evaluation.prompt_lookup --per-domain 3 --max-new-tokens 96 --json docs/results/prompt_lookup.json
+
+For each eval prompt the four runs alternate in one process: transformers `generate` greedy, transformers with
+`prompt_lookup_num_tokens` (n-gram drafts from the prompt), our AR, our speculative method (the shipped DFlash
+drafter under `--length-policy`, default throughput). Each side's speedup is over its own AR on the same prompt;
+the medians per domain are compared. Both transformers runs must produce the same tokens (its lossless check),
+and so must both of ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from adaflash.data import load_prompts
+from adaflash.evaluation.offline import command_line, provenance, write_json
+
+DOMAINS = {"math": "gsm8k", "code": "humaneval", "chat": "mt-bench", "multilingual": "mgsm"}
+
+
+def _hf_generate(model, ids: list[int], max_new_tokens: int, eos: list[int], lookup: int | None) -> tuple[list[int], float]:
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **extra)
+    return out[0, len(ids):].tolist(), time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from adaflash.models.registry import resolve_drafter, resolve_target
+    from adaflash.pipeline import Pipeline
+
+    pipeline = Pipeline.load(args.model, resolve_drafter(args.model, args.drafter), args.dtype, args.length_policy)
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_target(args.model)), dtype=pipeline.target.dtype).eval()
+    eos = list(pipeline.stop_token_ids)
+    rows = []
+    for domain, dataset in DOMAINS.items():
+        for prompt in load_prompts(dataset, "eval", limit=args.per_domain):
+            ids = pipeline.encode(messages=prompt.messages)
+            hf_ar, hf_ar_s = _hf_generate(hf, ids, args.max_new_tokens, eos, None)
+            hf_pld, hf_pld_s = _hf_generate(hf, ids, args.max_new_tokens, eos, args.lookup)
+            ours_ar = pipeline.generate_ids(ids, "ar", args.max_new_tokens)
+            ours_spec = pipeline.generate_ids(ids, "dflash", args.max_new_tokens)
+            rows.append({
+                "domain": domain, "prompt_id": prompt.id, "tokens": len(ours_ar.token_ids),
+                "hf_ar_tok_s": len(hf_ar) / hf_ar_s, "hf_pld_tok_s": len(hf_pld) / hf_pld_s,
+                "ours_ar_tok_s": len(ours_ar.token_ids) / ours_ar.stats.elapsed_s,
+                "ours_spec_tok_s": len(ours_spec.token_ids) / ours_spec.stats.elapsed_s,
+                "ours_accept_len": ours_spec.stats.accept_len_mean,
+                "hf_lossless": hf_ar == hf_pld, "ours_lossless": ours_ar.token_ids == ours_spec.token_ids,
+            })
+            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+    by_domain = {}
+    for domain in DOMAINS:
+        mine = [r for r in rows if r["domain"] == domain]
+        pld = statistics.median(r["hf_pld_tok_s"] / r["hf_ar_tok_s"] for r in mine)
+        ours = statistics.median(r["ours_spec_tok_s"] / r["ours_ar_tok_s"] for r in mine)
+        by_domain[domain] = {"prompt_lookup_speedup": pld, "ours_speedup": ours, "ours_beats_prompt_lookup": ours > pld,
+                             "ours_accept_len": statistics.fmean(r["ours_accept_len"] for r in mine)}
+    return {"rows": rows, "by_domain": by_domain, "dtype": str(pipeline.target.dtype).removeprefix("torch."),
+            "length_policy": args.length_policy, "lookup": args.lookup}
+
+
+def to_markdown(report: dict) -> str:
+    lines = [
+        "# Our speculative speedup vs transformers' prompt-lookup decoding (batch 1, greedy)",
+        "",
+        f"Command: `{report['command']}`",
+        f"Machine: {report['machine']['processor']}, {report['machine']['threads']} threads, {report['dtype']}; "
+        f"ours: DFlash drafter, length policy {report['length_policy']}; transformers: prompt_lookup_num_tokens="
+        f"{report['lookup']}. Each speedup is over its own AR on the same prompts (median).",
+        "",
+        "| domain | transformers PLD / AR | ours / our AR | our accept length | ours better |",
+        "|---|---|---|---|---|",
+    ]
+    for d, m in report["by_domain"].items():
+        lines.append(f"| {d} | {m['prompt_lookup_speedup']:.2f}x | {m['ours_speedup']:.2f}x | {m['ours_accept_len']:.2f} | "
+                     f"{'yes' if m['ours_beats_prompt_lookup'] else 'no'} |")
+    lossless = all(r["ours_lossless"] for r in report["rows"])
+    lines += ["", f"Our outputs identical to our AR on every prompt: {'yes' if lossless else 'NO'}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafter", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--length-policy", default="throughput")
+    p.add_argument("--per-domain", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--lookup", type=int, default=10)
+    p.add_argument("--json", default="docs/results/prompt_lookup.json")
+    args = p.parse_args()
+    report = run(args)
+    cmd = command_line(["python", "-m", "adaflash.evaluation.prompt_lookup"],
+                       [("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
+                        ("--length-policy", args.length_policy), ("--lookup", args.lookup), ("--json", args.json)])
+    report.update(provenance(cmd))
+    write_json(report, args.json)
+    Path(args.json).with_suffix(".md").write_text(to_markdown(report))
+    print(to_markdown(report))
+
+
+if __name__ == "__main__":
+    main()

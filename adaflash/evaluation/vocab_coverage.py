@@ -1,0 +1,123 @@
+"""How much of the target's own output a trimmed draft vocabulary covers, and what each size costs to draft.
+
+    adaflash eval vocab --data runs/data/smollm2-v2 --sizes 4096,8192,16384 --holdout 200 --out docs/results/draft_vocab
+
+The vocabulary is ranked on the training samples' responses exactly as `train drafter` ranks it (the same
+held-out split); coverage is measured on the held-out samples' responses, per domain: the share of the target's
+tokens the drafter could ever propose (a ceiling on per-token acceptance). Cost: one batched draft step (the
+drafter pass plus the head on every block position) at batch 1 and 32, per size, on the real target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from adaflash.cli_args import command_group
+from adaflash.evaluation.offline import command_line, provenance, write_json
+from adaflash.models.draft_vocab import DraftVocab
+from adaflash.models.drafter import DrafterConfig
+from adaflash.models.drafter_checkpoint import init_drafter
+from adaflash.training.dataset import DraftDataset
+from adaflash.training.trainer import data_vocab
+from adaflash.training.validation import split_holdout
+
+
+def coverage_by_domain(dataset: DraftDataset, sizes: list[int], holdout: int, vocab_size: int) -> dict:
+    train_ids, held_ids = split_holdout(len(dataset), holdout)
+    biggest = data_vocab([dataset.samples[i] for i in train_ids], max(sizes), vocab_size)
+    held: dict[str, list[torch.Tensor]] = {}
+    for i in held_ids:
+        s = dataset.samples[i]
+        for key in ("all", s.domain or "all") if s.domain else ("all",):
+            held.setdefault(key, []).append(s.tokens[s.prompt_len :])
+    out = {}
+    for size in sizes:
+        vocab = biggest.truncated(size)
+        out[str(size)] = {domain: vocab.coverage(torch.cat(t)) for domain, t in sorted(held.items())}
+    out["full"] = {domain: 1.0 for domain in held}
+    return {"coverage": out, "train_samples": len(train_ids), "held_out_samples": len(held_ids),
+            "held_out_tokens": {d: int(sum(x.numel() for x in t)) for d, t in held.items()}}
+
+
+def draft_step_ms(target, sizes: list[int], batch: int, context: int = 256, repeats: int = 5) -> dict[str, float]:
+    """Median ms of one draft step (drafter pass + head on the 15 draft positions of each block) per head size."""
+    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.speculative.proposer import DFlashProposer
+    from adaflash.speculative.sampling import SamplingParams
+
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=16, num_layers=2, block_size=16)
+    results = {}
+    for size in [*sizes, None]:
+        drafter = init_drafter(cfg, dtype=target.dtype)
+        if size is not None:
+            drafter.set_draft_vocab(DraftVocab(torch.randperm(target.config.vocab_size)[:size], target.config.vocab_size))
+        proposer = DFlashProposer(drafter, target)
+        cache = proposer.new_cache(batch, context + 32)
+        features = torch.randn(batch * context, len(cfg.target_layer_ids) * cfg.hidden_size, dtype=target.dtype)
+        proposer.add_context(cache, features, RaggedBatch.build(list(range(batch)), [0] * batch, [context] * batch))
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            proposer.propose(cache, list(range(batch)), [1] * batch, [15] * batch, [SamplingParams()] * batch, [None] * batch)
+            times.append((time.perf_counter() - start) * 1e3)
+        results[str(size or "full")] = statistics.median(times[1:])
+    return results
+
+
+def to_markdown(report: dict) -> str:
+    cov, cost = report["coverage"], report["draft_step_ms"]
+    domains = sorted(next(iter(cov.values())))
+    lines = [
+        "# Trimmed draft vocabulary: coverage of the target's own outputs, and drafting cost",
+        "",
+        f"Command: `{report['command']}`",
+        f"Ranked on {report['train_samples']} training samples' responses; coverage on {report['held_out_samples']} "
+        f"held-out samples ({report['held_out_tokens'].get('all', 0)} response tokens).",
+        f"Machine: {report['machine']['processor']}, {report['machine']['threads']} threads, {report['dtype']}.",
+        "",
+        "| rows kept | " + " | ".join(f"coverage {d}" for d in domains) + " | draft step ms, batch 1 | batch 32 |",
+        "|---" * (len(domains) + 3) + "|",
+    ]
+    for size in cov:
+        cells = " | ".join(f"{100 * cov[size][d]:.1f}%" for d in domains)
+        lines.append(f"| {size} | {cells} | {cost['1'][size]:.1f} | {cost['32'][size]:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from adaflash.models.dtype import resolve_dtype
+    from adaflash.models.registry import resolve_target
+    from adaflash.models.target import load_target
+
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    target = load_target(resolve_target(args.model), dtype=resolve_dtype(args.dtype))
+    dataset = DraftDataset(args.data, tuple(int(x) for x in args.capture_layers.split(",")))
+    report = coverage_by_domain(dataset, sizes, args.holdout, target.config.vocab_size)
+    report["draft_step_ms"] = {str(b): draft_step_ms(target, sizes, b) for b in (1, 32)}
+    report["dtype"] = str(target.dtype).removeprefix("torch.")
+    cmd = command_line(["adaflash", "eval", "vocab"], [("--data", args.data), ("--sizes", args.sizes),
+                                                       ("--holdout", args.holdout), ("--out", args.out)])
+    report.update(provenance(cmd))
+    out = Path(args.out)
+    write_json(report, out.with_suffix(".json"))
+    out.with_suffix(".md").write_text(to_markdown(report))
+    print(to_markdown(report))
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    p = command_group(subparsers, "eval", "evaluations").add_parser(
+        "vocab", help="coverage and drafting cost of trimmed draft vocabularies on regenerated data")
+    p.add_argument("--data", required=True, help="a `data generate` directory")
+    p.add_argument("--sizes", default="4096,8192,16384")
+    p.add_argument("--holdout", type=int, default=200, help="held-out samples (the trainer's split with the same number)")
+    p.add_argument("--capture-layers", default="1,14,27")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", default="docs/results/draft_vocab", help="writes OUT.json and OUT.md")
+    p.set_defaults(func=_cmd)
