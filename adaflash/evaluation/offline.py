@@ -125,7 +125,8 @@ def check_methods(methods: Sequence[str], batch_size: int = 1) -> tuple[str, ...
     """Validated methods, AR first (always run: it is the reference for losslessness and speedup)."""
     if batch_size != 1:
         raise ValueError(
-            f"batch_size={batch_size}: batched evaluation needs the serving engine, which is not built yet; use batch_size=1"
+            f"batch_size={batch_size}: bench offline decodes one prompt at a time; batched decoding is the serving "
+            "engine's, measured by `bench serve` and `bench load` against `adaflash serve`; use batch_size=1"
         )
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -312,9 +313,11 @@ def _load_prompts(args: argparse.Namespace) -> list[Prompt]:
 
 
 def _cmd_offline(args: argparse.Namespace) -> int:
-    from adaflash.pipeline import Pipeline
+    from adaflash.pipeline import Pipeline, check_draft_length
 
     methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()], args.batch_size)
+    for method in methods:  # before the (slow) load: a flag a method cannot honour is an error
+        check_draft_length(method, args.length_policy, args.draft_length)
     # adaflash among the methods: its drafter (with the length head) serves dflash rows too (DFlash + RKL).
     drafter = resolve_drafter(args.model, args.drafter, "adaflash" if "adaflash" in methods else methods[-1])
     try:
@@ -345,7 +348,7 @@ def register_cli(subparsers) -> None:
     src.add_argument("--dataset", help="a prompt set's eval split (see `adaflash data list`)")
     src.add_argument("--prompts-file", help='JSONL with {"prompt": ...} or {"messages": [...]}')
     p.add_argument("--methods", default="ar,dflash", help=f"comma-separated, from {','.join(METHODS)} (ar always runs)")
-    p.add_argument("--batch-size", type=int, default=1, help="only 1 until the serving engine exists")
+    p.add_argument("--batch-size", type=int, default=1, help="only 1 (batched decoding: `bench serve` against `adaflash serve`)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")

@@ -1,15 +1,19 @@
-"""Figures for the evaluation reports (matplotlib, headless Agg backend; `pip install adaflash[plots]`)."""
+"""Figures for the evaluation reports, the length-head calibration and online adaptation (matplotlib, headless
+Agg backend; `pip install adaflash[plots]`). Training code returns numbers; the commands that want a figure call
+these.
+"""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 DOMAIN_COLORS = {"math": "#1f77b4", "code": "#2ca02c", "chat": "#ff7f0e"}
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (imported on first use: plotting is an optional extra)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers or in tests
@@ -24,7 +28,7 @@ def _color(domain: str) -> str:
 
 def plot_accept_length(rows: Sequence[dict], path: str | Path, title: str) -> Path:
     """Bars of mean accept length (± std) per benchmark, coloured by domain. Rows: benchmark, domain, mean, std."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [r["benchmark"] for r in rows]
     means = [r["accept_len_mean"] or 0.0 for r in rows]
@@ -45,7 +49,7 @@ def plot_accept_length(rows: Sequence[dict], path: str | Path, title: str) -> Pa
 
 def plot_per_position(curves: dict[str, Sequence[float | None]], path: str | Path, title: str) -> Path:
     """One acceptance-rate curve per domain over draft positions k = 1..K (gaps where nothing was eligible)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for domain, rates in curves.items():
         ys = [math.nan if r is None else r for r in rates]
@@ -59,6 +63,50 @@ def plot_per_position(curves: dict[str, Sequence[float | None]], path: str | Pat
     ax.set_title(title)
     if curves:
         ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_reliability(bins: list[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """Reliability diagram: observed frequency per bin against the diagonal of perfect calibration."""
+    plt = pyplot()
+    rows = [r for r in bins if r["count"]]
+    fig, ax = plt.subplots(figsize=(4.8, 4.8))
+    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfect calibration")
+    ax.bar([(r["bin_lo"] + r["bin_hi"]) / 2 for r in rows], [r["frac_pos"] for r in rows],
+           width=[r["bin_hi"] - r["bin_lo"] for r in rows], alpha=0.3, edgecolor="C0", label="observed (bin)")
+    ax.plot([r["mean_pred"] for r in rows], [r["frac_pos"] for r in rows], "o-", color="C0", label="mean prediction")
+    for r in rows:
+        ax.annotate(str(r["count"]), ((r["bin_lo"] + r["bin_hi"]) / 2, r["frac_pos"]), fontsize=7,
+                    ha="center", va="bottom", xytext=(0, 2), textcoords="offset points")
+    ax.set(xlim=(0, 1), ylim=(0, 1.05), xlabel="predicted", ylabel="observed", title=title)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_online(rounds: list[dict], path: str | Path) -> Path:
+    """Accept length per online round (`adaflash online`'s online.json rounds), rolled-back rounds marked."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["round"] for r in rounds]
+    ax.plot(xs, [r["held_out_accept_len"] for r in rounds], marker="o", label="held-out slice (published version)")
+    ax.plot(xs, [r["gsm8k_accept_len"] for r in rounds], marker="s", label="gsm8k eval (published version)")
+    served = [(r["round"], r["served_accept_len"]) for r in rounds if "served_accept_len" in r]
+    if served:
+        ax.plot(*zip(*served), marker="^", linestyle="--", label="served during the round (policy lengths)")
+    for r in rounds:
+        if not r["promoted"]:
+            ax.annotate("rolled back", (r["round"], r["held_out_accept_len"]), fontsize=8)
+    ax.set_xlabel("online round")
+    ax.set_ylabel("accept length (tokens / target pass)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

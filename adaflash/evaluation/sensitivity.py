@@ -41,7 +41,7 @@ def block_rate_table(head, scores, rates=RATES) -> list[dict]:
 def _cmd(args: argparse.Namespace) -> int:
     from adaflash.evaluation.drafter_eval import target_trajectories
     from adaflash.evaluation.offline import provenance, write_json
-    from adaflash.evaluation.plots import _pyplot
+    from adaflash.evaluation.plots import pyplot
     from adaflash.models.drafter_checkpoint import load_drafter
     from adaflash.models.length_head import BlockLengthHead, load_length_head
     from adaflash.pipeline import Pipeline
@@ -90,7 +90,7 @@ def _cmd(args: argparse.Namespace) -> int:
         lines += ["", "Block head rate (inference only):", "", "| rate | accept length | verify length |", "|---|---|---|"]
         lines += [f"| {r['rate']} | {r['accept_len']:.3f} | {r['verify_len']:.2f} |" for r in report["rate"]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, max(1, len(report["distillation"])), figsize=(4 * max(1, len(report["distillation"])), 3.2),
                              squeeze=False)
     for ax, (param, rows) in zip(axes[0], report["distillation"].items()):

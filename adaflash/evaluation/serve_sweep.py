@@ -91,9 +91,9 @@ def markdown_table(cells: list[dict], names: list[str]) -> str:
 
 
 def plot_sweep(cells: list[dict], names: list[str], path: Path) -> None:
-    from adaflash.evaluation.plots import _pyplot
+    from adaflash.evaluation.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     datasets = list(dict.fromkeys(c["dataset"] for c in cells))
     fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
     for ax, ds in zip(axes[0], datasets):

@@ -5,7 +5,9 @@
 The vocabulary is ranked on the training samples' responses exactly as `train drafter` ranks it (the same
 held-out split); coverage is measured on the held-out samples' responses, per domain: the share of the target's
 tokens the drafter could ever propose (a ceiling on per-token acceptance). Cost: one batched draft step (the
-drafter pass plus the head on every block position) at batch 1 and 32, per size, on the real target.
+drafter pass plus the head on every block position) at batch 1 and 32, per size, on the real target. With
+`--drafter` (one trained with a trimmed vocabulary), also its held-out teacher-forced accept length with the head
+cut to each size (the same weights, fewer rows).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from adaflash.training.validation import split_holdout
 
 
 def coverage_by_domain(dataset: DraftDataset, sizes: list[int], holdout: int, vocab_size: int) -> dict:
-    train_ids, held_ids = split_holdout(len(dataset), holdout)
+    train_ids, held_ids = split_holdout(dataset.keys, holdout)
     biggest = data_vocab([dataset.samples[i] for i in train_ids], max(sizes), vocab_size)
     held: dict[str, list[torch.Tensor]] = {}
     for i in held_ids:
@@ -69,6 +71,30 @@ def draft_step_ms(target, sizes: list[int], batch: int, context: int = 256, repe
     return results
 
 
+def accept_length_by_size(target, drafter_dir: str, dataset: DraftDataset, sizes: list[int], holdout: int) -> dict:
+    """Held-out full-block greedy accept length per domain of one drafter, its head cut to each size."""
+    from adaflash.models.draft_vocab import DraftHead
+    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.training.losses import BlockCrossEntropy
+    from adaflash.training.trainer import TeacherCache, TrainConfig, _sequence_loss
+    from adaflash.training.validation import holdout_accept_lengths
+
+    drafter = load_drafter(drafter_dir, dtype=torch.float32)
+    if drafter.draft_vocab is None:
+        raise ValueError(f"{drafter_dir} has no trimmed draft vocabulary to cut")
+    _, held_ids = split_holdout(dataset.keys, holdout)
+    cfg = TrainConfig(data_dir="", out_dir="", anchors_per_sequence=32)
+    teachers, loss = TeacherCache(target, drafter.config.target_layer_ids), BlockCrossEntropy()
+    full = drafter.draft_vocab
+    out = {}
+    for size in [s for s in sizes if s <= full.size] + ([full.size] if full.size not in sizes else []):
+        head = DraftHead(target.lm_head, full.truncated(size))
+        out[str(size)] = holdout_accept_lengths(
+            lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss, g, teachers),
+            drafter, held_ids, [dataset.samples[i].domain for i in held_ids])
+    return out
+
+
 def to_markdown(report: dict) -> str:
     cov, cost = report["coverage"], report["draft_step_ms"]
     domains = sorted(next(iter(cov.values())))
@@ -86,6 +112,13 @@ def to_markdown(report: dict) -> str:
     for size in cov:
         cells = " | ".join(f"{100 * cov[size][d]:.1f}%" for d in domains)
         lines.append(f"| {size} | {cells} | {cost['1'][size]:.1f} | {cost['32'][size]:.1f} |")
+    accept = report.get("accept_length")
+    if accept:
+        lines += ["", f"Held-out teacher-forced full-block accept length of `{report['drafter']}` with its head cut to "
+                  "each size (greedy, 32 random anchors per held-out sample):", "",
+                  "| rows kept | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+        for size, by_domain in accept.items():
+            lines.append(f"| {size} | " + " | ".join(f"{by_domain.get(d, float('nan')):.3f}" for d in domains) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -99,9 +132,13 @@ def _cmd(args: argparse.Namespace) -> int:
     dataset = DraftDataset(args.data, tuple(int(x) for x in args.capture_layers.split(",")))
     report = coverage_by_domain(dataset, sizes, args.holdout, target.config.vocab_size)
     report["draft_step_ms"] = {str(b): draft_step_ms(target, sizes, b) for b in (1, 32)}
+    if args.drafter:
+        report["drafter"] = args.drafter
+        report["accept_length"] = accept_length_by_size(target, args.drafter, dataset, sizes, args.holdout)
     report["dtype"] = str(target.dtype).removeprefix("torch.")
     cmd = command_line(["adaflash", "eval", "vocab"], [("--data", args.data), ("--sizes", args.sizes),
-                                                       ("--holdout", args.holdout), ("--out", args.out)])
+                                                       ("--holdout", args.holdout), ("--drafter", args.drafter),
+                                                       ("--out", args.out)])
     report.update(provenance(cmd))
     out = Path(args.out)
     write_json(report, out.with_suffix(".json"))
@@ -117,6 +154,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--sizes", default="4096,8192,16384")
     p.add_argument("--holdout", type=int, default=200, help="held-out samples (the trainer's split with the same number)")
     p.add_argument("--capture-layers", default="1,14,27")
+    p.add_argument("--drafter", default=None, help="a drafter with a trimmed vocabulary: its accept length per size")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", default="docs/results/draft_vocab", help="writes OUT.json and OUT.md")

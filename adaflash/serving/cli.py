@@ -8,54 +8,42 @@ from pathlib import Path
 import sys
 
 from adaflash.cli_args import add_model_args
-from adaflash.pipeline import METHODS
+from adaflash.serving.engine_factory import METHODS
+
+
+def engine_config(args: argparse.Namespace):
+    """The engine's settings from the parsed `serve` arguments, checked before the (slow) model load."""
+    from adaflash.serving.engine_factory import EngineConfig
+
+    return EngineConfig(method=args.method, length_policy=args.length_policy, max_batch=args.max_batch,
+                        max_queue=args.max_queue, max_len=args.max_len, record_dir=args.record)
 
 
 def build_runner(args: argparse.Namespace):
-    """Pipeline -> Engine (with its length policy) -> EngineRunner, from the parsed `serve` arguments."""
-    from adaflash.pipeline import Pipeline
-    from adaflash.serving.engine import Engine
-    from adaflash.serving.length_policy import build_length_policy, cost_model_for
-    from adaflash.serving.runner import EngineRunner
-
+    """(pipeline, runner, watcher) from the parsed `serve` arguments: models loaded, engine built, nothing started."""
     from adaflash.models.drafter_checkpoint import latest_version
     from adaflash.models.registry import resolve_drafter
+    from adaflash.pipeline import Pipeline
+    from adaflash.serving.engine_factory import build_engine, length_policy_factory
+    from adaflash.serving.runner import EngineRunner
 
-    if args.method == "ar" and args.length_policy is not None:
-        raise ValueError("--length-policy applies to --method dflash or adaflash only")
-    spec = args.length_policy or ("adaflash" if args.method == "adaflash" else "throughput")
-    # Check a bad policy before the (slow) model load; cost-model policies need the loaded models to profile.
-    needs_cost = spec in ("throughput", "adaflash")
-    policy = build_length_policy(spec) if args.method != "ar" and not needs_cost and spec != "block-head" else None
+    config = engine_config(args)
+    speculative = config.method != "ar"
     # With --watch-versions the newest published version, if any, is what serves first.
-    published = latest_version(args.watch_versions) if args.watch_versions and args.method != "ar" else None
-    drafter = str(published) if published else resolve_drafter(args.model, args.drafter, args.method)
+    published = latest_version(args.watch_versions) if args.watch_versions and speculative else None
+    drafter = (str(published) if published else resolve_drafter(args.model, args.drafter, args.method)) if speculative else None
     pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab)
-    make_policy = None
-    if pipeline.proposer is not None and policy is None:
-        cost = None
-        if needs_cost:
-            print("adaflash serve: loading or profiling the cost model (once per machine)", file=sys.stderr, flush=True)
-            # The largest verify pass: every slot's anchor plus a full block of drafts.
-            cost = cost_model_for(pipeline, max_tokens=args.max_batch * pipeline.proposer.block_size)
-        make_policy = lambda head: build_length_policy(spec, cost, head)  # noqa: E731 (also for hot swaps)
-        policy = make_policy(pipeline.length_head)
-    # Positions past the model's trained range would decode garbage, not fail: never cache that far.
-    max_len = min(args.max_len, pipeline.target.config.max_position_embeddings)
-    recorder = None
-    if args.record:
-        from adaflash.serving.recorder import TrajectoryRecorder
-
-        recorder = TrajectoryRecorder(args.record, drafter_version=Path(drafter).name if drafter else "",
-                                      record_outcomes=pipeline.proposer is not None)
-    engine = Engine(pipeline.target, pipeline.proposer, policy, max_batch=args.max_batch,
-                    max_queue=args.max_queue, max_len=max_len, recorder=recorder)
+    models = pipeline.engine_models(drafter_version=Path(drafter).name if drafter else "")
+    if config.needs_cost_model:
+        print("adaflash serve: loading or profiling the cost model (once per machine)", file=sys.stderr, flush=True)
+    policies = length_policy_factory(config, models)  # also what each hot-swapped drafter's policy comes from
+    engine = build_engine(config, models, policies(models.length_head) if policies else None)
     runner = EngineRunner(engine)
     watcher = None
-    if args.watch_versions and args.method != "ar":
+    if args.watch_versions and speculative:
         from adaflash.serving.hot_swap import VersionWatcher
 
-        watcher = VersionWatcher(runner, args.watch_versions, make_policy or (lambda head: policy), Path(drafter))
+        watcher = VersionWatcher(runner, args.watch_versions, policies, Path(drafter))
     return pipeline, runner, watcher
 
 
@@ -75,7 +63,8 @@ def build_app(args: argparse.Namespace):
 
     config = server_config(args)
     pipeline, runner, watcher = build_runner(args)
-    app = create_app(runner, pipeline.tokenizer, args.served_model_name or args.model, config=config)
+    app = create_app(runner, pipeline.tokenizer, args.served_model_name or args.model, config=config,
+                     method=args.method)
     if watcher is not None:
         watcher.observer = app.state.metrics.observe_hot_swap
     app.state.watcher = watcher

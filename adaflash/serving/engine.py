@@ -80,7 +80,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         admitted = self.scheduler.admit()
-        decoding = [r for r in self.scheduler.running if r not in admitted]
+        # In slot order: when the slots in use are contiguous, attention reads the caches as views, not gathered copies.
+        decoding = sorted((r for r in self.scheduler.running if r not in admitted), key=lambda r: r.slot)
         outputs = self._prefill(admitted) if admitted else []
         if decoding:
             outputs += self._speculate(decoding) if self.proposer else self._decode(decoding)

@@ -1,21 +1,19 @@
 """Draft-length policies: how many drafted tokens each running request sends to verification this step.
 
 The engine calls `decide` once per step with every running request, and `feedback` after verification.
-Each policy's name (`fixed:K`, `heuristic`, `throughput`) is what logs and metrics show.
+Each policy's name (`fixed:K`, `heuristic`, `throughput`, `adaflash`, `block-head`) is what logs and metrics show;
+`build_length_policy` makes one from its name. The cost model the throughput policies read is in `cost_model.py`.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
-import json
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
+from adaflash.serving.cost_model import CostModel
 from adaflash.serving.request import Request
 
 if TYPE_CHECKING:  # the heads import torch.nn modules the rule-based policies never need
@@ -65,35 +63,6 @@ class HeuristicLength:
             return
         length = request.policy_state.get("length", self.initial)
         request.policy_state["length"] = length + 2 if accepted == drafted else max(1, length - 1)
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds of one target verify pass as a function of the batch's total tokens, plus the drafter's
-    cost per drafting request.
-
-    Profiled on the running machine (`profile_cost_model`), piecewise-linear in between the measured points.
-    """
-
-    total_tokens: tuple[int, ...]
-    verify_s: tuple[float, ...]
-    draft_s: float
-
-    def verify(self, tokens: int) -> float:
-        xs, ys = self.total_tokens, self.verify_s
-        if tokens <= xs[0]:
-            return ys[0] * tokens / xs[0]
-        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)  # extrapolates linearly past the last point
-
-    def to_json(self) -> str:
-        return json.dumps({"total_tokens": self.total_tokens, "verify_s": self.verify_s, "draft_s": self.draft_s})
-
-    @classmethod
-    def from_json(cls, text: str) -> "CostModel":
-        d = json.loads(text)
-        return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]))
 
 
 def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel, max_draft: int) -> list[int]:
@@ -216,55 +185,20 @@ class BlockHeadLength:
         pass
 
 
-def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 3) -> CostModel:
-    """Measure verify time at a few total-token counts and one drafter pass, on this machine."""
-    from adaflash.models.kv_cache import RaggedBatch
-
-    points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
-    cache = target.new_cache(1, context + max_tokens)
-    target(torch.arange(context) + 100, RaggedBatch.build([0], [0], [context]), cache)
-    times = []
-    for n in points:
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            target(torch.arange(n) + 100, RaggedBatch.build([0], [context], [n]), cache)
-            samples.append(time.perf_counter() - start)
-            cache.rollback(0, context)
-        times.append(sorted(samples)[len(samples) // 2])
-    draft_s = 0.0
-    if proposer is not None:
-        dcache = proposer.new_cache(1, context + proposer.block_size)
-        hidden = torch.zeros(context, len(proposer.capture_layers) * target.config.hidden_size, dtype=target.dtype)
-        proposer.add_context(dcache, hidden, RaggedBatch.build([0], [0], [context]))
-        from adaflash.speculative.sampling import SamplingParams
-
-        start = time.perf_counter()
-        for _ in range(repeats):
-            proposer.propose(dcache, [0], [100], [proposer.block_size - 1], [SamplingParams()], [None])
-        draft_s = (time.perf_counter() - start) / repeats
-    return CostModel(tuple(points), tuple(times), draft_s)
+# The specs that need the profiled cost model, and those that need the drafter's learned length head.
+COST_MODEL_POLICIES = ("throughput", "adaflash")
+LENGTH_HEAD_POLICIES = ("adaflash", "block-head")
 
 
-def load_or_profile_cost_model(target, proposer, max_tokens: int, cache_file: Path | None) -> CostModel:
-    if cache_file is not None and cache_file.is_file():
-        return CostModel.from_json(cache_file.read_text())
-    model = profile_cost_model(target, proposer, max_tokens)
-    if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        cache_file.write_text(model.to_json())
-    return model
+def needs_cost_model(spec: str) -> bool:
+    return spec in COST_MODEL_POLICIES
 
 
-def cost_model_for(pipeline, max_tokens: int) -> CostModel:
-    """The cost model of this target + drafter on this machine, profiled once and cached in the user cache."""
-    from adaflash.models.registry import cache_root
-
-    t, d = pipeline.target, pipeline.proposer.drafter.config
-    # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
-    name = (f"{Path(str(pipeline.model_name)).name}-{str(t.dtype).split('.')[-1]}-L{d.num_layers}-B{d.block_size}"
-            f"-T{max_tokens}-th{torch.get_num_threads()}.json")
-    return load_or_profile_cost_model(t, pipeline.proposer, max_tokens, cache_root() / "cost_models" / name)
+def check_length_policy(spec: str) -> None:
+    """Reject an unknown or malformed spec before any model loads (a policy that needs a cost model or a head is
+    built later, from the loaded models)."""
+    if spec not in COST_MODEL_POLICIES and spec not in LENGTH_HEAD_POLICIES:
+        build_length_policy(spec)
 
 
 def build_length_policy(spec: str, cost: CostModel | None = None, head=None) -> LengthPolicy:
@@ -277,11 +211,11 @@ def build_length_policy(spec: str, cost: CostModel | None = None, head=None) -> 
         return FixedLength(k)
     if spec == "heuristic":
         return HeuristicLength()
-    if spec in ("throughput", "adaflash") and cost is None:
+    if needs_cost_model(spec) and cost is None:
         raise ValueError(f"the {spec} policy needs a cost model")
     if spec == "throughput":
         return ThroughputLength(cost)
-    if spec in ("adaflash", "block-head"):
+    if spec in LENGTH_HEAD_POLICIES:
         from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
 
         want = PositionAcceptanceHead if spec == "adaflash" else BlockLengthHead

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from adaflash.formats.outcomes import Outcomes, save_outcomes
+from adaflash.formats.trajectories import Trajectory, append_trajectories
 from adaflash.serving.request import Request
-from adaflash.training.outcomes import Outcomes, save_outcomes
-from adaflash.training.trajectories import Trajectory, append_trajectories
 
 TRAJECTORIES_FILE = "trajectories.jsonl"
 

@@ -45,7 +45,3 @@ class Scheduler:
 
     def find(self, request_id: str) -> Request | None:
         return next((r for r in [*self.running, *self.waiting] if r.request_id == request_id), None)
-
-    @property
-    def load(self) -> int:
-        return len(self.running)

@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server: a thin FastAPI layer over the EngineRunner.
 
-Text handling lives here (the engine knows only token ids): prompts go through the same encode as the CLI
-(`Pipeline.encode`), output is detokenised incrementally, stop strings are applied to the decoded text,
-and every error a client can cause is a 4xx with OpenAI's error body.
+Text handling lives here (the engine knows only token ids): prompts go through the CLI's encode (the pipeline's
+`TextCodec`), output is detokenised incrementally, stop strings are applied to the decoded text, and every error a
+client can cause is a 4xx with OpenAI's error body.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
 
-from adaflash.pipeline import Pipeline
+from adaflash.pipeline import TextCodec
+from adaflash.serving.engine_factory import method_of_engine
 from adaflash.serving.gate import Admission, Gate, ServerConfig
 from adaflash.serving.metrics import CountRequests, ServerMetrics
 from adaflash.serving.protocol import (
@@ -240,9 +241,9 @@ class EventStream(StreamingResponse):
 
 
 class _Service:
-    def __init__(self, runner: EngineRunner, pipeline: Pipeline, model_name: str, metrics: ServerMetrics,
+    def __init__(self, runner: EngineRunner, codec: TextCodec, model_name: str, metrics: ServerMetrics,
                  config: ServerConfig) -> None:
-        self.runner, self.pipeline, self.model_name, self.metrics = runner, pipeline, model_name, metrics
+        self.runner, self.codec, self.model_name, self.metrics = runner, codec, model_name, metrics
         self.config = config
         self.jobs: set[_Job] = set()  # admitted and not yet released (the event loop's thread only)
 
@@ -283,7 +284,7 @@ class _Service:
             raise APIError(400, f"invalid {prompt_param}: {exc}", param=prompt_param) from exc
         max_new = self.max_new_tokens(body.requested_max_tokens(), len(prompt_ids), prompt_param)
         shape = shape_cls(shape_cls.id_prefix + uuid.uuid4().hex, self.model_name)
-        request = Request(shape.id, prompt_ids, max_new, body.sampling(), self.pipeline.stop_token_ids,
+        request = Request(shape.id, prompt_ids, max_new, body.sampling(), self.codec.stop_token_ids,
                           body.seed_or_random())
         try:
             stream = await self.runner.submit(request)
@@ -295,7 +296,7 @@ class _Service:
         except ValueError as exc:  # the engine's own bound (kept in step with max_new_tokens above)
             raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        job = _Job(shape, stream, TextStream(self.pipeline.decode, body.stop_sequences()), len(prompt_ids), self.metrics,
+        job = _Job(shape, stream, TextStream(self.codec.decode, body.stop_sequences()), len(prompt_ids), self.metrics,
                    self.runner, self.jobs.discard)
         self.jobs.add(job)
         if self.config.request_timeout_s is not None:  # the deadline runs from admission, queueing included
@@ -329,17 +330,17 @@ class _Service:
 
 
 def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: ServerMetrics | None = None,
-               config: ServerConfig = ServerConfig()) -> FastAPI:
+               config: ServerConfig = ServerConfig(), method: str | None = None) -> FastAPI:
     """The app over a runner the caller starts and stops; it installs its metrics as the runner's observer.
-    `app.state.admission` is what a graceful shutdown (serving/shutdown.py) drains."""
+    `method` labels the metrics (default: read from the engine's parts). `app.state.admission` is what a graceful
+    shutdown (serving/shutdown.py) drains."""
     engine = runner.engine
     # The same encode/decode/stop tokens as the CLI, so server output equals `adaflash generate` output.
-    pipeline = Pipeline(engine.target, tokenizer, engine.proposer, model_name)
+    codec = TextCodec(tokenizer, engine.target.config.eos_token_ids)
     if metrics is None:
-        method = "ar" if engine.proposer is None else ("adaflash" if engine.policy.name in ("adaflash", "block-head") else "dflash")
-        metrics = ServerMetrics(engine.policy.name, method, engine.scheduler.max_batch)
+        metrics = ServerMetrics(engine.policy.name, method or method_of_engine(engine), engine.scheduler.max_batch)
     runner.observer = metrics.observe_step
-    service = _Service(runner, pipeline, model_name, metrics, config)
+    service = _Service(runner, codec, model_name, metrics, config)
     admission = Admission()
     admission.on_abort_all(service.abort_all)
     created = int(time.time())
@@ -352,13 +353,13 @@ def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: Server
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http_request: HTTPRequest):
-        return await service.respond(body, CompletionShape, lambda: pipeline.encode(prompt=body.prompt), "prompt",
+        return await service.respond(body, CompletionShape, lambda: codec.encode(prompt=body.prompt), "prompt",
                                      http_request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
         messages = [m.for_template() for m in body.messages]
-        return await service.respond(body, ChatShape, lambda: pipeline.encode(messages=messages), "messages",
+        return await service.respond(body, ChatShape, lambda: codec.encode(messages=messages), "messages",
                                      http_request)
 
     @app.get("/v1/models")

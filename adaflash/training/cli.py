@@ -1,8 +1,11 @@
-"""`adaflash train drafter` (DFlash block training) and `adaflash train distill` (AdaFlash distillation)."""
+"""`adaflash train drafter` (DFlash block training), `adaflash train distill` (AdaFlash distillation), `adaflash train
+length-head` (a candidate-length head on recorded outcomes) and `adaflash online` (online adaptation)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 from pathlib import Path
 
 from adaflash.cli_args import command_group
@@ -44,7 +47,8 @@ def _cmd_train_distill(args: argparse.Namespace) -> int:
 
 def _cmd_online(args: argparse.Namespace) -> int:
     from adaflash.models.registry import resolve_drafter
-    from adaflash.training.online import OnlineAdaptation, OnlineConfig, plot_online
+    from adaflash.evaluation.plots import plot_online
+    from adaflash.training.online import OnlineAdaptation, OnlineConfig
 
     start = resolve_drafter(args.model, args.drafter, "adaflash" if args.drafter is None else "dflash")
     cfg = OnlineConfig(out_dir=args.out, drafter=start, model=args.model, dtype=args.dtype, rounds=args.rounds,
@@ -56,9 +60,74 @@ def _cmd_online(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_cli(subparsers) -> None:
-    from adaflash.training.length_head import register_cli as register_length_head_cli
+def _cmd_train_length_head(args) -> int:
+    from adaflash.evaluation.plots import plot_reliability
+    from adaflash.formats.outcomes import load_outcomes
+    from adaflash.models.drafter_checkpoint import load_drafter_config
+    from adaflash.models.length_head import save_length_head
+    from adaflash.training.length_head import LengthHeadTrainConfig, summary_line, train_length_head
 
+    drafter_cfg = load_drafter_config(args.drafter)
+    if args.outcomes:
+        outcomes = load_outcomes(args.outcomes)
+    else:  # full-block greedy outcomes of this drafter along served trajectories (what verification would record)
+        import torch
+
+        from adaflash.formats.trajectories import read_trajectories
+        from adaflash.models.drafter_checkpoint import load_drafter
+        from adaflash.models.registry import resolve_target
+        from adaflash.models.target import load_target
+        from adaflash.training.block_outcomes import score_blocks
+
+        target = load_target(resolve_target(args.model), dtype=torch.float32)
+        outcomes = score_blocks(target, load_drafter(args.drafter, dtype=torch.float32),
+                                read_trajectories(args.trajectories), args.anchors_per_sequence, args.seed).outcomes
+    cfg = LengthHeadTrainConfig(
+        kind=args.kind, head_dim=args.head_dim, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
+        held_out_frac=args.held_out_frac, seed=args.seed, rate=args.rate,
+    )
+    head, report = train_length_head(outcomes, cfg, drafter_cfg.hidden_size, drafter_cfg.block_size)
+    out = Path(args.out)
+    if not (out.exists() and out.resolve() == Path(args.drafter).resolve()):
+        shutil.copytree(args.drafter, out, dirs_exist_ok=True)
+    save_length_head(head, out)
+    report["drafter"], report["out"] = str(args.drafter), str(out)
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot and "reliability" in report:
+        plot_reliability(report["reliability"], args.plot, f"{cfg.kind} length head, held-out")
+    print(summary_line(report))
+    print(f"saved {out}")
+    return 0
+
+
+def _register_length_head_cli(group) -> None:
+    from adaflash.models.length_head import KINDS
+
+    p = group.add_parser(
+        "length-head", help="fit a candidate-length head on recorded outcomes; saved inside a copy of the drafter")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--outcomes", nargs="+", help="outcomes .safetensors files recorded by `serve --record` with --drafter")
+    src.add_argument("--trajectories", help="served trajectories (*.jsonl): score --drafter's full blocks along them")
+    p.add_argument("--drafter", required=True, help="drafter checkpoint dir the outcomes were recorded with")
+    p.add_argument("--model", default="smollm2-135m", help="target (with --trajectories)")
+    p.add_argument("--anchors-per-sequence", type=int, default=None, help="with --trajectories: default every anchor")
+    p.add_argument("--out", required=True, help="output dir: a copy of the drafter with the head inside")
+    p.add_argument("--kind", choices=KINDS, default="position")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--rate", type=float, default=1.0, help="block head: candidate length scale (1.0-1.3)")
+    p.add_argument("--head-dim", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--held-out-frac", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", default=None, help="write the held-out report here (JSON)")
+    p.add_argument("--plot", default=None, help="write a reliability diagram here (PNG)")
+    p.set_defaults(func=_cmd_train_length_head)
+
+
+def register_cli(subparsers) -> None:
     group = command_group(subparsers, "train", help="train drafters and length heads")
     p = group.add_parser("drafter", help="DFlash block training (resumes from OUT/checkpoint; torchrun for DDP)")
     p.add_argument("--config", required=True, help="TOML or JSON with TrainConfig fields")
@@ -89,7 +158,7 @@ def register_cli(subparsers) -> None:
     d.add_argument("--sequences-per-step", type=int, default=None)
     d.add_argument("--anchors-per-sequence", type=int, default=None)
     d.set_defaults(func=_cmd_train_distill)
-    register_length_head_cli(subparsers)  # train length-head
+    _register_length_head_cli(group)  # train length-head
 
     o = subparsers.add_parser(
         "online", help="rounds of serve -> collect -> distill + head -> publish -> hot-swap on a GSM-Symbolic stream",

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from adaflash.formats.trajectories import read_trajectories
 from adaflash.training.datagen import load_manifest, read_shard
 from adaflash.training.losses import IGNORE
-from adaflash.training.trajectories import read_trajectories
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class TrainSample:
     top_logprobs: torch.Tensor | None = None  # [L - prompt_len, k] fp16
     top_ids: torch.Tensor | None = None  # [L - prompt_len, k] int32
     domain: str = ""
+    key: str = ""  # the prompt id where known: what the held-out split hashes
 
 
 class DraftDataset:
@@ -34,9 +35,10 @@ class DraftDataset:
         if found != tuple(capture_layers):
             raise ValueError(f"{data_dir} holds features of target layers {found}, the drafter reads {capture_layers}")
         self.samples = [
-            TrainSample(torch.tensor(s.tokens, dtype=torch.long), s.prompt_len, s.features, s.top_logprobs, s.top_ids, domain)
+            TrainSample(torch.tensor(s.tokens, dtype=torch.long), s.prompt_len, s.features, s.top_logprobs, s.top_ids,
+                        domain, key)
             for shard in manifest["shards"]
-            for s, domain in zip(read_shard(Path(data_dir) / shard["file"]), shard["domains"])
+            for s, domain, key in zip(read_shard(Path(data_dir) / shard["file"]), shard["domains"], shard["prompt_ids"])
             if len(s.tokens) - s.prompt_len >= 2  # at least one anchor with a label
         ]
         self.has_soft_targets = all(s.top_logprobs is not None for s in self.samples)
@@ -45,6 +47,10 @@ class DraftDataset:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def keys(self) -> list[str]:
+        return [s.key or str(i) for i, s in enumerate(self.samples)]
 
 
 class TrajectoryDataset:
@@ -62,6 +68,10 @@ class TrajectoryDataset:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def keys(self) -> list[str]:
+        return [s.key or str(i) for i, s in enumerate(self.samples)]
 
 
 def load_training_data(data_dir: str | Path, capture_layers: tuple[int, ...]) -> DraftDataset | TrajectoryDataset:

@@ -1,4 +1,5 @@
-"""Train and calibrate a candidate-length head on recorded verification outcomes.
+"""Train and calibrate a candidate-length head on recorded verification outcomes (its command, `adaflash train
+length-head`, is in `training/cli.py`; its reliability diagram in `evaluation/plots.py`).
 
 Outcomes are censored: when the target verified only `drafted` < B-1 drafts and accepted all of them, we
 do not know how many more it would have accepted. The block head trains only on uncensored outcomes; the
@@ -9,18 +10,14 @@ where a systematic over- or under-confidence directly mis-sizes the drafts.
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from adaflash.cli_args import command_group
 from adaflash.models.length_head import (
     KINDS,
     LengthHead,
@@ -28,7 +25,7 @@ from adaflash.models.length_head import (
     build_length_head,
     save_length_head,
 )
-from adaflash.training.outcomes import Outcomes, load_outcomes
+from adaflash.formats.outcomes import Outcomes
 
 
 @dataclass(frozen=True)
@@ -133,32 +130,6 @@ def fit_temperature(logits: Tensor, labels: Tensor, lo: float = 0.05, hi: float 
             d = a + ratio * (b - a)
             fd = nll(d)
     return math.exp((a + b) / 2.0)
-
-
-def plot_reliability(bins: list[dict[str, Any]], path: str | Path, title: str) -> Path:
-    """Reliability diagram: observed frequency per bin against the diagonal of perfect calibration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in bins if r["count"]]
-    fig, ax = plt.subplots(figsize=(4.8, 4.8))
-    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfect calibration")
-    ax.bar([(r["bin_lo"] + r["bin_hi"]) / 2 for r in rows], [r["frac_pos"] for r in rows],
-           width=[r["bin_hi"] - r["bin_lo"] for r in rows], alpha=0.3, edgecolor="C0", label="observed (bin)")
-    ax.plot([r["mean_pred"] for r in rows], [r["frac_pos"] for r in rows], "o-", color="C0", label="mean prediction")
-    for r in rows:
-        ax.annotate(str(r["count"]), ((r["bin_lo"] + r["bin_hi"]) / 2, r["frac_pos"]), fontsize=7,
-                    ha="center", va="bottom", xytext=(0, 2), textcoords="offset points")
-    ax.set(xlim=(0, 1), ylim=(0, 1.05), xlabel="predicted", ylabel="observed", title=title)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 # ---------------------------------------------------------------- training
@@ -294,9 +265,6 @@ def train_length_head(outcomes: Outcomes, cfg: LengthHeadTrainConfig, hidden_siz
     return head, report
 
 
-# ---------------------------------------------------------------- CLI
-
-
 def summary_line(report: dict[str, Any]) -> str:
     parts = [f"{report['kind']} head: {report['n_train']} train / {report['n_held_out']} held-out outcomes"]
     if "ece_after" in report:
@@ -309,64 +277,3 @@ def summary_line(report: dict[str, Any]) -> str:
     if "note" in report:
         parts.append(report["note"])
     return "; ".join(parts)
-
-
-def _cmd_train_length_head(args) -> int:
-    from adaflash.models.drafter_checkpoint import load_drafter_config
-
-    drafter_cfg = load_drafter_config(args.drafter)
-    if args.outcomes:
-        outcomes = load_outcomes(args.outcomes)
-    else:  # full-block greedy outcomes of this drafter along served trajectories (what verification would record)
-        import torch
-
-        from adaflash.models.drafter_checkpoint import load_drafter
-        from adaflash.models.registry import resolve_target
-        from adaflash.models.target import load_target
-        from adaflash.training.block_outcomes import score_blocks
-        from adaflash.training.trajectories import read_trajectories
-
-        target = load_target(resolve_target(args.model), dtype=torch.float32)
-        outcomes = score_blocks(target, load_drafter(args.drafter, dtype=torch.float32),
-                                read_trajectories(args.trajectories), args.anchors_per_sequence, args.seed).outcomes
-    cfg = LengthHeadTrainConfig(
-        kind=args.kind, head_dim=args.head_dim, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
-        held_out_frac=args.held_out_frac, seed=args.seed, rate=args.rate,
-    )
-    head, report = train_length_head(outcomes, cfg, drafter_cfg.hidden_size, drafter_cfg.block_size)
-    out = Path(args.out)
-    if not (out.exists() and out.resolve() == Path(args.drafter).resolve()):
-        shutil.copytree(args.drafter, out, dirs_exist_ok=True)
-    save_length_head(head, out)
-    report["drafter"], report["out"] = str(args.drafter), str(out)
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
-    if args.plot and "reliability" in report:
-        plot_reliability(report["reliability"], args.plot, f"{cfg.kind} length head, held-out")
-    print(summary_line(report))
-    print(f"saved {out}")
-    return 0
-
-
-def register_cli(subparsers) -> None:
-    p = command_group(subparsers, "train", help="train drafters").add_parser(
-        "length-head", help="fit a candidate-length head on recorded outcomes; saved inside a copy of the drafter")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--outcomes", nargs="+", help="outcomes .safetensors files recorded by `serve --record` with --drafter")
-    src.add_argument("--trajectories", help="served trajectories (*.jsonl): score --drafter's full blocks along them")
-    p.add_argument("--drafter", required=True, help="drafter checkpoint dir the outcomes were recorded with")
-    p.add_argument("--model", default="smollm2-135m", help="target (with --trajectories)")
-    p.add_argument("--anchors-per-sequence", type=int, default=None, help="with --trajectories: default every anchor")
-    p.add_argument("--out", required=True, help="output dir: a copy of the drafter with the head inside")
-    p.add_argument("--kind", choices=KINDS, default="position")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--rate", type=float, default=1.0, help="block head: candidate length scale (1.0-1.3)")
-    p.add_argument("--head-dim", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--held-out-frac", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report", default=None, help="write the held-out report here (JSON)")
-    p.add_argument("--plot", default=None, help="write a reliability diagram here (PNG)")
-    p.set_defaults(func=_cmd_train_length_head)

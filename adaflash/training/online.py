@@ -16,17 +16,22 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from adaflash.data import GSMSymbolicStream, load_prompts
+from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
 from adaflash.models.drafter_checkpoint import latest_version, load_drafter, publish_version
 from adaflash.models.length_head import load_length_head, save_length_head
 from adaflash.pipeline import Pipeline
-from adaflash.serving.engine import Engine
-from adaflash.serving.length_policy import build_length_policy, cost_model_for
+from adaflash.serving.engine_factory import (
+    EngineConfig,
+    build_engine,
+    default_length_policy,
+    length_policy_factory,
+)
 from adaflash.serving.recorder import TrajectoryRecorder
 from adaflash.serving.request import Request
 from adaflash.serving.runner import EngineRunner
@@ -34,7 +39,6 @@ from adaflash.speculative.proposer import DFlashProposer
 from adaflash.training.block_outcomes import score_blocks
 from adaflash.training.length_head import LengthHeadTrainConfig, train_length_head
 from adaflash.training.trainer import TrainConfig, train
-from adaflash.training.trajectories import Trajectory, append_trajectories, read_trajectories
 
 
 @dataclass(frozen=True)
@@ -89,16 +93,20 @@ class OnlineAdaptation:
         self.current = latest_version(self.versions)
         self.pipeline = Pipeline.load(cfg.model, self.current, cfg.dtype)
         self.target = self.pipeline.target
-        self.cost = cost_model_for(self.pipeline, max_tokens=cfg.max_batch * self.pipeline.proposer.block_size)
-        engine = Engine(self.target, self.pipeline.proposer, self._policy(self.pipeline.length_head),
-                        max_batch=cfg.max_batch, max_len=1024)
-        self.runner = EngineRunner(engine)
+        models = self.pipeline.engine_models(drafter_version=self.current.name)
+        config = EngineConfig(self._method(models.length_head), max_batch=cfg.max_batch, max_len=1024)
+        self.policies = length_policy_factory(config, models)  # its cost model serves every round's policy
+        self.runner = EngineRunner(build_engine(config, models, self.policies(models.length_head)))
         self.log_file = self.out / "online.json"
         self.rounds: list[dict] = json.loads(self.log_file.read_text())["rounds"] if self.log_file.is_file() else []
 
+    @staticmethod
+    def _method(head) -> str:
+        # The learned policy (adaflash) once the drafter carries a head; until then dflash's expected-throughput one.
+        return "adaflash" if head is not None else "dflash"
+
     def _policy(self, head):
-        # The learned policy once the drafter carries a head; until then the rule-based expected-throughput one.
-        return build_length_policy("adaflash" if head is not None else "throughput", self.cost, head)
+        return replace(self.policies, spec=default_length_policy(self._method(head)))(head)
 
     def _encode(self, prompts) -> list[list[int]]:
         return [self.pipeline.encode(messages=p.messages) for p in prompts]
@@ -174,26 +182,3 @@ class OnlineAdaptation:
         tmp.write_text(json.dumps({"config": asdict(self.cfg), "rounds": self.rounds}, indent=2) + "\n")
         os.replace(tmp, self.log_file)
         print(json.dumps(record), flush=True)
-
-
-def plot_online(rounds: list[dict], path: str | Path) -> Path:
-    from adaflash.evaluation.plots import _pyplot
-
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [r["round"] for r in rounds]
-    ax.plot(xs, [r["held_out_accept_len"] for r in rounds], marker="o", label="held-out slice (published version)")
-    ax.plot(xs, [r["gsm8k_accept_len"] for r in rounds], marker="s", label="gsm8k eval (published version)")
-    served = [(r["round"], r["served_accept_len"]) for r in rounds if "served_accept_len" in r]
-    if served:
-        ax.plot(*zip(*served), marker="^", linestyle="--", label="served during the round (policy lengths)")
-    for r in rounds:
-        if not r["promoted"]:
-            ax.annotate("rolled back", (r["round"], r["held_out_accept_len"]), fontsize=8)
-    ax.set_xlabel("online round")
-    ax.set_ylabel("accept length (tokens / target pass)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)

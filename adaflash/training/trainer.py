@@ -45,10 +45,6 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None  # default: DFlash's spread for num_layers
     intermediate_size: int | None = None
     init_from_target: bool = True
-    # A new drafter starts as "the block's own embeddings through the target's final norm": residual branches
-    # (o_proj, down_proj) at zero and the output norm copied from the target. A random start makes the shared
-    # LM head's logits huge (a loss of ~30) and spends hundreds of steps shrinking them.
-    calibrated_init: bool = True
     init_from: str | None = None  # start from this drafter checkpoint (distillation) instead of a new one
     loss: str = "ce"  # ce (DFlash) | ce+kl (CE + KL to stored soft targets) | rkl | fkl | tv (AdaFlash distillation)
     soft_weight: float = 1.0  # ce+kl: weight of the KL term
@@ -127,12 +123,6 @@ def new_drafter(cfg: TrainConfig, target: TargetModel) -> DFlashDrafter:
     drafter = init_drafter(dcfg, seed=cfg.seed, dtype=torch.float32)
     if cfg.init_from_target and dcfg.intermediate_size == target.config.intermediate_size:
         _copy_target_layers(drafter, target)
-    if cfg.calibrated_init:
-        with torch.no_grad():
-            for layer in drafter.layers:
-                layer.self_attn.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
-            drafter.norm.weight.copy_(target.final_norm.float())
     return drafter.train()
 
 
@@ -268,7 +258,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     dataset = load_training_data(cfg.data_dir, drafter.config.target_layer_ids)
     if loss_fn.needs_soft_targets and not dataset.has_soft_targets:
         raise ValueError(f"loss {cfg.loss!r} needs soft targets: {cfg.data_dir} was generated without --top-logprobs")
-    train_ids, holdout_ids = split_holdout(len(dataset), cfg.holdout_samples)
+    train_ids, holdout_ids = split_holdout(dataset.keys, cfg.holdout_samples)
     if cfg.draft_vocab_size and drafter.draft_vocab is None and step == 0:
         drafter.set_draft_vocab(data_vocab([dataset.samples[i] for i in train_ids], cfg.draft_vocab_size, target.config.vocab_size))
     head = DraftHead(target.lm_head, drafter.draft_vocab)

@@ -7,6 +7,7 @@ random anchors instead of the ones decoding visits. It picks hyper-parameters an
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Sequence
 
 import torch
@@ -14,11 +15,14 @@ import torch
 HOLDOUT_SEED = 20261201
 
 
-def split_holdout(num_samples: int, holdout: int) -> tuple[list[int], list[int]]:
-    """(train ids, held-out ids): a fixed pseudo-random `holdout` of the samples, the same in every run."""
-    if holdout >= num_samples:
-        raise ValueError(f"cannot hold out {holdout} of {num_samples} samples")
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(HOLDOUT_SEED)).tolist()
+def split_holdout(keys: Sequence[str], holdout: int) -> tuple[list[int], list[int]]:
+    """(train ids, held-out ids): the `holdout` samples whose keys (prompt ids) hash lowest.
+
+    By key, not by position: when the data grows between runs (a resumed training on more regenerated data), the
+    held-out set only gains new samples, so a sample once trained on never becomes a held-out one."""
+    if holdout >= len(keys):
+        raise ValueError(f"cannot hold out {holdout} of {len(keys)} samples")
+    order = sorted(range(len(keys)), key=lambda i: (hashlib.sha1(f"{HOLDOUT_SEED}:{keys[i]}".encode()).digest(), i))
     return sorted(order[holdout:]), sorted(order[:holdout])
 
 

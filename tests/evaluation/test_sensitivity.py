@@ -8,11 +8,11 @@ import torch
 
 from adaflash.cli import main
 from adaflash.evaluation import sensitivity
+from adaflash.formats.trajectories import Trajectory, append_trajectories
 from adaflash.models.config import TransformerConfig
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
 from adaflash.models.length_head import BlockLengthHead, LengthHeadConfig, save_length_head
-from adaflash.training.trajectories import Trajectory, append_trajectories
 
 
 def test_sensitivity_runs_each_setting(tiny_chat_checkpoint, tmp_path, monkeypatch):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from adaflash.formats.outcomes import load_outcomes
+from adaflash.formats.trajectories import read_trajectories
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, latest_version, publish_version, save_drafter
 from adaflash.models.length_head import BlockLengthHead, LengthHeadConfig, PositionAcceptanceHead, save_length_head
@@ -14,8 +16,6 @@ from adaflash.serving.length_policy import BlockHeadLength, LearnedThroughputLen
 from adaflash.serving.recorder import TrajectoryRecorder
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
-from adaflash.training.outcomes import load_outcomes
-from adaflash.training.trajectories import read_trajectories
 from tests.serving.test_engine import BUDGETS, COST, PROMPTS, _requests, _run
 
 

@@ -68,7 +68,7 @@ def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):
 
 def test_serve_adaflash_records_and_watches_versions(served, tiny_chat_checkpoint, adaflash_drafter, tmp_path, capsys):
     from adaflash.models.drafter_checkpoint import publish_version
-    from adaflash.training.trajectories import read_trajectories
+    from adaflash.formats.trajectories import read_trajectories
 
     versions = tmp_path / "versions"
     publish_version(adaflash_drafter, versions)

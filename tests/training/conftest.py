@@ -25,16 +25,3 @@ def tiny_data(tiny_checkpoints, tmp_path_factory) -> str:
 
 
 
-
-@pytest.fixture(scope="session")
-def tiny_soft_data(tiny_checkpoints, tmp_path_factory) -> str:
-    """Like tiny_data, with the target's top-8 log-probabilities stored per response token (soft targets)."""
-    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
-    prompts = [Prompt(id=f"p{i}", domain="chat" if i % 2 else "math", dataset="t", messages=user_messages(f"q{i}"))
-               for i in range(10)]
-    out = tmp_path_factory.mktemp("soft-data")
-    generate_dataset(
-        target, lambda p: [3 + int(p.id[1:]), 7, 9 + int(p.id[1:])], [], prompts, out,
-        DataGenConfig(model="tiny", capture_layers=LAYERS, max_new_tokens=24, batch_size=4, shard_size=4, top_logprobs=8),
-    )
-    return str(out)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from adaflash.formats.trajectories import Trajectory
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.target import load_target
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import speculative_generate
 from adaflash.training.block_outcomes import score_blocks
 from adaflash.training.trainer import train
-from adaflash.training.trajectories import Trajectory
 from tests.training.test_distill import _config
 
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from adaflash.cli import main
+from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
 from adaflash.models.drafter_checkpoint import load_drafter
+from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.target import load_target
 from adaflash.training.dataset import DraftDataset, TrajectoryDataset
-from adaflash.models.kv_cache import RaggedBatch
 from adaflash.training.trainer import TrainConfig, teacher_logits, teacher_pass, train
-from adaflash.training.trajectories import Trajectory, append_trajectories, read_trajectories
 
 LAYERS = (1, 2)
 

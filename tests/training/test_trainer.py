@@ -85,7 +85,7 @@ def test_trimmed_vocabulary_with_soft_targets_learns_resumes_and_ships(tiny_chec
     from adaflash.training.validation import split_holdout
 
     data = DraftDataset(tiny_soft_data, LAYERS)
-    train_ids, _ = split_holdout(len(data), 2)
+    train_ids, _ = split_holdout(data.keys, 2)
     expected = data_vocab([data.samples[i] for i in train_ids], 24, drafter.config.vocab_size)
     assert drafter.draft_vocab.token_ids.tolist() == expected.token_ids.tolist()
     train(_config(tiny_checkpoints, tiny_soft_data, tmp_path / "b", **kw), progress=False, stop_after=6)

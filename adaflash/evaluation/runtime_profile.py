@@ -1,0 +1,107 @@
+"""Where a target step's time goes: torch.profiler over a decode step, a 16-token verify and a batch-64 step.
+
+    python -m adaflash.evaluation.runtime_profile --json docs/results/runtime_profile.json
+
+Each op's self CPU time is put in one bucket: linears (the LM head apart, told by its vocabulary-sized weight),
+attention (SDPA and the K/V cache writes), norms / RoPE / elementwise, and the rest; Python and dispatch is the
+wall time no op accounts for. Run with nothing else on the cores; the JSON names the machine and threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from adaflash.evaluation.offline import machine_info, write_json
+from adaflash.models.dtype import resolve_dtype
+from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.registry import resolve_target
+from adaflash.models.target import load_target
+
+LINEAR = ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
+ATTENTION = ("scaled_dot_product", "index_copy", "aten::bmm", "_softmax")
+ELEMENTWISE = ("rms_norm", "aten::mul", "aten::add", "aten::cat", "aten::neg", "aten::silu", "aten::pow", "aten::mean",
+               "aten::rsqrt", "aten::cos", "aten::sin", "aten::embedding", "aten::copy_", "aten::to", "aten::where",
+               "aten::div", "aten::sum", "aten::chunk", "aten::slice", "aten::view", "aten::reshape", "aten::transpose")
+SHAPES = {"decode (batch 1, 1 token)": (1, 1), "verify (batch 1, 16 tokens)": (1, 16), "batch-64 decode step": (64, 1)}
+
+
+def _bucket(name: str, shapes, vocab: int) -> str:
+    if any(k in name for k in LINEAR):
+        return "lm_head" if any(vocab in s for s in shapes if s) else "linears"
+    if any(k in name for k in ATTENTION):
+        return "attention"
+    if any(k in name for k in ELEMENTWISE):
+        return "norms_rope_elementwise"
+    return "other_ops"
+
+
+def profile_step(target, batch: int, query_len: int, context: int, repeats: int) -> dict:
+    cache = target.new_cache(batch, context + query_len)
+    slots = list(range(batch))
+    step = RaggedBatch.build(slots, [context] * batch, [query_len] * batch)
+    ids = torch.randint(0, target.config.vocab_size, (batch * query_len,))
+
+    def run() -> None:
+        for s in slots:
+            cache.lengths[s] = context
+        target(ids, step, cache)
+
+    for _ in range(2):
+        run()
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            walls.append(time.perf_counter() - start)
+    buckets: dict[str, float] = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        key = _bucket(event.key, event.input_shapes or [], target.config.vocab_size)
+        buckets[key] = buckets.get(key, 0.0) + event.self_cpu_time_total / 1e3 / repeats
+    wall_ms = 1e3 * statistics.median(walls)
+    ops_ms = sum(buckets.values())
+    buckets["python_dispatch"] = max(0.0, wall_ms - ops_ms)
+    return {"wall_ms": round(wall_ms, 2), "ms": {k: round(v, 2) for k, v in sorted(buckets.items())},
+            "share": {k: round(v / max(wall_ms, ops_ms), 3) for k, v in sorted(buckets.items())}}
+
+
+def to_markdown(report: dict) -> str:
+    keys = sorted({k for r in report["steps"].values() for k in r["ms"]})
+    m = report["machine"]
+    lines = ["# Where a target step's time goes (torch.profiler, self CPU time per bucket)", "",
+             f"Command: `{report['command']}`  ",
+             f"Machine: {m['processor']}, {m['threads']} threads, {report['dtype']}, context {report['context']} tokens, "
+             "nothing else running.", "",
+             "| step | wall ms | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    for name, r in report["steps"].items():
+        lines.append(f"| {name} | {r['wall_ms']} | " + " | ".join(f"{r['ms'].get(k, 0):.1f} ({100 * r['share'].get(k, 0):.0f}%)"
+                                                             for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default="docs/results/runtime_profile.json")
+    args = p.parse_args()
+    target = load_target(resolve_target(args.model), dtype=resolve_dtype(args.dtype))
+    steps = {name: profile_step(target, b, q, args.context, args.repeats) for name, (b, q) in SHAPES.items()}
+    report = {"command": f"python -m adaflash.evaluation.runtime_profile --dtype {args.dtype} --context {args.context} "
+                         f"--repeats {args.repeats}", "machine": machine_info(),
+              "dtype": str(target.dtype).removeprefix("torch."), "context": args.context, "steps": steps}
+    write_json(report, args.json)
+    Path(args.json).with_suffix(".md").write_text(to_markdown(report))
+    print(to_markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""What a step costs on this machine: the target's verify time against the batch's total tokens and the drafter's
+time per drafting request, profiled once (`profile_cost_model`) and cached on disk per target, drafter, size and
+thread count (`cost_model_for`). The expected-throughput length policies (`length_policy.py`) read it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one target verify pass as a function of the batch's total tokens, plus the drafter's
+    cost per drafting request.
+
+    Profiled on the running machine (`profile_cost_model`), piecewise-linear in between the measured points.
+    """
+
+    total_tokens: tuple[int, ...]
+    verify_s: tuple[float, ...]
+    draft_s: float
+
+    def verify(self, tokens: int) -> float:
+        xs, ys = self.total_tokens, self.verify_s
+        if tokens <= xs[0]:
+            return ys[0] * tokens / xs[0]
+        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)  # extrapolates linearly past the last point
+
+    def to_json(self) -> str:
+        return json.dumps({"total_tokens": self.total_tokens, "verify_s": self.verify_s, "draft_s": self.draft_s})
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        d = json.loads(text)
+        return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]))
+
+
+def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 3) -> CostModel:
+    """Measure verify time at a few total-token counts and one drafter pass, on this machine."""
+    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.speculative.sampling import SamplingParams
+
+    points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
+    cache = target.new_cache(1, context + max_tokens)
+    target(torch.arange(context) + 100, RaggedBatch.build([0], [0], [context]), cache)
+    times = []
+    for n in points:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            target(torch.arange(n) + 100, RaggedBatch.build([0], [context], [n]), cache)
+            samples.append(time.perf_counter() - start)
+            cache.rollback(0, context)
+        times.append(sorted(samples)[len(samples) // 2])
+    draft_s = 0.0
+    if proposer is not None:
+        dcache = proposer.new_cache(1, context + proposer.block_size)
+        hidden = torch.zeros(context, len(proposer.capture_layers) * target.config.hidden_size, dtype=target.dtype)
+        proposer.add_context(dcache, hidden, RaggedBatch.build([0], [0], [context]))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            proposer.propose(dcache, [0], [100], [proposer.block_size - 1], [SamplingParams()], [None])
+        draft_s = (time.perf_counter() - start) / repeats
+    return CostModel(tuple(points), tuple(times), draft_s)
+
+
+def load_or_profile_cost_model(target, proposer, max_tokens: int, cache_file: Path | None) -> CostModel:
+    if cache_file is not None and cache_file.is_file():
+        return CostModel.from_json(cache_file.read_text())
+    model = profile_cost_model(target, proposer, max_tokens)
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(model.to_json())
+    return model
+
+
+def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
+    """Where this target + drafter's cost model is cached in the user cache (one file per machine setting)."""
+    from adaflash.models.registry import cache_root
+
+    d = proposer.drafter.config
+    # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
+    name = (f"{Path(str(model_name)).name}-{str(target.dtype).split('.')[-1]}-L{d.num_layers}-B{d.block_size}"
+            f"-T{max_tokens}-th{torch.get_num_threads()}.json")
+    return cache_root() / "cost_models" / name
+
+
+def cost_model_for(target, proposer, model_name: str, max_tokens: int) -> CostModel:
+    """The cost model of this target + drafter on this machine, profiled once and cached in the user cache."""
+    return load_or_profile_cost_model(target, proposer, max_tokens, cost_model_file(target, proposer, model_name, max_tokens))

@@ -1,0 +1,134 @@
+"""One way to build a serving engine: what to build (`EngineConfig`), from which loaded models (`EngineModels`),
+by `build_engine`.
+
+`serve`, the pipeline's engine path (generate, bench offline, eval tau: one slot per request) and online adaptation
+all build their engine here, so a method's default length policy, whether that policy needs the profiled cost model,
+and the size the cost model covers are decided in this one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from adaflash.models.target import TargetModel
+from adaflash.serving.cost_model import CostModel, cost_model_for
+from adaflash.serving.engine import Engine
+from adaflash.serving.length_policy import (
+    LENGTH_HEAD_POLICIES,
+    LengthPolicy,
+    build_length_policy,
+    check_length_policy,
+    needs_cost_model,
+)
+from adaflash.speculative.proposer import DFlashProposer
+
+METHODS = ("ar", "dflash", "adaflash")  # adaflash: the drafter + its learned length head + the adaflash policy
+
+# The length policy each method runs on the engine when none is asked for (ar never drafts).
+DEFAULT_LENGTH_POLICY: dict[str, str | None] = {"ar": None, "dflash": "throughput", "adaflash": "adaflash"}
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+
+
+def default_length_policy(method: str) -> str | None:
+    check_method(method)
+    return DEFAULT_LENGTH_POLICY[method]
+
+
+def method_of_engine(engine: Engine) -> str:
+    """The method an engine built without an `EngineConfig` runs, read from its parts (for metrics labels)."""
+    if engine.proposer is None:
+        return "ar"
+    return "adaflash" if engine.policy.name in LENGTH_HEAD_POLICIES else "dflash"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What engine to build. Checked when made, so a bad flag fails before the (slow) model load."""
+
+    method: str = "dflash"
+    length_policy: str | None = None  # a `build_length_policy` spec; None: the method's default
+    max_batch: int = 8  # requests decoded together (batch slots)
+    max_queue: int = 64  # requests waiting for a slot before QueueFullError
+    max_len: int = 2048  # KV cache positions per slot (prompt + output + drafts); capped at the model's positions
+    record_dir: str | None = None  # on-policy buffer (serving/recorder.py): trajectories and verification outcomes
+
+    def __post_init__(self) -> None:
+        check_method(self.method)
+        if self.method == "ar" and self.length_policy is not None:
+            raise ValueError("--length-policy applies to --method dflash or adaflash only")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.policy_spec is not None:
+            check_length_policy(self.policy_spec)
+
+    @property
+    def policy_spec(self) -> str | None:
+        """The length policy this engine runs (None: plain decoding)."""
+        if self.method == "ar":
+            return None
+        return self.length_policy or default_length_policy(self.method)
+
+    @property
+    def needs_cost_model(self) -> bool:
+        return self.policy_spec is not None and needs_cost_model(self.policy_spec)
+
+
+@dataclass(frozen=True)
+class EngineModels:
+    """The loaded models an engine runs: the target, the drafter's proposer (None: plain decoding) and the length
+    head its checkpoint carries (None if untrained). `model_name` keys the cost-model cache; `drafter_version`
+    labels recorded trajectories."""
+
+    target: TargetModel
+    proposer: DFlashProposer | None = None
+    length_head: object | None = None
+    model_name: str = ""
+    drafter_version: str = ""
+
+
+@dataclass(frozen=True)
+class LengthPolicyFactory:
+    """A length policy for a drafter's head: the engine's first policy, and each hot-swapped drafter's."""
+
+    spec: str
+    cost: CostModel | None = None
+
+    def __call__(self, head=None) -> LengthPolicy:
+        return build_length_policy(self.spec, self.cost, head)
+
+
+def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthPolicyFactory | None:
+    """None for plain decoding. A policy that needs the cost model gets it here, profiled once per machine (cached
+    in the user cache) for the largest verify pass: every slot's anchor plus a full block of drafts."""
+    if config.policy_spec is None or models.proposer is None:
+        return None
+    cost = None
+    if config.needs_cost_model:
+        cost = cost_model_for(models.target, models.proposer, models.model_name,
+                              max_tokens=config.max_batch * models.proposer.block_size)
+    return LengthPolicyFactory(config.policy_spec, cost)
+
+
+def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolicy | None = None) -> Engine:
+    """The engine `config` describes over `models`. `policy`: one already built from `length_policy_factory` (kept
+    across engines, so what it learned carries over); None builds it for the models' length head."""
+    proposer = models.proposer if config.method != "ar" else None
+    if config.method != "ar" and proposer is None:
+        raise ValueError(f"--method {config.method} needs a drafter (--drafter PATH)")
+    if policy is None and proposer is not None:
+        policy = length_policy_factory(config, models)(models.length_head)
+    # Positions past the model's trained range would decode garbage, not fail: never cache that far.
+    max_len = min(config.max_len, models.target.config.max_position_embeddings)
+    recorder = None
+    if config.record_dir is not None:
+        from adaflash.serving.recorder import TrajectoryRecorder
+
+        recorder = TrajectoryRecorder(Path(config.record_dir), drafter_version=models.drafter_version,
+                                      record_outcomes=proposer is not None)
+    return Engine(models.target, proposer, policy, max_batch=config.max_batch, max_queue=config.max_queue,
+                  max_len=max_len, recorder=recorder)

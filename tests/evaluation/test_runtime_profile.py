@@ -1,0 +1,20 @@
+"""The profile splits a real step's time into buckets that add up to its wall time."""
+
+from __future__ import annotations
+
+import torch
+
+from adaflash.evaluation.runtime_profile import _bucket, profile_step, to_markdown
+from adaflash.models.target import load_target
+
+
+def test_buckets_cover_the_step(tiny_checkpoints):
+    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
+    r = profile_step(target, batch=2, query_len=3, context=8, repeats=2)
+    assert r["ms"]["linears"] > 0 and r["ms"]["attention"] > 0 and r["ms"]["lm_head"] > 0
+    assert abs(sum(r["ms"].values()) - max(r["wall_ms"], sum(v for k, v in r["ms"].items() if k != "python_dispatch"))) < 0.5
+    assert _bucket("aten::linear", [[4, 64], [96, 64]], vocab=96) == "lm_head"
+    assert _bucket("aten::linear", [[4, 64], [128, 64]], vocab=96) == "linears"
+    md = to_markdown({"command": "x", "machine": {"processor": "cpu", "threads": 1}, "dtype": "float32", "context": 8,
+                      "steps": {"decode": r}})
+    assert "| decode |" in md

@@ -1,0 +1,74 @@
+"""The slot KV cache (free rollback) and the ragged batch that addresses it, against plain attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+
+LAYERS, SLOTS, MAX_LEN, KV_HEADS, HEADS, DIM = 1, 3, 16, 2, 4, 8
+
+
+def test_rollback_only_moves_the_length():
+    cache = KVCache(LAYERS, SLOTS, MAX_LEN, KV_HEADS, DIM, torch.float32)
+    cache.lengths[1] = 7
+    cache.k[0, 1, :, :7] = 1.0
+    cache.rollback(1, 3)
+    assert cache.lengths == [0, 3, 0] and bool((cache.k[0, 1, :, :7] == 1.0).all())  # stale entries stay, unread
+    with pytest.raises(ValueError, match="cannot roll slot 1 back to 5"):
+        cache.rollback(1, 5)
+    cache.reset(1)
+    assert cache.lengths[1] == 0 and cache.num_slots == SLOTS
+
+
+def test_ragged_batch_positions_ends_and_last_tokens():
+    batch = RaggedBatch.build([2, 0], [5, 0], [3, 2])
+    assert batch.positions.tolist() == [5, 6, 7, 0, 1] and batch.ends == (8, 2) and batch.num_tokens == 5
+    assert batch.last_token_indices().tolist() == [2, 4]
+
+
+@pytest.mark.parametrize("slots, starts, lens, message", [
+    ([], [], [], "non-empty"),
+    ([0, 0], [0, 0], [1, 1], "twice"),
+    ([0, 1], [0, 0], [1, 0], "at least one"),
+])
+def test_ragged_batch_rejects(slots, starts, lens, message):
+    with pytest.raises(ValueError, match=message):
+        RaggedBatch.build(slots, starts, lens)
+
+
+def _reference(q, k, v, causal_from: int | None):
+    """softmax(q k^T / sqrt(d)) v for one sequence, q [T, H, D], k/v [S, KV, D]; causal_from = q's first position."""
+    rep = HEADS // KV_HEADS
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) / DIM ** 0.5
+    if causal_from is not None:
+        qpos = torch.arange(q.shape[0]) + causal_from
+        scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > qpos[:, None], float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(q.shape[0], HEADS * DIM)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ragged_attention_equals_per_sequence_attention(causal):
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(LAYERS, SLOTS, MAX_LEN, KV_HEADS, DIM, torch.float32)
+    history = {slot: (torch.randn(n, KV_HEADS, DIM, generator=g), torch.randn(n, KV_HEADS, DIM, generator=g))
+               for slot, n in [(0, 4), (2, 2)]}
+    for slot, (k, v) in history.items():  # what earlier steps left in the cache
+        cache.k[0, slot, :, : len(k)], cache.v[0, slot, :, : len(v)] = k.transpose(0, 1), v.transpose(0, 1)
+        cache.lengths[slot] = len(k)
+    batch = RaggedBatch.build([2, 0], [2, 4], [3, 1])  # ragged: 3 new tokens in slot 2, 1 in slot 0
+    q = torch.randn(batch.num_tokens, HEADS, DIM, generator=g)
+    k_new = torch.randn(batch.num_tokens, KV_HEADS, DIM, generator=g)
+    v_new = torch.randn(batch.num_tokens, KV_HEADS, DIM, generator=g)
+    attention = RaggedAttention(batch, causal=causal)
+    attention.write(cache, 0, k_new, v_new)
+    out = attention.attend(cache, 0, q)
+    attention.commit_lengths(cache)
+    assert cache.lengths == [5, 0, 5]
+    for (slot, start, n), rows in zip([(2, 2, 3), (0, 4, 1)], [slice(0, 3), slice(3, 4)]):
+        k = torch.cat([history[slot][0], k_new[rows]])
+        v = torch.cat([history[slot][1], v_new[rows]])
+        expected = _reference(q[rows], k, v, start if causal else None)
+        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
