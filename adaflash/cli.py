@@ -18,6 +18,7 @@ from adaflash.evaluation.serve_bench import register_cli as register_serve_bench
 from adaflash.evaluation.serve_sweep import register_cli as register_sweep_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
 from adaflash.evaluation.vocab_coverage import register_cli as register_vocab_cli
+from adaflash.export.gguf import register_cli as register_export_cli
 from adaflash.models.registry import DEFAULT_TARGET, resolve_drafter
 from adaflash.serving.cli import register_cli as register_serve_cli
 from adaflash.training.cli import register_cli as register_train_cli
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_sensitivity_cli(sub)  # eval sensitivity
     register_serve_cli(sub)  # serve
     register_train_cli(sub)  # train drafter, train distill
+    register_export_cli(sub)  # export gguf
     return parser
 
 

@@ -18,7 +18,14 @@ from adaflash.models.dtype import resolve_dtype
 from adaflash.models.length_head import load_length_head
 from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
 from adaflash.models.target import TargetModel, load_target
-from adaflash.serving.engine_factory import METHODS, EngineConfig, EngineModels, build_engine, length_policy_factory
+from adaflash.serving.engine_factory import (
+    METHODS,
+    EngineConfig,
+    EngineModels,
+    build_engine,
+    check_method,
+    length_policy_factory,
+)
 from adaflash.serving.length_policy import check_length_policy
 from adaflash.serving.request import Request
 from adaflash.speculative.proposer import DFlashProposer
@@ -162,8 +169,7 @@ class Pipeline:
         draft_length: int | None = None,
         seed: int = 0,
     ) -> GenerationResult:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+        check_method(method)
         if method == "ar":
             return autoregressive_generate(self.target, prompt_ids, max_new_tokens, sampling, self.stop_token_ids, seed)
         if self.proposer is None:

@@ -1,4 +1,4 @@
-"""τ evaluation: DFlash's accept length on the six evaluation benchmarks (math, code, chat), vs AR.
+"""τ evaluation: DFlash's accept length on the seven evaluation benchmarks (math, code, chat, multilingual), vs AR.
 
     adaflash eval tau --limit 10 --max-new-tokens 128          # uses the shipped drafter
     -> docs/results/tau.json, tau.md, tau_accept_length.png, tau_per_position.png
@@ -67,7 +67,7 @@ def tau_summary(report: dict[str, Any]) -> dict[str, Any]:
         "method": SPECULATIVE,
         "benchmarks": rows,
         "overall": {k: res["overall"][k] for k in ("accept_len_mean", "accept_len_std", "speedup_aggregate", "speedup_median")},
-        # Population std: the six benchmarks are the whole set being described, not a sample.
+        # Population std: the benchmarks are the whole set being described, not a sample.
         "domain_spread": statistics.pstdev(means) if means else None,
         "by_domain": {
             d: {"accept_len_mean": m["accept_len_mean"], "per_position_acceptance": m["per_position_acceptance"]}
@@ -150,7 +150,7 @@ def run_tau_eval(
     progress: bool = True,
     prompts: Sequence[Prompt] | None = None,
 ) -> dict[str, Any]:
-    """Run AR and DFlash on the six benchmarks and write tau.json, tau.md and the two plots into `out_dir`.
+    """Run AR and DFlash on the seven benchmarks and write tau.json, tau.md and the two plots into `out_dir`.
 
     `prompts` defaults to `load_benchmarks(limit)`; the CLI loads them before the model to fail fast.
     """
@@ -194,7 +194,7 @@ def _cmd_tau(args: argparse.Namespace) -> int:
 def register_cli(subparsers) -> None:
     """Add `eval tau` to the top-level subparsers of the adaflash CLI."""
     group = command_group(subparsers, "eval", help="evaluations that write result files")
-    p = group.add_parser("tau", help="DFlash accept length on the six eval benchmarks (json, markdown, plots)")
+    p = group.add_parser("tau", help="DFlash accept length on the seven eval benchmarks (json, markdown, plots)")
     p.add_argument("--limit", type=int, default=10, help="prompts per benchmark (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")

@@ -8,7 +8,7 @@ from pathlib import Path
 import sys
 
 from adaflash.cli_args import add_model_args
-from adaflash.serving.engine_factory import METHODS
+from adaflash.serving.engine_factory import DEFAULT_LENGTH_POLICY, METHODS
 
 
 def engine_config(args: argparse.Namespace):
@@ -66,7 +66,13 @@ def build_app(args: argparse.Namespace):
     app = create_app(runner, pipeline.tokenizer, args.served_model_name or args.model, config=config,
                      method=args.method)
     if watcher is not None:
-        watcher.observer = app.state.metrics.observe_hot_swap
+        metrics = app.state.metrics
+
+        def on_hot_swap(swapped: bool) -> None:  # the label follows the policy the new version runs
+            metrics.observe_hot_swap(swapped)
+            metrics.set_length_policy(runner.snapshot.policy_name, args.method)
+
+        watcher.observer = on_hot_swap
     app.state.watcher = watcher
     return app, runner, watcher
 
@@ -74,7 +80,7 @@ def build_app(args: argparse.Namespace):
 def _describe(args: argparse.Namespace, app, runner) -> str:
     """The startup line (the key itself never appears in it, nor anywhere else in the output)."""
     config = app.state.config
-    policy = runner.engine.policy.name if args.method != "ar" else "none (autoregressive)"
+    policy = runner.snapshot.policy_name if args.method != "ar" else "none (autoregressive)"
     auth = "bearer key required" + (" (/metrics open)" if config.metrics_open else " (also /metrics)") \
         if config.api_key else "none"
     timeout = f"{config.request_timeout_s:g} s" if config.request_timeout_s else "none"
@@ -113,7 +119,8 @@ def register_cli(subparsers) -> None:
         "With --method dflash the length policy defaults to throughput (its cost model is profiled once per "
         "machine and cached under the adaflash cache).",
     )
-    add_model_args(p, length_policy_default="throughput for dflash, adaflash for adaflash")  # --model, --drafter, --dtype, --length-policy
+    defaults = ", ".join(f"{policy} for {method}" for method, policy in DEFAULT_LENGTH_POLICY.items() if policy)
+    add_model_args(p, length_policy_default=defaults)  # --model, --drafter, --dtype, --length-policy
     p.add_argument("--method", choices=METHODS, default="dflash",
                    help="dflash (default), adaflash (drafter + its length head + adaflash policy) or ar (plain "
                    "decoding); the speculative ones use --drafter or the drafter shipped for the target")

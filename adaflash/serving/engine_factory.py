@@ -1,9 +1,10 @@
 """One way to build a serving engine: what to build (`EngineConfig`), from which loaded models (`EngineModels`),
 by `build_engine`.
 
-`serve`, the pipeline's engine path (generate, bench offline, eval tau: one slot per request) and online adaptation
-all build their engine here, so a method's default length policy, whether that policy needs the profiled cost model,
-and the size the cost model covers are decided in this one place.
+`serve`, the pipeline's engine path (generate, bench offline, eval tau: one slot per request), online adaptation and
+the evaluations' plain engines all build their engine here, so a method's default length policy, whether that policy
+needs the profiled cost model, and the size the cost model covers are decided in this one place. (Data generation
+builds its feature-capturing engine itself: `Engine(capture_layers=...)`, no drafter, no policy.)
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ def default_length_policy(method: str) -> str | None:
     return DEFAULT_LENGTH_POLICY[method]
 
 
-def method_of_engine(engine: Engine) -> str:
-    """The method an engine built without an `EngineConfig` runs, read from its parts (for metrics labels)."""
-    if engine.proposer is None:
+def method_of(speculative: bool, policy_name: str) -> str:
+    """The method an engine runs, read from its parts (for an engine built without an `EngineConfig`)."""
+    if not speculative:
         return "ar"
-    return "adaflash" if engine.policy.name in LENGTH_HEAD_POLICIES else "dflash"
+    return "adaflash" if policy_name in LENGTH_HEAD_POLICIES else "dflash"
 
 
 @dataclass(frozen=True)

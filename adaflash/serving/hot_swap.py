@@ -44,18 +44,18 @@ class VersionWatcher:
 
     def _prepare(self, version: Path):
         """The new proposer and policy, or VersionRefused; nothing touches the engine yet."""
-        engine = self.runner.engine
-        target = engine.target
+        serving = self.runner.snapshot  # never the engine itself: it belongs to the engine thread
+        target = serving.target
         try:
             config = load_drafter_config(version)
             config.check_compatible(target.config)
         except ValueError as exc:
             raise VersionRefused(f"{version / CONFIG_FILE}: {exc}") from exc
-        if tuple(config.target_layer_ids) != tuple(engine.capture) or config.block_size != engine.max_draft + 1:
+        if tuple(config.target_layer_ids) != serving.capture_layers or config.block_size != serving.max_draft + 1:
             raise VersionRefused(
                 f"{version / CONFIG_FILE}: reads target layers {tuple(config.target_layer_ids)} with block size "
-                f"{config.block_size}, the serving drafter layers {tuple(engine.capture)} with block size "
-                f"{engine.max_draft + 1} (a hot swap cannot change either)")
+                f"{config.block_size}, the serving drafter layers {serving.capture_layers} with block size "
+                f"{serving.max_draft + 1} (a hot swap cannot change either)")
         try:
             proposer = DFlashProposer(load_drafter(version, dtype=target.dtype), target)
             policy = self.make_policy(load_length_head(version))

@@ -41,10 +41,14 @@ class ServerMetrics:
         self.queue_depth = Gauge("adaflash_queue_depth", "requests waiting for a slot", registry=r)
         self.free_slots = Gauge("adaflash_free_slots", "unused batch slots", registry=r)
         Gauge("adaflash_batch_slots", "batch slots in all (--max-batch)", registry=r).set(max_batch)
-        Info("adaflash_length_policy", "the draft-length policy and decoding method in use", registry=r).info(
-            {"policy": policy, "method": method}
-        )
+        self.length_policy = Info("adaflash_length_policy", "the draft-length policy and decoding method in use",
+                                  registry=r)
+        self.set_length_policy(policy, method)
         self.free_slots.set(max_batch)
+
+    def set_length_policy(self, policy: str, method: str) -> None:
+        """The policy label; a hot swap may change the policy (the version watcher's observer calls this)."""
+        self.length_policy.info({"policy": policy, "method": method})
 
     def observe_step(self, stats: StepStats) -> None:
         """The runner's observer (called on the engine thread; prometheus-client is thread-safe)."""

@@ -3,7 +3,8 @@
 The engine is not thread-safe, so only the engine thread touches it: `submit` and `abort` post commands
 to an inbox that the thread drains between steps. Each request's outputs flow back to the event loop that
 submitted it through an asyncio.Queue fed with `call_soon_threadsafe`. When there is no work the thread
-sleeps on a condition (no polling).
+sleeps on a condition (no polling). Other threads (the server, the version watcher) read `runner.snapshot`, a frozen
+description of the engine that the engine thread republishes after every command (a hot swap changes its policy).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from adaflash.models.target import TargetModel
 from adaflash.serving.engine import Engine
 from adaflash.serving.request import Request, StepOutput
 
@@ -34,6 +36,25 @@ class StepStats:
     free_slots: int
     accept_lengths: tuple[int, ...] = ()  # tokens committed per target pass, one per request that decoded
     draft_lengths: tuple[int, ...] = ()  # drafted tokens verified per target pass, likewise
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What threads other than the engine's may read of it. The target is never swapped (only its config is read);
+    the drafter and its policy are, between two steps, so they appear here only as names."""
+
+    target: TargetModel
+    capture_layers: tuple[int, ...]
+    max_draft: int  # drafts per step at most (block size - 1; 0 without a drafter)
+    max_len: int  # KV cache positions per slot
+    max_batch: int
+    speculative: bool  # a drafter is loaded
+    policy_name: str
+
+    @classmethod
+    def of(cls, engine: Engine) -> "EngineSnapshot":
+        return cls(engine.target, tuple(engine.capture), engine.max_draft, engine.max_len, engine.scheduler.max_batch,
+                   engine.proposer is not None, engine.policy.name)
 
 
 class RequestStream:
@@ -83,8 +104,9 @@ class _Entry:
 
 class EngineRunner:
     def __init__(self, engine: Engine, observer: Callable[[StepStats], None] | None = None) -> None:
-        self.engine = engine
+        self.engine = engine  # the engine thread's own; other threads read `snapshot`
         self.observer = observer
+        self.snapshot = EngineSnapshot.of(engine)
         self._cond = threading.Condition()
         self._inbox: list[Callable[[], None]] = []
         self._entries: dict[str, _Entry] = {}  # engine thread only
@@ -98,7 +120,7 @@ class EngineRunner:
     @property
     def context_tokens(self) -> int:
         """Prompt + generated tokens one request may hold (mirrors the bound Engine.add_request enforces)."""
-        return self.engine.max_len - self.engine.max_draft - 1
+        return self.snapshot.max_len - self.snapshot.max_draft - 1
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -142,9 +164,15 @@ class EngineRunner:
 
         def command() -> None:
             try:
-                done.set_result(fn(self.engine))
+                result, error = fn(self.engine), None
             except Exception as exc:
-                done.set_exception(exc)
+                result, error = None, exc
+            # Published before the caller wakes, so what it reads next describes the changed engine.
+            self.snapshot = EngineSnapshot.of(self.engine)
+            if error is None:
+                done.set_result(result)
+            else:
+                done.set_exception(error)
 
         if not self._post(command):
             raise RunnerStoppedError("the engine is not running")

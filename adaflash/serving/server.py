@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
 
 from adaflash.pipeline import TextCodec
-from adaflash.serving.engine_factory import method_of_engine
+from adaflash.serving.engine_factory import method_of
 from adaflash.serving.gate import Admission, Gate, ServerConfig
 from adaflash.serving.metrics import CountRequests, ServerMetrics
 from adaflash.serving.protocol import (
@@ -334,11 +334,12 @@ def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: Server
     """The app over a runner the caller starts and stops; it installs its metrics as the runner's observer.
     `method` labels the metrics (default: read from the engine's parts). `app.state.admission` is what a graceful
     shutdown (serving/shutdown.py) drains."""
-    engine = runner.engine
+    engine = runner.snapshot
     # The same encode/decode/stop tokens as the CLI, so server output equals `adaflash generate` output.
     codec = TextCodec(tokenizer, engine.target.config.eos_token_ids)
     if metrics is None:
-        metrics = ServerMetrics(engine.policy.name, method or method_of_engine(engine), engine.scheduler.max_batch)
+        metrics = ServerMetrics(engine.policy_name, method or method_of(engine.speculative, engine.policy_name),
+                                engine.max_batch)
     runner.observer = metrics.observe_step
     service = _Service(runner, codec, model_name, metrics, config)
     admission = Admission()

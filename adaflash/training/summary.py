@@ -28,6 +28,9 @@ def summarise(run_dir: Path) -> dict:
         "final_expected_accept_len": mean("expected_accept_len"),
         "curve": [{"step": r["step"], "loss": r["loss"], "accuracy_1": r["accuracy"][0],
                    "expected_accept_len": r["expected_accept_len"]} for r in records],
+        # Held-out accept length per domain at each checkpoint, against the training tokens seen so far.
+        "holdout_curve": [{"step": r["step"], "train_tokens_seen": r.get("train_tokens_seen"), **r["holdout"]}
+                          for r in records if r.get("holdout")],
         "drafter_config": config,
     }
 
@@ -47,7 +50,20 @@ def to_markdown(s: dict) -> str:
         "",
         "The full curve (loss, position-1 accuracy, expected accept length per logged window) is in the JSON.",
         "",
+        *_holdout_table(s["holdout_curve"]),
     ])
+
+
+def _holdout_table(curve: list[dict]) -> list[str]:
+    if not curve:
+        return []
+    domains = sorted({k for r in curve for k in r} - {"step", "train_tokens_seen"})
+    lines = ["Held-out teacher-forced full-block accept length (greedy, incl. bonus) per domain, by training tokens seen:",
+             "", "| step | training tokens seen | " + " | ".join(domains) + " |", "|---" * (len(domains) + 2) + "|"]
+    for r in curve:
+        seen = f"{r['train_tokens_seen'] / 1e3:.0f}K" if r.get("train_tokens_seen") else "-"
+        lines.append(f"| {r['step']} | {seen} | " + " | ".join(f"{r[d]:.3f}" if d in r else "-" for d in domains) + " |")
+    return lines + [""]
 
 
 def main() -> None:

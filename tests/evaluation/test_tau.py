@@ -12,7 +12,8 @@ from adaflash.data import EVAL_BENCHMARKS, DatasetUnavailableError
 from adaflash.evaluation import offline, tau
 from tests.evaluation.test_offline import TEN, FakePipeline, make_prompt, random_drafter  # noqa: F401 (fixture)
 
-DOMAIN = {"gsm8k": "math", "champ": "math", "humaneval": "code", "sharegpt-code": "code", "mt-bench": "chat", "sharegpt-chat": "chat"}
+DOMAIN = {"gsm8k": "math", "champ": "math", "humaneval": "code", "sharegpt-code": "code", "mt-bench": "chat", "sharegpt-chat": "chat",
+          "mgsm": "multilingual"}
 
 
 @pytest.fixture
@@ -37,7 +38,8 @@ def _cli(argv: list[str]) -> argparse.Namespace:
 
 
 def test_domain_spread_and_files_on_a_scripted_pipeline(one_prompt_per_benchmark, tmp_path):
-    accepts = {"gsm8k": [3, 3], "champ": [2, 2], "humaneval": [4, 2], "sharegpt-code": [1, 1], "mt-bench": [2, 4], "sharegpt-chat": [1, 3]}
+    accepts = {"gsm8k": [3, 3], "champ": [2, 2], "humaneval": [4, 2], "sharegpt-code": [1, 1], "mt-bench": [2, 4], "sharegpt-chat": [1, 3],
+               "mgsm": [2, 2]}
     script = {}
     for name, acc in accepts.items():
         script[(f"{name} prompt", "ar")] = (TEN, 1.0, [1] * 9, [0] * 9)
@@ -48,8 +50,9 @@ def test_domain_spread_and_files_on_a_scripted_pipeline(one_prompt_per_benchmark
     rows = report["tau"]["benchmarks"]
     assert [r["benchmark"] for r in rows] == list(EVAL_BENCHMARKS)
     assert [r["domain"] for r in rows] == [DOMAIN[n] for n in EVAL_BENCHMARKS]
-    assert [r["accept_len_mean"] for r in rows] == [3.0, 2.0, 3.0, 1.0, 3.0, 2.0]
-    assert report["tau"]["domain_spread"] == pytest.approx(statistics.pstdev([3, 2, 3, 1, 3, 2]))
+    assert [r["accept_len_mean"] for r in rows] == [3.0, 2.0, 3.0, 1.0, 3.0, 2.0, 2.0]
+    assert report["tau"]["domain_spread"] == pytest.approx(statistics.pstdev([3, 2, 3, 1, 3, 2, 2]))
+    assert report["tau"]["by_domain"]["multilingual"]["accept_len_mean"] == pytest.approx(2.0)
     assert report["tau"]["by_domain"]["code"]["accept_len_mean"] == pytest.approx(2.0)
     # chat pools (1,3),(3,3),(0,3),(2,3): k=1 3/4, k=2 2/3, k=3 1/2
     assert report["tau"]["by_domain"]["chat"]["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
@@ -71,8 +74,8 @@ def test_cli_tiny_model_writes_json_md_and_pngs(one_prompt_per_benchmark, tiny_c
     assert report["lossless"] is True and report["methods"] == ["ar", "dflash"]
     assert set(report) >= {"command", "machine", "timestamp", "tau", "results"}
     assert report["command"].startswith("adaflash eval tau --limit 1 --max-new-tokens 6 --draft-length 3")
-    assert set(report["tau"]["by_domain"]) == {"math", "code", "chat"}
-    assert len(report["tau"]["benchmarks"]) == 6
+    assert set(report["tau"]["by_domain"]) == {"math", "code", "chat", "multilingual"}
+    assert len(report["tau"]["benchmarks"]) == len(EVAL_BENCHMARKS) == 7
     md = (out / "tau.md").read_text()
     assert all(f"| {name} |" in md for name in EVAL_BENCHMARKS) and report["command"] in md
     for png in ("tau_accept_length.png", "tau_per_position.png"):

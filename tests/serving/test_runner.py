@@ -12,6 +12,7 @@ from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
 from adaflash.serving.engine import Engine
+from adaflash.serving.length_policy import FixedLength
 from adaflash.serving.request import Request
 from adaflash.serving.runner import EngineRunner, RunnerStoppedError, StepStats
 from adaflash.serving.scheduler import QueueFullError
@@ -61,18 +62,28 @@ def test_call_runs_on_the_engine_thread_between_steps(target):
         with pytest.raises(ZeroDivisionError):
             runner.call(lambda engine: 1 / 0).result(timeout=10)
         assert runner.alive  # a failing command does not take the thread down
+
+
+def test_the_snapshot_is_republished_before_a_command_returns(target, proposer):
+    with EngineRunner(Engine(target, proposer, max_batch=2, max_len=64)) as runner:
+        before = runner.snapshot
+        assert (before.policy_name, before.max_draft, before.max_batch, before.speculative) == ("fixed:3", 3, 2, True)
+        assert before.capture_layers == tuple(proposer.capture_layers) and runner.context_tokens == 64 - 3 - 1
+        runner.call(lambda engine: setattr(engine, "policy", FixedLength(1))).result(timeout=10)
+        assert runner.snapshot.policy_name == "fixed:1" and runner.snapshot.target is before.target
     assert not runner.alive
 
 
 def test_refusals_reach_the_submitter(target):
-    with EngineRunner(Engine(target, None, max_batch=1, max_queue=0, max_len=16)) as runner:
+    with EngineRunner(Engine(target, None, max_batch=1, max_queue=0, max_len=256)) as runner:
         async def main():
             with pytest.raises(ValueError, match="exceeds the context"):
-                await runner.submit(Request("long", [1] * 10, 10))
-            first = await runner.submit(Request("a", [5, 6], 14))
-            await runner.submit(Request("b", [5, 6], 2))  # fills the one free slot of the next step
+                await runner.submit(Request("long", [1] * 200, 100))
+            first = await runner.submit(Request("a", [5, 6], 250))  # holds the only slot
             with pytest.raises(QueueFullError):
-                await runner.submit(Request("c", [5, 6], 2))
+                await runner.submit(Request("b", [5, 6], 2))
+            with pytest.raises(ValueError, match="duplicate request id"):
+                await runner.submit(Request("a", [5, 6], 2))
             first.close()  # aborts "a": its stream ends
             return first.finished
 

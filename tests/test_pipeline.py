@@ -1,0 +1,81 @@
+"""Text in, text out: the codec the CLI and server share, which loop a method runs, and the flags it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaflash.cli import main
+from adaflash.pipeline import Pipeline, TextCodec, check_draft_length, uses_engine
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_chat_checkpoint) -> Pipeline:
+    return Pipeline.load(tiny_chat_checkpoint, None, "fp32").with_untrained_drafter(block_size=4)
+
+
+def test_codec_raw_text_and_chat(pipeline):
+    codec = TextCodec(pipeline.tokenizer, pipeline.target.config.eos_token_ids)
+    assert codec.stop_token_ids == pipeline.stop_token_ids and set(pipeline.target.config.eos_token_ids) <= set(codec.stop_token_ids)
+    raw = codec.encode(prompt="Hello there")
+    chat = codec.encode(messages=[{"role": "user", "content": "Hello there"}])
+    assert len(chat) > len(raw) and codec.decode(raw) == "Hello there"
+    assert pipeline.encode(prompt="Hello there") == raw
+    for kwargs, message in [({}, "exactly one"), ({"prompt": "a", "messages": []}, "exactly one"),
+                            ({"messages": []}, "empty")]:
+        with pytest.raises(ValueError, match=message):
+            codec.encode(**kwargs)
+
+
+def test_which_methods_run_on_the_engine():
+    assert not uses_engine("ar", "fixed:2") and not uses_engine("dflash", None)
+    assert uses_engine("dflash", "fixed:2") and uses_engine("adaflash", None)
+    check_draft_length("dflash", None, 3)  # the reference loop honours it
+    check_draft_length("adaflash", None, None)
+    for method, policy in [("dflash", "heuristic"), ("adaflash", None)]:
+        with pytest.raises(ValueError, match="--draft-length applies to the reference loop"):
+            check_draft_length(method, policy, 3)
+
+
+def test_every_path_reproduces_ar(pipeline):
+    ids = pipeline.encode(messages=[{"role": "user", "content": "Count to five"}])
+    ar = pipeline.generate_ids(ids, "ar", max_new_tokens=12)
+    reference = pipeline.generate_ids(ids, "dflash", max_new_tokens=12, draft_length=2)
+    assert reference.token_ids == ar.token_ids and max(reference.stats.draft_lengths) <= 2
+    engine = pipeline.with_length_policy("fixed:1")
+    on_engine = engine.generate_ids(ids, "dflash", max_new_tokens=12)
+    assert on_engine.token_ids == ar.token_ids and set(on_engine.stats.draft_lengths) <= {0, 1}
+    completion = engine.complete(ids, "dflash", max_new_tokens=12)
+    assert completion.token_ids == ar.token_ids and completion.method == "dflash"
+    assert completion.as_dict()["num_tokens"] == len(ar.token_ids) and completion.text == pipeline.decode(ar.token_ids)
+
+
+def test_engine_paths_refuse_a_draft_length(pipeline):
+    ids = pipeline.encode(prompt="hi")
+    with pytest.raises(ValueError, match="--draft-length applies to the reference loop"):
+        pipeline.with_length_policy("fixed:1").generate_ids(ids, "dflash", max_new_tokens=4, draft_length=2)
+
+
+def test_refusals(pipeline, tiny_chat_checkpoint):
+    ids = pipeline.encode(prompt="hi")
+    with pytest.raises(ValueError, match="unknown method"):
+        pipeline.generate_ids(ids, "beam")
+    plain = Pipeline.load(tiny_chat_checkpoint, None, "fp32")
+    with pytest.raises(ValueError, match="needs a drafter"):
+        plain.generate_ids(ids, "dflash")
+    with pytest.raises(ValueError, match="length head"):
+        pipeline.generate_ids(ids, "adaflash")  # an untrained drafter carries no head
+    with pytest.raises(ValueError, match="unknown length policy"):  # before looking for the model at all
+        Pipeline.load("/nonexistent/model", None, "fp32", length_policy="fastest")
+
+
+def test_generate_cli_reports_an_ignored_draft_length(tiny_chat_checkpoint, tmp_path, capsys):
+    from adaflash.models.config import TransformerConfig
+    from adaflash.models.drafter import DrafterConfig
+    from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
+
+    cfg = DrafterConfig.for_target(TransformerConfig.from_dir(tiny_chat_checkpoint), mask_token_id=16, num_layers=1,
+                                   block_size=4)
+    drafter = save_drafter(init_drafter(cfg, seed=3), tmp_path / "drafter")
+    rc = main(["generate", "--prompt", "hi", "--model", tiny_chat_checkpoint, "--method", "dflash", "--drafter",
+               str(drafter), "--length-policy", "fixed:2", "--draft-length", "3", "--max-new-tokens", "4"])
+    assert rc == 2 and "--draft-length applies to the reference loop" in capsys.readouterr().err
