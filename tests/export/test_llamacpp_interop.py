@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.peer, pytest.mark.slow]
 RESULTS = REPO / "docs" / "results" / "llamacpp_interop.json"
 PROMPT_SETS = (("gsm8k", 6), ("humaneval", 6), ("mt-bench", 6), ("sharegpt-chat", 6))
 MAX_PROMPT_TOKENS = 384
+MIN_PROMPTS = 20
 N_PREDICT = 64
 DRAFT_N_MAX = 15  # block_size - 1: the whole block, as our runtime drafts it
 CTX = 2048
@@ -169,7 +170,7 @@ def interop(peer_bins, smollm2_dir, tmp_path_factory) -> dict:
 
     pipeline = Pipeline.load(smollm2_dir, drafter=drafter_dir, dtype="fp32")
     prompts = _prompts(pipeline)
-    assert len(prompts) >= 20, f"only {len(prompts)} held-out prompts of <= {MAX_PROMPT_TOKENS} tokens"
+    assert len(prompts) >= MIN_PROMPTS, f"only {len(prompts)} held-out prompts of <= {MAX_PROMPT_TOKENS} tokens"
 
     ours_acc = ours_drafted = 0
     for p in prompts:
