@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from adaflash.cli_args import add_model_args
+from adaflash.cli_args import add_model_args, set_threads
 from adaflash.evaluation.drafter_eval import register_cli as register_drafter_eval_cli
 from adaflash.evaluation.load_test import register_cli as register_load_cli
 from adaflash.evaluation.sensitivity import register_cli as register_sensitivity_cli
@@ -186,24 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
     register_train_cli(sub)  # train drafter, train distill
     register_export_cli(sub)  # export gguf
     return parser
-
-
-def set_threads(threads: int | None) -> int:
-    """--threads, else $ADAFLASH_THREADS, else torch's default (one per core); returns the number in force."""
-    import os
-
-    import torch
-
-    if threads is None and os.environ.get("ADAFLASH_THREADS"):
-        try:
-            threads = int(os.environ["ADAFLASH_THREADS"])
-        except ValueError:
-            raise ValueError(f"ADAFLASH_THREADS must be a whole number, got {os.environ['ADAFLASH_THREADS']!r}") from None
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,3 +27,21 @@ def command_group(subparsers, name: str, help: str):
         parser = subparsers.add_parser(name, help=help)
         parser._adaflash_subcommands = parser.add_subparsers(dest=f"{name}_command", required=True)
     return parser._adaflash_subcommands
+
+
+def set_threads(threads: int | None) -> int:
+    """--threads, else $ADAFLASH_THREADS, else torch's default (one per core); returns the number in force."""
+    import os
+
+    import torch
+
+    if threads is None and os.environ.get("ADAFLASH_THREADS"):
+        try:
+            threads = int(os.environ["ADAFLASH_THREADS"])
+        except ValueError:
+            raise ValueError(f"ADAFLASH_THREADS must be a whole number, got {os.environ['ADAFLASH_THREADS']!r}") from None
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()

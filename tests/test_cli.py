@@ -74,7 +74,7 @@ def test_multilingual_domain_label_is_reported(tiny_chat_checkpoint, tmp_path, c
 
 
 def test_threads_flag_and_environment(monkeypatch, capsys):
-    from adaflash.cli import set_threads
+    from adaflash.cli_args import set_threads
 
     before = torch.get_num_threads()
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from adaflash.cli_args import set_threads
 from adaflash.data import load_prompts
 from adaflash.evaluation.offline import command_line, provenance, write_json
 
@@ -86,7 +87,9 @@ def to_markdown(report: dict) -> str:
         lines.append(f"| {d} | {m['prompt_lookup_speedup']:.2f}x | {m['ours_speedup']:.2f}x | {m['ours_accept_len']:.2f} | "
                      f"{'yes' if m['ours_beats_prompt_lookup'] else 'no'} |")
     lossless = all(r["ours_lossless"] for r in report["rows"])
-    lines += ["", f"Our outputs identical to our AR on every prompt: {'yes' if lossless else 'NO'}."]
+    hf_same = sum(r["hf_lossless"] for r in report["rows"])
+    lines += ["", f"Our outputs identical to our AR on every prompt: {'yes' if lossless else 'NO'}. "
+              f"transformers' prompt-lookup output identical to its AR on {hf_same} of {len(report['rows'])} prompts."]
     return "\n".join(lines) + "\n"
 
 
@@ -101,6 +104,7 @@ def main() -> None:
     p.add_argument("--lookup", type=int, default=10)
     p.add_argument("--json", default="docs/results/prompt_lookup.json")
     args = p.parse_args()
+    set_threads(None)
     report = run(args)
     cmd = command_line(["python", "-m", "adaflash.evaluation.prompt_lookup"],
                        [("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from adaflash.cli_args import set_threads
 from adaflash.evaluation.offline import machine_info, write_json
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.kv_cache import RaggedBatch
@@ -55,11 +56,13 @@ def profile_step(target, batch: int, query_len: int, context: int, repeats: int)
     for _ in range(2):
         run()
     walls = []
+    for _ in range(repeats):  # wall time without the profiler's own overhead
+        start = time.perf_counter()
+        run()
+        walls.append(time.perf_counter() - start)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(repeats):
-            start = time.perf_counter()
             run()
-            walls.append(time.perf_counter() - start)
     buckets: dict[str, float] = {}
     for event in prof.key_averages(group_by_input_shape=True):
         key = _bucket(event.key, event.input_shapes or [], target.config.vocab_size)
@@ -93,10 +96,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="docs/results/runtime_profile.json")
     args = p.parse_args()
+    set_threads(None)
     target = load_target(resolve_target(args.model), dtype=resolve_dtype(args.dtype))
     steps = {name: profile_step(target, b, q, args.context, args.repeats) for name, (b, q) in SHAPES.items()}
-    report = {"command": f"python -m adaflash.evaluation.runtime_profile --dtype {args.dtype} --context {args.context} "
-                         f"--repeats {args.repeats}", "machine": machine_info(),
+    report = {"command": f"python -m adaflash.evaluation.runtime_profile --model {args.model} --dtype {args.dtype} "
+                         f"--context {args.context} --repeats {args.repeats} --json {args.json}", "machine": machine_info(),
               "dtype": str(target.dtype).removeprefix("torch."), "context": args.context, "steps": steps}
     write_json(report, args.json)
     Path(args.json).with_suffix(".md").write_text(to_markdown(report))

@@ -35,7 +35,7 @@ def coverage_by_domain(dataset: DraftDataset, sizes: list[int], holdout: int, vo
     held: dict[str, list[torch.Tensor]] = {}
     for i in held_ids:
         s = dataset.samples[i]
-        for key in ("all", s.domain or "all") if s.domain else ("all",):
+        for key in {s.domain, "all"} if s.domain else {"all"}:
             held.setdefault(key, []).append(s.tokens[s.prompt_len :])
     out = {}
     for size in sizes:
@@ -91,7 +91,7 @@ def accept_length_by_size(target, drafter_dir: str, dataset: DraftDataset, sizes
         head = DraftHead(target.lm_head, full.truncated(size))
         out[str(size)] = holdout_accept_lengths(
             lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss, g, teachers),
-            drafter, held_ids, [dataset.samples[i].domain for i in held_ids])
+            drafter, held_ids, [dataset.samples[i].domain for i in held_ids], dataset.keys)
     return out
 
 
@@ -152,7 +152,9 @@ def register_cli(subparsers) -> None:
         "vocab", help="coverage and drafting cost of trimmed draft vocabularies on regenerated data")
     p.add_argument("--data", required=True, help="a `data generate` directory")
     p.add_argument("--sizes", default="4096,8192,16384")
-    p.add_argument("--holdout", type=int, default=200, help="held-out samples (the trainer's split with the same number)")
+    p.add_argument("--holdout", type=int, default=64,
+                   help="held-out samples: use the drafter's training `holdout_samples` (same data), or the scores are "
+                   "on samples it trained on")
     p.add_argument("--capture-layers", default="1,14,27")
     p.add_argument("--drafter", default=None, help="a drafter with a trimmed vocabulary: its accept length per size")
     p.add_argument("--model", default="smollm2-135m")

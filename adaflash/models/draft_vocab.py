@@ -48,9 +48,12 @@ class DraftVocab:
         """The `size` most frequent ids of `counts` (ties by id), with `always` (e.g. the stop tokens) kept in."""
         if size < 1:
             raise ValueError(f"draft vocabulary size must be >= 1, got {size}")
-        ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
-        forced = [t for t in dict.fromkeys(always) if t not in ranked[:size]]
-        chosen = ranked[: max(0, size - len(forced))] + forced
+        forced = list(dict.fromkeys(always))
+        if len(forced) > size:
+            raise ValueError(f"{len(forced)} ids must be kept but the draft vocabulary holds only {size}")
+        kept = set(forced)
+        ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t not in kept]
+        chosen = ranked[: size - len(forced)] + forced
         if len(chosen) < size:  # fewer distinct ids seen than asked: fill with the lowest unused ids
             seen = set(chosen)
             chosen += [t for t in range(vocab_size) if t not in seen][: size - len(chosen)]

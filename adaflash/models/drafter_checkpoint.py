@@ -68,10 +68,13 @@ def _cut_vocab(vocab: DraftVocab | None, spec: str, path: Path) -> DraftVocab | 
     if str(spec) == "full":
         return None
     if not str(spec).isdigit():
-        raise ValueError(f"--draft-vocab takes 'full' or a number of ids, got {spec!r}")
+        raise ValueError(f"a draft vocabulary cut is 'full' or a number of ids, got {spec!r}")
     if vocab is None:
         raise ValueError(f"drafter {path} has no trimmed vocabulary to cut to {spec} ids (it drafts over the full one)")
-    return vocab.truncated(int(spec))
+    try:
+        return vocab.truncated(int(spec))
+    except ValueError as exc:
+        raise ValueError(f"drafter {path}: {exc}") from exc
 
 
 def init_drafter(config: DrafterConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> DFlashDrafter:

@@ -43,7 +43,7 @@ def build_runner(args: argparse.Namespace):
     if args.watch_versions and speculative:
         from adaflash.serving.hot_swap import VersionWatcher
 
-        watcher = VersionWatcher(runner, args.watch_versions, policies, Path(drafter))
+        watcher = VersionWatcher(runner, args.watch_versions, policies, Path(drafter), draft_vocab=args.draft_vocab)
     return pipeline, runner, watcher
 
 

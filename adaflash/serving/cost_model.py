@@ -88,8 +88,9 @@ def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
 
     d = proposer.drafter.config
     # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
+    # The draft vocabulary too: trimming it exists to make drafting cheaper.
     name = (f"{Path(str(model_name)).name}-{str(target.dtype).split('.')[-1]}-L{d.num_layers}-B{d.block_size}"
-            f"-T{max_tokens}-th{torch.get_num_threads()}.json")
+            f"-V{d.draft_vocab_size or 'full'}-T{max_tokens}-th{torch.get_num_threads()}.json")
     return cache_root() / "cost_models" / name
 
 

@@ -214,7 +214,8 @@ class Engine:
             r.accept_lengths.append(accepted + 1)
             r.draft_lengths.append(k)
             self.policy.feedback(r, k, accepted)
-            outputs.append(self._output(r, r.commit(d[:accepted] + [next_token]), row, f[: accepted + 1]))
+            committed = r.commit(d[:accepted] + [next_token])  # a stop token or the budget may cut it short
+            outputs.append(self._output(r, committed, row, f[: len(committed)]))
         return outputs
 
     def _verify(self, requests, lengths, draft_tokens, draft_probs, rows) -> list[tuple[int, int]]:

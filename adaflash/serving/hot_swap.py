@@ -34,9 +34,12 @@ class VersionRefused(ValueError):
 
 class VersionWatcher:
     def __init__(self, runner: EngineRunner, versions_dir: str | Path, make_policy: Callable, loaded: Path | None,
-                 interval_s: float = 2.0, observer: Callable[[bool], None] | None = None) -> None:
-        """`observer(swapped)`: called once per version swapped in (True) or refused (False), e.g. metrics."""
+                 interval_s: float = 2.0, observer: Callable[[bool], None] | None = None,
+                 draft_vocab: str | None = None) -> None:
+        """`observer(swapped)`: called once per version swapped in (True) or refused (False), e.g. metrics.
+        `draft_vocab`: the server's `--draft-vocab`, applied to every version as to the first."""
         self.runner, self.versions_dir, self.make_policy = runner, Path(versions_dir), make_policy
+        self.draft_vocab = draft_vocab
         self.loaded, self.interval_s, self.observer = loaded, interval_s, observer
         self.refused: dict[Path, str] = {}  # version -> why (never retried)
         self._stop = threading.Event()
@@ -57,7 +60,7 @@ class VersionWatcher:
                 f"{config.block_size}, the serving drafter layers {serving.capture_layers} with block size "
                 f"{serving.max_draft + 1} (a hot swap cannot change either)")
         try:
-            proposer = DFlashProposer(load_drafter(version, dtype=target.dtype), target)
+            proposer = DFlashProposer(load_drafter(version, dtype=target.dtype, draft_vocab=self.draft_vocab), target)
             policy = self.make_policy(load_length_head(version))
         except (ValueError, FileNotFoundError, OSError, RuntimeError) as exc:  # their messages name the file
             raise VersionRefused(str(exc)) from exc

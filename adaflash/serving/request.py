@@ -18,7 +18,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     top_logprobs: int = 0  # > 0: each step also returns the target's top-k log-probabilities per committed token
-    return_features: bool = False  # each step also returns the target features of the positions it processed
+    return_features: bool = False  # each step also returns the target features of the committed positions it processed
     # Engine-owned state.
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -68,8 +68,8 @@ class StepOutput:
     new_token_ids: list[int]
     finish_reason: str | None
     # Only when the request asked: [len(new_token_ids), k] log-probabilities (fp32) and token ids of the target's
-    # top-k at each committed token (the distribution it was chosen from), and the target features [T, n*d]
-    # of the positions this step processed (the engine's capture layers).
+    # unprocessed (temperature-1) top-k at each committed token, and the target features [len(new_token_ids), n*d]
+    # (a prefill: [prompt length, n*d]) of the committed positions this step processed (the engine's capture layers).
     top_logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     features: torch.Tensor | None = None

@@ -1,17 +1,19 @@
-"""Summarise a training run's metrics.jsonl into docs-ready JSON + markdown.
+"""Summarise a training run's metrics.jsonl into docs-ready numbers and markdown (no plotting here).
 
-    python -m adaflash.training.summary runs/train/smollm2-drafter --out docs/results/drafter_training
+The command that writes them, with the scaling-curve figure: `python -m adaflash.evaluation.scaling_curve RUN --out OUT`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 
 def summarise(run_dir: Path) -> dict:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # A run killed between checkpoints logs some steps twice (before the kill and after the resume): keep the last.
+    every = sorted({r["step"]: r for r in logged}.values(), key=lambda r: r["step"])
+    records = [r for r in every if "loss" in r]  # holdout-only records carry no training window
     if not records:
         raise ValueError(f"{run_dir}/metrics.jsonl is empty")
     config = json.loads((run_dir / "drafter" / "config.json").read_text()) if (run_dir / "drafter").is_dir() else None
@@ -30,7 +32,7 @@ def summarise(run_dir: Path) -> dict:
                    "expected_accept_len": r["expected_accept_len"]} for r in records],
         # Held-out accept length per domain at each checkpoint, against the training tokens seen so far.
         "holdout_curve": [{"step": r["step"], "train_tokens_seen": r.get("train_tokens_seen"), **r["holdout"]}
-                          for r in records if r.get("holdout")],
+                          for r in every if r.get("holdout")],
         "drafter_config": config,
     }
 
@@ -40,7 +42,7 @@ def to_markdown(s: dict) -> str:
     return "\n".join([
         "# Drafter training log summary",
         "",
-        f"Run: `{s['run_dir']}`, {s['steps']} steps in {s['elapsed_s'] / 60:.0f} min.",
+        f"Run: `{s['run_dir']}`, {s['steps']} steps ({s['elapsed_s'] / 60:.0f} min in its last resumed invocation).",
         "",
         "| | value |",
         "|---|---|",
@@ -64,20 +66,3 @@ def _holdout_table(curve: list[dict]) -> list[str]:
         seen = f"{r['train_tokens_seen'] / 1e3:.0f}K" if r.get("train_tokens_seen") else "-"
         lines.append(f"| {r['step']} | {seen} | " + " | ".join(f"{r[d]:.3f}" if d in r else "-" for d in domains) + " |")
     return lines + [""]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir")
-    parser.add_argument("--out", required=True, help="path prefix: writes OUT.json and OUT.md")
-    args = parser.parse_args()
-    s = summarise(Path(args.run_dir))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(s, indent=2) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(s))
-    print(to_markdown(s))
-
-
-if __name__ == "__main__":
-    main()

@@ -259,6 +259,9 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     if loss_fn.needs_soft_targets and not dataset.has_soft_targets:
         raise ValueError(f"loss {cfg.loss!r} needs soft targets: {cfg.data_dir} was generated without --top-logprobs")
     train_ids, holdout_ids = split_holdout(dataset.keys, cfg.holdout_samples)
+    if cfg.draft_vocab_size and drafter.draft_vocab is not None and drafter.draft_vocab.size != cfg.draft_vocab_size:
+        raise ValueError(f"draft_vocab_size = {cfg.draft_vocab_size}, but the drafter being trained already drafts over "
+                         f"{drafter.draft_vocab.size} ids (init_from or the checkpoint in {cfg.out_dir})")
     if cfg.draft_vocab_size and drafter.draft_vocab is None and step == 0:
         drafter.set_draft_vocab(data_vocab([dataset.samples[i] for i in train_ids], cfg.draft_vocab_size, target.config.vocab_size))
     head = DraftHead(target.lm_head, drafter.draft_vocab)
@@ -295,18 +298,22 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
         scheduler.step()
         step += 1
         bar.update(1)
-        if rank == 0 and (step % cfg.log_every == 0 or step == total):
-            record = _summarise(window, step, scheduler.get_last_lr()[0], float(grad_norm), time.perf_counter() - started)
+        due_log = step % cfg.log_every == 0 or step == total
+        due_holdout = bool(holdout_ids) and (step % cfg.save_every == 0 or step == total)
+        if rank == 0 and (due_log or due_holdout):
+            record = (_summarise(window, step, scheduler.get_last_lr()[0], float(grad_norm), time.perf_counter() - started)
+                      if due_log else {"step": step})
             record["train_tokens_seen"] = step * cfg.sequences_per_step * mean_response
-            if holdout_ids and (step % cfg.save_every == 0 or step == total):
+            if due_holdout:
                 record["holdout"] = holdout_accept_lengths(
                     lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss_fn,
                                                 g, teachers, cfg.holdout_anchors),
-                    drafter, holdout_ids, [dataset.samples[i].domain for i in holdout_ids])
+                    drafter, holdout_ids, [dataset.samples[i].domain for i in holdout_ids], dataset.keys)
             with metrics_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['accuracy'][0]:.2f}")
-            window = {}
+            if due_log:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['accuracy'][0]:.2f}")
+                window = {}
         if rank == 0 and (step % cfg.save_every == 0 or step == total):
             _save_checkpoint(out_dir, drafter, optimizer, step, cfg)
         if distributed:

@@ -18,8 +18,9 @@ HOLDOUT_SEED = 20261201
 def split_holdout(keys: Sequence[str], holdout: int) -> tuple[list[int], list[int]]:
     """(train ids, held-out ids): the `holdout` samples whose keys (prompt ids) hash lowest.
 
-    By key, not by position: when the data grows between runs (a resumed training on more regenerated data), the
-    held-out set only gains new samples, so a sample once trained on never becomes a held-out one."""
+    By key, not by position: when the data grows between runs (a resumed training on more regenerated data), a new
+    sample may take a held-out place (pushing the highest-hashed held-out one into training), but a sample once
+    trained on never becomes a held-out one."""
     if holdout >= len(keys):
         raise ValueError(f"cannot hold out {holdout} of {len(keys)} samples")
     order = sorted(range(len(keys)), key=lambda i: (hashlib.sha1(f"{HOLDOUT_SEED}:{keys[i]}".encode()).digest(), i))
@@ -32,16 +33,22 @@ def expected_accept_length(accepted: Sequence[int], valid: Sequence[int]) -> flo
 
 
 @torch.no_grad()
+def _key_seed(key: str) -> int:
+    return int.from_bytes(hashlib.sha1(f"{HOLDOUT_SEED}/anchors/{key}".encode()).digest()[:7], "big")
+
+
 def holdout_accept_lengths(loss_of: Callable[[int, torch.Generator], tuple[torch.Tensor, dict]], drafter,
-                           ids: Sequence[int], domains: Sequence[str]) -> dict[str, float]:
-    """`loss_of(sample id, generator)` -> (loss, stats) for fixed anchors; returns accept length per domain + "all"."""
+                           ids: Sequence[int], domains: Sequence[str], keys: Sequence[str]) -> dict[str, float]:
+    """`loss_of(sample id, generator)` -> (loss, stats); returns accept length per domain + "all".
+
+    Each held-out sample's anchors are seeded by its key, so runs on grown data score it at the same anchors."""
     sums: dict[str, tuple[list[int], list[int]]] = {}
     was_training = drafter.training
     drafter.eval()
     try:
         for i, domain in zip(ids, domains):
-            _, stats = loss_of(i, torch.Generator().manual_seed(HOLDOUT_SEED + i))
-            for key in (domain or "all", "all") if domain else ("all",):
+            _, stats = loss_of(i, torch.Generator().manual_seed(_key_seed(keys[i])))
+            for key in {domain, "all"} if domain else {"all"}:
                 acc, val = sums.setdefault(key, ([0] * len(stats["valid"]), [0] * len(stats["valid"])))
                 for k, (a, v) in enumerate(zip(stats["accepted"], stats["valid"])):
                     acc[k] += a

@@ -25,6 +25,8 @@ def test_most_frequent_ranks_by_count_then_id_and_forces_stop_tokens():
     assert counts == Counter({9: 5, 7: 3, 3: 2, 4: 1})
     assert DraftVocab.most_frequent(counts, 3, VOCAB).token_ids.tolist() == [9, 7, 3]
     assert DraftVocab.most_frequent(counts, 3, VOCAB, always=[1]).token_ids.tolist() == [9, 7, 1]
+    # A kept id that also ranks inside the cut is not lost when the forced ones make room.
+    assert sorted(DraftVocab.most_frequent(counts, 3, VOCAB, always=[3, 1]).token_ids.tolist()) == [1, 3, 9]
     # Fewer distinct ids seen than asked: the rest are filled with unused ids, never duplicates.
     filled = DraftVocab.most_frequent(counts, 6, VOCAB).token_ids.tolist()
     assert filled[:4] == [9, 7, 3, 4] and len(set(filled)) == 6

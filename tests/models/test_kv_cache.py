@@ -72,3 +72,27 @@ def test_ragged_attention_equals_per_sequence_attention(causal):
         v = torch.cat([history[slot][1], v_new[rows]])
         expected = _reference(q[rows], k, v, start if causal else None)
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2], [2, 0, 1]], ids=["contiguous-view", "gathered"])
+def test_decode_attention_is_the_same_through_views_and_gathers(slots):
+    """Contiguous slots are read as cache views (the engine sorts by slot for that), others gathered: same result."""
+    g = torch.Generator().manual_seed(1)
+    lengths = {0: 3, 1: 5, 2: 2}
+    cache = KVCache(LAYERS, SLOTS, MAX_LEN, KV_HEADS, DIM, torch.float32)
+    for slot, n in lengths.items():
+        cache.k[0, slot, :, :n] = torch.randn(KV_HEADS, n, DIM, generator=g)
+        cache.v[0, slot, :, :n] = torch.randn(KV_HEADS, n, DIM, generator=g)
+        cache.lengths[slot] = n
+    batch = RaggedBatch.build(slots, [lengths[s] for s in slots], [1, 1, 1])
+    q = torch.randn(3, HEADS, DIM, generator=g)
+    k_new, v_new = torch.randn(3, KV_HEADS, DIM, generator=g), torch.randn(3, KV_HEADS, DIM, generator=g)
+    attention = RaggedAttention(batch, causal=True)
+    assert isinstance(attention.slot_range, slice) == (slots == [0, 1, 2])
+    attention.write(cache, 0, k_new, v_new)
+    out = attention.attend(cache, 0, q)
+    for row, slot in enumerate(slots):
+        n = lengths[slot] + 1
+        expected = _reference(q[row : row + 1], cache.k[0, slot, :, :n].transpose(0, 1), cache.v[0, slot, :, :n].transpose(0, 1),
+                              lengths[slot])
+        torch.testing.assert_close(out[row : row + 1], expected, atol=1e-5, rtol=1e-5)

@@ -140,3 +140,33 @@ def test_throughput_policy_shrinks_drafts_under_load():
     # A drafter that is never right is not consulted, except for a one-token probe now and then.
     assert set(decisions) == {0, 1} and decisions.count(1) == 2
     assert make(1)[0].policy_state == {} and policy.shared_alpha < 0.1  # new requests start from what was learned
+
+
+def test_speculative_steps_return_features_and_logprobs_of_committed_tokens_only(target):
+    """Perfect drafts with a stop token inside an accepted block: every step returns exactly one feature row and one
+    top-k row per committed token (a prefill: one feature row per prompt token), equal to a fresh target pass."""
+    from adaflash.models.kv_cache import RaggedBatch
+    from tests.helpers import ScriptedProposer
+
+    prompt = PROMPTS[2]
+    ar = autoregressive_generate(target, prompt, 30).token_ids
+    stop = ar[7]  # reached inside a drafted block
+    scripted = ScriptedProposer(prompt + ar, TINY_VOCAB, corrupt_prob=0.0)
+    engine = Engine(target, scripted, FixedLength(5), max_batch=1, max_len=128)
+    request = Request("a", prompt, 30, stop_token_ids=(stop,), top_logprobs=3, return_features=True)
+    engine.add_request(request)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    assert request.output_ids == ar[: ar.index(stop) + 1] and max(request.accept_lengths) > 1
+    assert outputs[0].features.shape[0] == len(prompt)
+    for out in outputs[1:]:
+        assert out.features.shape[0] == out.top_ids.shape[0] == len(out.new_token_ids)
+    tokens = prompt + request.output_ids
+    fresh = target(torch.tensor(tokens[:-1]), RaggedBatch.build([0], [0], [len(tokens) - 1]), target.new_cache(1, 64),
+                   scripted.capture_layers)
+    torch.testing.assert_close(torch.cat([o.features for o in outputs]), fresh.hidden, atol=1e-4, rtol=1e-4)
+    top = torch.cat([o.top_ids for o in outputs])
+    assert top[:, 0].tolist() == request.output_ids  # greedy: the committed token is the target's top-1
+    torch.testing.assert_close(torch.cat([o.top_logprobs for o in outputs]),
+                               torch.log_softmax(fresh.logits[len(prompt) - 1 :], -1).topk(3, -1).values, atol=1e-4, rtol=1e-4)
