@@ -37,7 +37,7 @@ def test_profile_once_then_cached(tiny_chat_checkpoint, tmp_path, monkeypatch):
     cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=4)
     proposer = DFlashProposer(init_drafter(cfg, seed=2), target)
     path = cost_model_file(target, proposer, "tiny/qwen2", max_tokens=8)
-    assert path.parent == tmp_path / "cost_models" and path.name.startswith("qwen2-float32-L1-B4-T8-th")
+    assert path.parent == tmp_path / "cost_models" and path.name.startswith("qwen2-float32-L1-B4-Vfull-T8-th")
     model = cost_model_for(target, proposer, "tiny/qwen2", max_tokens=8)
     assert model.total_tokens == (1, 2, 4, 8) and all(t > 0 for t in model.verify_s) and model.draft_s > 0
     assert path.is_file() and CostModel.from_json(path.read_text()) == model
