@@ -79,37 +79,30 @@ def math_prompt(question: str, lang: str = "eng") -> str:
     return f"{instruction(lang)}\n\n{question}"
 
 
-def load_gsm8k(split: str = EVAL) -> list[Prompt]:
-    """The original GSM8K test problems of the templates in `split`."""
+def _original_prompts(split: str, lang: str, dataset: str, domain: str, id_prefix: str) -> list[Prompt]:
+    """The original problems of the templates in `split`, in `lang`, with that language's instruction."""
     ids = set(template_ids(split))
     return [
         Prompt(
-            id=f"gsm8k/{t.template_id}",
-            domain="math",
-            dataset="gsm8k",
-            messages=user_messages(math_prompt(t.question)),
+            id=f"{id_prefix}{t.template_id}",
+            domain=domain,
+            dataset=dataset,
+            messages=user_messages(math_prompt(t.question, lang)),
             reference=t.answer,
         )
-        for t in load_templates()
+        for t in load_templates(lang)
         if t.template_id in ids
     ]
+
+
+def load_gsm8k(split: str = EVAL) -> list[Prompt]:
+    """The original GSM8K test problems of the templates in `split`."""
+    return _original_prompts(split, "eng", "gsm8k", "math", "gsm8k/")
 
 
 def load_mgsm(split: str = EVAL, langs: tuple[str, ...] = MULTILINGUAL_LANGS) -> list[Prompt]:
     """The original problems of the templates in `split`, in each of `langs` (domain `multilingual`)."""
-    ids = set(template_ids(split))
-    return [
-        Prompt(
-            id=f"mgsm/{lang}/{t.template_id}",
-            domain="multilingual",
-            dataset="mgsm",
-            messages=user_messages(math_prompt(t.question, lang)),
-            reference=t.answer,
-        )
-        for lang in langs
-        for t in load_templates(lang)
-        if t.template_id in ids
-    ]
+    return [p for lang in langs for p in _original_prompts(split, lang, "mgsm", "multilingual", f"mgsm/{lang}/")]
 
 
 _compiled: dict[tuple[str, str], CompiledTemplate | None] = {}  # (lang, template id) -> compiled, or None
