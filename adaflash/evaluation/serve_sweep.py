@@ -8,6 +8,10 @@ Starts one real server per configuration (each on its own port, same --max-batch
 and concurrency level runs the `bench serve` client against each server in turn, so the methods of one
 cell are measured minutes apart, not an hour apart (these machines drift). Writes OUT.json, OUT.md (table
 with each method's throughput as a ratio of the first server's) and OUT.png (throughput vs concurrency).
+
+`--peer NAME="llama-server args"` puts llama.cpp beside them (built by `make peer`; the same target GGUF unless
+the args give -m; one parallel slot per client at the highest concurrency), e.g.
+`--peer "llama-ar=" --peer "llama-dflash=-md drafter.gguf --spec-type draft-dflash --spec-draft-n-max 3"`.
 """
 
 from __future__ import annotations
@@ -18,9 +22,7 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
-import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -28,41 +30,32 @@ from pathlib import Path
 import httpx
 
 from adaflash.cli_args import command_group
+from adaflash.evaluation.peer import launched_process, llama_server_command, peer_bin_dir, peer_env
 from adaflash.evaluation.serve_bench import run_level
 
 
-@contextmanager
 def launched_server(name: str, serve_args: list[str], port: int, max_batch: int, log_dir: Path, threads: int | None = None,
                     timeout_s: float = 600):
     """A real `adaflash serve` subprocess; yields its base URL once /health answers, stops it on exit."""
     cmd = [sys.executable, "-m", "adaflash.cli", "serve", *serve_args, "--port", str(port),
            "--max-batch", str(max_batch), "--log-level", "warning"]
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / f"{name}.log", "w")
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return _serving(name, cmd, port, log_dir, env, timeout_s)
+
+
+def launched_peer(name: str, peer_args: list[str], port: int, parallel: int, ctx_per_slot: int, log_dir: Path,
+                  threads: int | None, model_gguf: Path | None, timeout_s: float = 600):
+    """A llama-server from `make peer` (.peer/bin) serving the same target GGUF; yields its base URL."""
+    bin_dir = peer_bin_dir()
+    cmd = llama_server_command(bin_dir, peer_args, port, parallel, ctx_per_slot, threads, model_gguf)
+    return _serving(name, cmd, port, log_dir, peer_env(bin_dir), timeout_s)
+
+
+@contextmanager
+def _serving(name: str, cmd: list[str], port: int, log_dir: Path, env: dict[str, str], timeout_s: float):
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server {name!r} exited with {proc.returncode}; see {log_dir / (name + '.log')}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server {name!r} not healthy after {timeout_s:.0f} s")
-            time.sleep(1)
+    with launched_process(name, cmd, f"{url}/health", log_dir / f"{name}.log", env, timeout_s):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _parse_server(text: str) -> tuple[str, list[str]]:
@@ -135,7 +128,10 @@ def _fitting(pool: list[list[dict]], model: str, max_tokens: int) -> list[list[d
 
 def _cmd(args: argparse.Namespace) -> int:
     servers = [_parse_server(s) for s in args.server]
-    names = [n for n, _ in servers]
+    peers = [_parse_server(s) for s in args.peer or []]
+    names = [n for n, _ in servers + peers]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"server names must be distinct, got {names}")
     levels = [int(c) for c in args.concurrency.split(",")]
     datasets = args.datasets.split(",")
     out = Path(args.out)
@@ -145,8 +141,18 @@ def _cmd(args: argparse.Namespace) -> int:
         prompts = {ds: _fitting(pool, args.model, args.max_prompt_tokens) for ds, pool in prompts.items()}
     cells: list[dict] = []
     with ExitStack() as stack:
-        urls = {n: stack.enter_context(launched_server(n, a, args.port + i, args.max_batch, Path(args.log_dir), args.threads))
+        log_dir = Path(args.log_dir)
+        urls = {n: stack.enter_context(launched_server(n, a, args.port + i, args.max_batch, log_dir, args.threads))
                 for i, (n, a) in enumerate(servers)}
+        if peers:
+            from adaflash.models.registry import target_gguf
+
+            gguf = Path(args.peer_model) if args.peer_model else target_gguf(args.model)
+            # One llama.cpp slot per concurrent client; each slot's context fits a prompt and its answer.
+            parallel, ctx = max(levels), (args.max_prompt_tokens or 1024) + args.max_tokens + 64
+            for i, (n, a) in enumerate(peers):
+                urls[n] = stack.enter_context(launched_peer(n, a, args.port + len(servers) + i, parallel, ctx, log_dir,
+                                                            args.threads, gguf))
         model = httpx.get(f"{urls[names[0]]}/v1/models", timeout=30).json()["data"][0]["id"]
         for ds in datasets:
             for c in levels:
@@ -159,18 +165,19 @@ def _cmd(args: argparse.Namespace) -> int:
                     print(f"{ds:>10} c={c:<3} {n:>20}: {r.output_tokens_per_s:7.1f} tok/s  failed {r.failed}  "
                           f"accept {r.accept_len_mean}  verify {r.verify_len_mean}", flush=True)
                 cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts, "results": results})
-                _write(out, args, servers, cells)  # partial results survive an interruption
-    _write(out, args, servers, cells)
+                _write(out, args, servers, peers, cells)  # partial results survive an interruption
+    _write(out, args, servers, peers, cells)
     plot_sweep(cells, names, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     return 0 if all(r["failed"] == 0 for c in cells for r in c["results"].values()) else 1
 
 
-def _write(out: Path, args: argparse.Namespace, servers, cells: list[dict]) -> None:
-    names = [n for n, _ in servers]
+def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict]) -> None:
+    names = [n for n, _ in servers + peers]
     meta = {"command": "adaflash " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-            "servers": {n: a for n, a in servers}, "max_batch": args.max_batch, "max_tokens": args.max_tokens,
+            "servers": {n: a for n, a in servers}, "peers": {n: ["llama-server", *a] for n, a in peers},
+            "max_batch": args.max_batch, "max_tokens": args.max_tokens,
             "threads_per_server": args.threads or "torch default"}
     out.with_suffix(".json").write_text(json.dumps({**meta, "cells": cells}, indent=2) + "\n")
     out.with_suffix(".md").write_text(
@@ -183,6 +190,9 @@ def register_cli(subparsers) -> None:
     p = command_group(subparsers, "bench", help="benchmarks").add_parser(
         "sweep", help="start several servers and bench them side by side over datasets x concurrency")
     p.add_argument("--server", action="append", required=True, help='NAME="adaflash serve args"; the first is the baseline')
+    p.add_argument("--peer", action="append", default=None,
+                   help='NAME="llama-server args": a llama.cpp server from `make peer` beside ours (same GGUF unless -m)')
+    p.add_argument("--peer-model", default=None, help="GGUF the peers load (default: --model's embedded GGUF)")
     p.add_argument("--datasets", default="gsm8k,mt-bench", help=f"eval prompt sets; {SIX_MIX} = the six benchmarks interleaved")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer prompts (tokenised for --model)")

@@ -72,6 +72,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("ADAFLASH_CACHE", Path.home() / ".cache" / "adaflash"))
 
 
+def target_gguf(name: str = DEFAULT_TARGET) -> Path:
+    """The GGUF file an embedded target ships as (what llama.cpp loads for the same model)."""
+    if name not in EMBEDDED_TARGETS:
+        raise ValueError(f"{name!r} is not an embedded target ({sorted(EMBEDDED_TARGETS)}): pass the GGUF path")
+    return _gguf_path(EMBEDDED_TARGETS[name])
+
+
 def _gguf_path(target: EmbeddedTarget) -> Path:
     try:
         dist = metadata.distribution(target.package)

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from adaflash.models.config import TransformerConfig
+from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
-from adaflash.models.layers import apply_rope, linear, rms_norm, rope_cos_sin, swiglu
+from adaflash.models.layers import apply_rope, linear, rms_norm, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class DecoderLayer(nn.Module):
         self.post_norm = nn.Parameter(torch.ones(d), **frozen)
         self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, d), **frozen)
         self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size), **frozen)
+        self.fast: dict[str, FastLinear] = {}  # name -> packed-kernel linear (use_fast_linears), else torch's
+
+    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        fast = self.fast.get(name)
+        return fast(x) if fast is not None else linear(x, getattr(self, name), getattr(self, f"{name}_bias", None))
 
 
 class TargetModel(nn.Module):
@@ -60,6 +66,22 @@ class TargetModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         )
+        self.fast_lm_head: FastLinear | None = None
+
+    def use_fast_linears(self) -> bool:
+        """Run every linear with the packed fp32 kernel at the row counts where it measured faster here.
+
+        Packs a second copy of the weights (the originals stay: training, the drafter's head and export read
+        them). False, changing nothing, where the kernel cannot run (not fp32 on CPU, no AVX2, ADAFLASH_KERNELS=stock).
+        """
+        if not fast_linears_available(self.lm_head):
+            return False
+        choice = KernelChoice()
+        for layer in self.layers:
+            layer.fast = {name: FastLinear(getattr(layer, name), getattr(layer, f"{name}_bias", None), choice)
+                          for name in ("qkv", "o", "gate_up", "down") if packable(getattr(layer, name))}
+        self.fast_lm_head = FastLinear(self.lm_head, None, choice) if packable(self.lm_head) else None
+        return True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,6 +100,8 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over already-normed hidden states (the drafter shares it), returned in fp32."""
+        if self.fast_lm_head is not None and hidden.device.type == "cpu":
+            return self.fast_lm_head(hidden)
         return linear(hidden, self.lm_head).float()
 
     @torch.inference_mode()
@@ -111,7 +135,7 @@ class TargetModel(nn.Module):
         h = self.embed(token_ids.to(self.device))
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.project("qkv", x)
             q = qkv[:, : nq * hd].view(t, nq, hd)
             k = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
             v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd)
@@ -120,8 +144,9 @@ class TargetModel(nn.Module):
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             attention.write(cache, i, k, v)
-            h = h + linear(attention.attend(cache, i, q), layer.o, layer.o_bias)
-            h = h + swiglu(rms_norm(h, layer.post_norm, cfg.rms_norm_eps), layer.gate_up, layer.down)
+            h = h + layer.project("o", attention.attend(cache, i, q))
+            gate, up = layer.project("gate_up", rms_norm(h, layer.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+            h = h + layer.project("down", F.silu(gate) * up)
             if i in capture:
                 captured.append(h)
         attention.commit_lengths(cache)
@@ -197,4 +222,5 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: s
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ValueError(f"checkpoint {path} did not provide {leftover}")
+    model.use_fast_linears()
     return model.eval()

@@ -18,13 +18,12 @@ import os
 import re
 import socket
 import subprocess
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from adaflash.evaluation.peer import launched_process, llama_server_command
 from tests.export.peer_paths import BIN, CONVERTER, PEER_PYTHON, REPO
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
@@ -64,42 +63,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict, timeout: float = 900) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
 @contextlib.contextmanager
 def llama_server(args: list[str], log: Path):
     port = _free_port()
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen([str(BIN / "llama-server"), *args, "--host", "127.0.0.1", "--port", str(port),
-                                 "-np", "1", "-c", str(CTX), "-t", THREADS], stdout=log_file,
-                                stderr=subprocess.STDOUT, env=_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"llama-server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"llama-server did not become healthy:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    cmd = llama_server_command(BIN, args, port, parallel=1, ctx_per_slot=CTX, threads=int(THREADS), model_gguf=None)
+    with launched_process("llama-server", cmd, f"http://127.0.0.1:{port}/health", log, _env()):
+        yield f"http://127.0.0.1:{port}"
 
 
 def server_generate(url: str, prompt_ids: list[int]) -> dict:

@@ -1,0 +1,54 @@
+"""The peer launcher: real processes, real health checks; llama-server's command line."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaflash.evaluation.peer import launched_process, llama_server_command, require_binary
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launched_process_waits_for_health_and_stops_the_server(tmp_path: Path):
+    (tmp_path / "health").write_text("ok")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    with launched_process("static", cmd, f"http://127.0.0.1:{port}/health", tmp_path / "logs" / "static.log") as proc:
+        assert proc.poll() is None
+    assert proc.poll() is not None  # stopped on exit
+
+
+def test_a_server_that_dies_before_it_is_healthy_names_its_log(tmp_path: Path):
+    cmd = [sys.executable, "-c", "import sys; print('bad flag --frobnicate'); sys.exit(3)"]
+    with pytest.raises(RuntimeError, match=r"exited with 3.*dead\.log[\s\S]*bad flag --frobnicate"):
+        with launched_process("dead", cmd, f"http://127.0.0.1:{_free_port()}/health", tmp_path / "dead.log"):
+            pass
+
+
+def test_llama_server_command_adds_model_slots_and_context(tmp_path: Path):
+    (tmp_path / "llama-server").write_text("")
+    cmd = llama_server_command(tmp_path, ["--spec-type", "draft-dflash"], 8123, parallel=32, ctx_per_slot=512,
+                               threads=2, model_gguf=Path("/m/target.gguf"))
+    assert cmd[0] == str(tmp_path / "llama-server")
+    assert cmd[1:3] == ["--spec-type", "draft-dflash"]
+    joined = " ".join(cmd)
+    assert "-m /m/target.gguf" in joined and "-np 32" in joined and f"-c {32 * 512}" in joined
+    assert "--port 8123" in joined and "-t 2" in joined
+    # An explicit -m wins; no model at all is an error.
+    own = llama_server_command(tmp_path, ["-m", "x.gguf"], 1, 1, 64, None, Path("/m/target.gguf"))
+    assert own.count("-m") == 1 and "x.gguf" in own
+    with pytest.raises(ValueError, match="-m GGUF"):
+        llama_server_command(tmp_path, [], 1, 1, 64, None, None)
+
+
+def test_missing_peer_binary_says_how_to_build_it(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match=r"llama-server does not exist: build llama.cpp with `make peer`"):
+        require_binary(tmp_path, "llama-server")
