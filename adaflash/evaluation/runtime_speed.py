@@ -3,15 +3,21 @@
     python -m adaflash.evaluation.runtime_speed --json docs/results/runtime_speed.json
 
 Both decode the same chat prompts greedily to the same length, alternating run by run (this machine is
-noisy); medians are reported with the measured memory bandwidth and the bandwidth-implied limit.
+noisy); medians are reported with the measured memory bandwidth and the bandwidth-implied limit. Ours runs
+twice where the packed fp32 kernel is available: with the per-machine kernel choice (the default) and with
+torch's stock kernels only (ADAFLASH_KERNELS=stock), so what the kernel buys is measured in the same run.
+When llama.cpp is built (`make peer`), its `llama-bench` decode on the target's own GGUF is reported beside.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -54,6 +60,38 @@ def forward_cost_ms(model, context: int, query_lens=(1, 2, 4, 8, 16), repeats: i
     return out
 
 
+@contextlib.contextmanager
+def _kernels(mode: str):
+    old = os.environ.get("ADAFLASH_KERNELS")
+    os.environ["ADAFLASH_KERNELS"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["ADAFLASH_KERNELS"]
+        else:
+            os.environ["ADAFLASH_KERNELS"] = old
+
+
+def llama_bench_decode(model_name: str, tokens: int, threads: int, repeats: int = 3) -> dict | None:
+    """llama.cpp's batch-1 decode (`llama-bench -p 0 -n N`) on the embedded target's GGUF, or None if not built."""
+    from adaflash.evaluation.peer import peer_bin_dir, peer_env
+    from adaflash.models.registry import target_gguf
+
+    binary = peer_bin_dir() / "llama-bench"
+    if not binary.is_file():
+        return None
+    gguf = target_gguf(model_name)
+    cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(peer_bin_dir()), timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    (row,) = json.loads(proc.stdout)
+    return {"command": " ".join(cmd), "gguf": gguf.name, "model_type": row.get("model_type"),
+            "tokens_per_s": round(float(row["avg_ts"]), 2), "stddev": round(float(row.get("stddev_ts", 0.0)), 2),
+            "build": row.get("build_commit")}
+
+
 def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -82,17 +120,28 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
     for name in dtype_names:
         dtype = DTYPES[name]
         ours = load_target(checkpoint, dtype=dtype)
+        stock = None
+        if ours.fast_lm_head is not None:
+            with _kernels("stock"):
+                stock = load_target(checkpoint, dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
-        ours_tps, hf_tps, agree = [], [], []
-        autoregressive_generate(ours, prompts[0], 4)  # warm-up both
+        ours_tps, stock_tps, hf_tps, agree = [], [], [], []
+        autoregressive_generate(ours, prompts[0], 4)  # warm-up all
+        if stock is not None:
+            autoregressive_generate(stock, prompts[0], 4)
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
-        with tqdm(total=repeats * len(prompts) * 2, desc=f"runtime vs HF ({name})", unit="run") as bar:
+        runs_per_prompt = 3 if stock is not None else 2
+        with tqdm(total=repeats * len(prompts) * runs_per_prompt, desc=f"runtime vs HF ({name})", unit="run") as bar:
             for _ in range(repeats):
                 for ids in prompts:
                     r = autoregressive_generate(ours, ids, max_new_tokens)  # no stop tokens: fixed length
                     ours_tps.append(len(r.token_ids) / r.stats.elapsed_s)
                     bar.update(1)
+                    if stock is not None:
+                        rs = autoregressive_generate(stock, ids, max_new_tokens)
+                        stock_tps.append(len(rs.token_ids) / rs.stats.elapsed_s)
+                        bar.update(1)
                     t = time.perf_counter()
                     with torch.inference_mode():
                         out = hf.generate(
@@ -116,7 +165,20 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
             "token_agreement_with_transformers": round(statistics.mean(agree), 4),
             "forward_ms_by_query_len_ctx256": {str(k): round(v, 1) for k, v in forward_cost_ms(ours, 256).items()},
         }
-        del ours, hf
+        if stock is not None:
+            stock_med = statistics.median(stock_tps)
+            results["by_dtype"][name].update({
+                "ours_stock_kernels_tokens_per_s": round(stock_med, 2),
+                "packed_kernel_speedup": round(ours_med / stock_med, 3),
+                "ours_stock_kernels_runs": [round(x, 2) for x in stock_tps],
+                "stock_forward_ms_by_query_len_ctx256":
+                    {str(k): round(v, 1) for k, v in forward_cost_ms(stock, 256).items()},
+            })
+        del ours, stock, hf
+    results["llama_cpp"] = llama_bench_decode(model_name, max_new_tokens, torch.get_num_threads())
+    if results["llama_cpp"]:
+        for r in results["by_dtype"].values():
+            r["ours_over_llama_cpp"] = round(r["ours_tokens_per_s"] / results["llama_cpp"]["tokens_per_s"], 3)
     return results
 
 
@@ -130,20 +192,31 @@ def to_markdown(results: dict) -> str:
         f"torch {m['torch']}, measured read bandwidth {m['read_bandwidth_GBps']} GB/s.  ",
         f"{results['max_new_tokens']} new tokens per run, prompts of {results['prompt_tokens']} tokens, medians over alternating runs.",
         "",
-        "| dtype | ours tok/s | transformers tok/s | speedup | bandwidth limit tok/s | ours / limit | token agreement |",
-        "|---|---|---|---|---|---|---|",
+        "| dtype | ours tok/s | ours, stock kernels tok/s | transformers tok/s | speedup | bandwidth limit tok/s | "
+        "ours / limit | token agreement |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results["by_dtype"].items():
         lines.append(
-            f"| {name} | {r['ours_tokens_per_s']} | {r['transformers_tokens_per_s']} | {r['speedup']}x | "
-            f"{r['bandwidth_limit_tokens_per_s']} | {r['fraction_of_bandwidth_limit']:.0%} | {r['token_agreement_with_transformers']:.0%} |"
+            f"| {name} | {r['ours_tokens_per_s']} | {r.get('ours_stock_kernels_tokens_per_s', '-')} | "
+            f"{r['transformers_tokens_per_s']} | {r['speedup']}x | {r['bandwidth_limit_tokens_per_s']} | "
+            f"{r['fraction_of_bandwidth_limit']:.0%} | {r['token_agreement_with_transformers']:.0%} |"
         )
+    peer = results.get("llama_cpp")
+    if peer:
+        lines += ["", f"llama.cpp (`{peer['command']}`, the same model as its {peer['gguf']}): "
+                  f"{peer['tokens_per_s']} tok/s; ours / llama.cpp: "
+                  + ", ".join(f"{n} {r['ours_over_llama_cpp']:.2f}x" for n, r in results["by_dtype"].items())]
     lines += ["", "Target forward cost (ms) appending q tokens to a 256-token context (the verify cost curve):", ""]
     qs = list(next(iter(results["by_dtype"].values()))["forward_ms_by_query_len_ctx256"])
-    lines.append("| dtype | " + " | ".join(f"q={q}" for q in qs) + " |")
-    lines.append("|---|" + "---|" * len(qs))
+    lines.append("| dtype | kernels | " + " | ".join(f"q={q}" for q in qs) + " | q=16 / q=1 |")
+    lines.append("|---|---|" + "---|" * (len(qs) + 1))
     for name, r in results["by_dtype"].items():
-        lines.append(f"| {name} | " + " | ".join(str(r["forward_ms_by_query_len_ctx256"][q]) for q in qs) + " |")
+        for label, key in (("chosen", "forward_ms_by_query_len_ctx256"), ("stock", "stock_forward_ms_by_query_len_ctx256")):
+            if key in r:
+                cost = r[key]
+                lines.append(f"| {name} | {label} | " + " | ".join(str(cost[q]) for q in qs)
+                             + f" | {cost[qs[-1]] / cost[qs[0]]:.2f} |")
     return "\n".join(lines) + "\n"
 
 

