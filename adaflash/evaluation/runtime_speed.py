@@ -150,7 +150,11 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
                         )
                     hf_tps.append(max_new_tokens / (time.perf_counter() - t))
                     hf_ids = out[0, len(ids):].tolist()
-                    agree.append(sum(a == b for a, b in zip(hf_ids, r.token_ids)) / max_new_tokens)
+                    # min_new_tokens masks transformers' EOS, so compare up to the first EOS ours chose.
+                    ours_ids = r.token_ids
+                    if tokenizer.eos_token_id in ours_ids:
+                        ours_ids = ours_ids[: ours_ids.index(tokenizer.eos_token_id)]
+                    agree.append(sum(a == b for a, b in zip(hf_ids, ours_ids)) / max(1, len(ours_ids)))
                     bar.update(1)
         ours_med, hf_med = statistics.median(ours_tps), statistics.median(hf_tps)
         results["by_dtype"][name] = {
@@ -202,6 +206,8 @@ def to_markdown(results: dict) -> str:
             f"{r['transformers_tokens_per_s']} | {r['speedup']}x | {r['bandwidth_limit_tokens_per_s']} | "
             f"{r['fraction_of_bandwidth_limit']:.0%} | {r['token_agreement_with_transformers']:.0%} |"
         )
+    lines += ["", "Token agreement: the share of positions where our greedy tokens equal transformers', up to the first EOS "
+              "ours chose (transformers' `min_new_tokens` masks EOS to decode a fixed length)."]
     peer = results.get("llama_cpp")
     if peer:
         lines += ["", f"llama.cpp (`{peer['command']}`, the same model as its {peer['gguf']}): "

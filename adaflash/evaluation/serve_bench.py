@@ -104,7 +104,10 @@ def _window_mean(before: dict, after: dict, name: str) -> float | None:
 async def run_level(
     base_url: str, model: str, prompts: list[list[dict]], concurrency: int, max_tokens: int, transport=None
 ) -> LevelResult:
-    limits = httpx.Limits(max_connections=concurrency + 2)
+    # No keep-alive: llama-server closes a connection after a streamed response, and a request sent on such a
+    # pooled connection fails unread ("Server disconnected without sending a response"). A fresh local TCP
+    # connection per request costs well under a millisecond.
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits, transport=transport) as client:
         before = await _scrape(client)
         queue: asyncio.Queue = asyncio.Queue()

@@ -16,6 +16,7 @@ import torch
 
 from adaflash.models.draft_vocab import DraftHead
 from adaflash.models.drafter import DFlashDrafter
+from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedBatch
 from adaflash.models.layers import linear
 from adaflash.models.target import TargetModel
@@ -36,6 +37,13 @@ class DFlashProposer:
         self.target = target
         # The target's LM head, or its rows of the draft vocabulary (sliced once, contiguous).
         self.head = DraftHead(target.lm_head, drafter.draft_vocab)
+        # The head is the largest matmul of a draft step: the packed kernel where it measured faster here (the
+        # target's own packed LM head when the drafter drafts over the full vocabulary).
+        w = self.head.weight
+        if drafter.draft_vocab is None:
+            self._head_linear = target.fast_lm_head
+        else:
+            self._head_linear = FastLinear(w, None, KernelChoice()) if fast_linears_available(w) and packable(w) else None
 
     @property
     def block_size(self) -> int:
@@ -77,7 +85,8 @@ class DFlashProposer:
         """Draft tokens from block hidden states [n, B, d]: the LM head runs only on the positions verified."""
         self._check_lengths(num_draft)
         rows = [hidden[r, 1 : 1 + k] for r, k in enumerate(num_draft)]
-        logits = linear(torch.cat(rows).to(self.target.dtype), self.head.weight).float()
+        x = torch.cat(rows).to(self.target.dtype)
+        logits = (self._head_linear(x) if self._head_linear is not None else linear(x, self.head.weight)).float()
         tokens, probs, offset = [], [], 0
         for k, params, gen in zip(num_draft, sampling, generators):
             chunk = logits[offset : offset + k]

@@ -36,7 +36,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_file() -> Path:
+def cache_file() -> Path:
     from adaflash.models.registry import cache_root
 
     key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{hashlib.sha256(packed.SOURCE.read_bytes()).hexdigest()[:12]}"
@@ -69,7 +69,7 @@ class KernelChoice:
         self.mode = os.environ.get("ADAFLASH_KERNELS", "auto")
         if self.mode not in ("auto", STOCK, PACKED):
             raise ValueError(f"ADAFLASH_KERNELS must be auto, stock or packed, got {self.mode!r}")
-        self._file = _cache_file()
+        self._file = cache_file()
         self._timings: dict[str, dict] = {}
         if self.mode == "auto" and self._file.is_file():
             try:
