@@ -30,7 +30,8 @@ from pathlib import Path
 import httpx
 
 from adaflash.cli_args import command_group
-from adaflash.evaluation.peer import launched_process, llama_server_command, peer_bin_dir, peer_env
+from adaflash.evaluation.peer import (LLAMA_SERVER, launched_process, llama_server_command, peer_bin_dir, peer_env,
+                                      require_binary)
 from adaflash.evaluation.serve_bench import run_level
 
 
@@ -132,6 +133,8 @@ def _cmd(args: argparse.Namespace) -> int:
     names = [n for n, _ in servers + peers]
     if len(set(names)) != len(names):
         raise SystemExit(f"server names must be distinct, got {names}")
+    if peers:
+        require_binary(peer_bin_dir(), LLAMA_SERVER)  # before any server starts: fail in a second, not minutes
     levels = [int(c) for c in args.concurrency.split(",")]
     datasets = args.datasets.split(",")
     out = Path(args.out)

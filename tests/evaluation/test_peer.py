@@ -52,3 +52,14 @@ def test_llama_server_command_adds_model_slots_and_context(tmp_path: Path):
 def test_missing_peer_binary_says_how_to_build_it(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match=r"llama-server does not exist: build llama.cpp with `make peer`"):
         require_binary(tmp_path, "llama-server")
+
+
+def test_sweep_with_a_peer_but_no_build_fails_before_starting_any_server(tmp_path: Path, monkeypatch, capsys):
+    from adaflash.cli import main
+
+    monkeypatch.setenv("ADAFLASH_PEER_DIR", str(tmp_path / "no-peer"))
+    code = main(["bench", "sweep", "--server", "ar=--method ar", "--peer", "llama=", "--datasets", "gsm8k",
+                 "--concurrency", "1", "--out", str(tmp_path / "sweep"), "--log-dir", str(tmp_path / "logs")])
+    assert code == 2
+    assert "no-peer/bin/llama-server does not exist: build llama.cpp with `make peer`" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()  # no server was launched
