@@ -95,6 +95,7 @@ class RaggedAttention:
         self.key_len = max(batch.ends)
         n, qmax = len(batch.slots), max(batch.query_lens)
         self.qmax = qmax
+        self._grouped_mask: torch.Tensor | None = None  # the mask tiled over the query heads of a KV head (lazy)
         if self.single:
             self.slot = batch.slots[0]
             self.start = batch.starts[0]
@@ -153,9 +154,7 @@ class RaggedAttention:
         if self.single:
             k = cache.k[layer, self.slot, :, : self.key_len].unsqueeze(0)
             v = cache.v[layer, self.slot, :, : self.key_len].unsqueeze(0)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=self.mask, enable_gqa=True
-            )
+            out = self._grouped_attention(q.transpose(0, 1).unsqueeze(0), k, v)
             return out[0].transpose(0, 1).reshape(t, h * d)
         k = cache.k[layer][self.slot_range, :, : self.key_len]
         v = cache.v[layer][self.slot_range, :, : self.key_len]
@@ -165,10 +164,22 @@ class RaggedAttention:
         else:
             q_pad = q.new_zeros(n, self.qmax, h, d)
             q_pad[self.seq_of_token, self.within] = q
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), k, v, attn_mask=self.mask, enable_gqa=True
-        ).transpose(1, 2)
+        out = self._grouped_attention(q_pad.transpose(1, 2), k, v).transpose(1, 2)
         return (out if self.uniform else out[self.seq_of_token, self.within]).reshape(t, h * d)
+
+    def _grouped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """SDPA of q [n, H, Q, d] over k, v [n, KVH, L, d] with the query heads that share a KV head folded into
+        the query axis ([n, KVH, G*Q, d]): every KV head is read once, where `enable_gqa` reads it G times (the
+        KV cache is what batched decode streams). Query head h uses KV head h // G, as HF's repeat_kv does."""
+        n, heads, qlen, d = q.shape
+        groups = heads // k.shape[1]
+        if groups == 1:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        if self._grouped_mask is None and self.mask is not None:
+            self._grouped_mask = self.mask.repeat(1, 1, groups, 1)  # row g*Q + i is query i's row, for every g
+        folded = q.reshape(n, k.shape[1], groups * qlen, d)
+        out = torch.nn.functional.scaled_dot_product_attention(folded, k, v, attn_mask=self._grouped_mask)
+        return out.reshape(n, heads, qlen, d)
 
     def commit_lengths(self, cache: KVCache) -> None:
         for slot, end in zip(self.batch.slots, self.batch.ends):
