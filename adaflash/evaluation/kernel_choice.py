@@ -27,13 +27,18 @@ def run(model: str, threads: int | None) -> dict:
 
     if threads:
         torch.set_num_threads(threads)
+    if selection.KernelChoice().mode != "auto":
+        raise SystemExit("ADAFLASH_KERNELS forces a kernel, so nothing is timed: unset it")
     target = load_target(resolve_target(model), dtype=torch.float32)
     if target.fast_lm_head is None:
         raise SystemExit("the packed kernel is unavailable here (no AVX2/FMA, no compiler, or ADAFLASH_KERNELS=stock)")
     drafter = shipped_drafter(model)
-    if drafter is not None:
-        DFlashProposer(load_drafter(drafter, dtype=torch.float32), target)  # times the trimmed head's shape too
+    linears = [target.lm_head] + [getattr(target.layers[0], n) for n in ("qkv", "o", "gate_up", "down")]
+    if drafter is not None:  # building the proposer times the drafter's (trimmed) head shape too
+        linears.append(DFlashProposer(load_drafter(drafter, dtype=torch.float32), target).head.weight)
     saved = json.loads(selection.cache_file().read_text())
+    ours = {f"{w.shape[0]}x{w.shape[1]}" for w in linears}
+    saved["shapes"] = {k: v for k, v in saved["shapes"].items() if k in ours}
     return {"command": f"python -m adaflash.evaluation.kernel_choice --model {model}"
                        + (f" --threads {threads}" if threads else ""),
             "machine": {"cpu": saved["cpu"], "threads": saved["threads"], "arch": platform.machine()},

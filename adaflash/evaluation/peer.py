@@ -21,13 +21,13 @@ LLAMA_SERVER = "llama-server"
 
 def peer_bin_dir() -> Path:
     """$ADAFLASH_PEER_DIR/bin, else .peer/bin under the current directory (where `make peer` builds)."""
-    return Path(os.environ.get("ADAFLASH_PEER_DIR", ".peer")) / "bin"
+    return (Path(os.environ.get("ADAFLASH_PEER_DIR", ".peer")) / "bin").resolve()
 
 
 def peer_env(bin_dir: Path) -> dict[str, str]:
     """The environment llama.cpp's binaries run in: their shared libraries beside them."""
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = f"{bin_dir}:{env.get('LD_LIBRARY_PATH', '')}"
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (str(bin_dir), env.get("LD_LIBRARY_PATH")) if p)
     return env
 
 

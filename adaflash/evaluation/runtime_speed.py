@@ -210,7 +210,8 @@ def to_markdown(results: dict) -> str:
               "ours chose (transformers' `min_new_tokens` masks EOS to decode a fixed length)."]
     peer = results.get("llama_cpp")
     if peer:
-        lines += ["", f"llama.cpp (`{peer['command']}`, the same model as its {peer['gguf']}): "
+        lines += ["", f"llama.cpp (`{peer['command']}`, the same model as the {peer['gguf']} it ships as: 4-bit "
+                  "weights, ~7x fewer bytes per token than our fp32): "
                   f"{peer['tokens_per_s']} tok/s; ours / llama.cpp: "
                   + ", ".join(f"{n} {r['ours_over_llama_cpp']:.2f}x" for n, r in results["by_dtype"].items())]
     lines += ["", "Target forward cost (ms) appending q tokens to a 256-token context (the verify cost curve):", ""]

@@ -135,6 +135,8 @@ def _cmd(args: argparse.Namespace) -> int:
         raise SystemExit(f"server names must be distinct, got {names}")
     if peers:
         require_binary(peer_bin_dir(), LLAMA_SERVER)  # before any server starts: fail in a second, not minutes
+        if not args.max_prompt_tokens:
+            raise ValueError("--peer needs --max-prompt-tokens: llama-server's per-slot context is sized from it")
     levels = [int(c) for c in args.concurrency.split(",")]
     datasets = args.datasets.split(",")
     out = Path(args.out)
@@ -152,7 +154,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
             gguf = Path(args.peer_model) if args.peer_model else target_gguf(args.model)
             # One llama.cpp slot per concurrent client; each slot's context fits a prompt and its answer.
-            parallel, ctx = max(levels), (args.max_prompt_tokens or 1024) + args.max_tokens + 64
+            parallel, ctx = max(levels), args.max_prompt_tokens + args.max_tokens + 64
             for i, (n, a) in enumerate(peers):
                 urls[n] = stack.enter_context(launched_peer(n, a, args.port + len(servers) + i, parallel, ctx, log_dir,
                                                             args.threads, gguf))

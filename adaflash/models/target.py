@@ -101,7 +101,7 @@ class TargetModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over already-normed hidden states (the drafter shares it), returned in fp32."""
         if self.fast_lm_head is not None and hidden.device.type == "cpu":
-            return self.fast_lm_head(hidden)
+            return self.fast_lm_head(hidden).float()
         return linear(hidden, self.lm_head).float()
 
     @torch.inference_mode()

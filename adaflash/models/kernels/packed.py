@@ -2,7 +2,7 @@
 
 Built once per source/flags into $ADAFLASH_CACHE/kernels (a second), linked against the OpenMP runtime torch has
 already loaded (same soname), so both share one thread pool. Unavailable - and callers fall back to torch's
-kernels - where the CPU lacks AVX2/FMA, no compiler is found, or ADAFLASH_KERNELS=stock.
+kernels - where the CPU lacks AVX2/FMA or no compiler is found (ADAFLASH_KERNELS=stock is the callers' switch).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -40,18 +42,29 @@ def _build(out: Path) -> None:
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++/c++) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    proc = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{compiler} failed on {SOURCE}:\n{proc.stderr[-2000:]}")
-    tmp.replace(out)  # atomic: concurrent first uses never load a half-written library
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {SOURCE}:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent first uses (other processes too) never load a half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (with the reason logged once) where it cannot run here."""
+    with _BUILD_LOCK:
+        return _load()
 
 
 @lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (with the reason logged once) where it cannot run here."""
-    if os.environ.get("ADAFLASH_KERNELS", "auto") == "stock":
-        return None
+def _load() -> ctypes.CDLL | None:
     missing = {"avx2", "fma"} - _cpu_flags()
     if missing:
         log.info("packed fp32 linear unavailable: CPU lacks %s", sorted(missing))
@@ -67,10 +80,10 @@ def library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as exc:
         log.warning("packed fp32 linear unavailable, using torch's kernels: %s", exc)
         return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.adaflash_pack.argtypes = [ptr, i64, i64, ptr]
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.adaflash_pack.argtypes = [ptr, i64, i64, ptr, i32]
     lib.adaflash_pack.restype = None
-    lib.adaflash_packed_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
+    lib.adaflash_packed_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
     lib.adaflash_packed_linear.restype = None
     return lib
 
@@ -85,20 +98,23 @@ class PackedLinear:
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError(f"packed linear needs a 2-D fp32 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
         n, k = weight.shape
-        if n % PANEL:
-            raise ValueError(f"packed linear needs out_features % {PANEL} == 0, got {n}")
+        if n % PANEL or k < 1:
+            raise ValueError(f"packed linear needs out_features % {PANEL} == 0 and in_features >= 1, got {n} x {k}")
+        if bias is not None and (bias.shape != (n,) or bias.device.type != "cpu"):
+            raise ValueError(f"bias must be a CPU tensor of shape ({n},), got {tuple(bias.shape)} on {bias.device}")
         self._lib, self.n, self.k = lib, n, k
         w = weight.detach().contiguous()
-        self.packed = torch.empty(n * k, dtype=torch.float32)
-        lib.adaflash_pack(w.data_ptr(), n, k, self.packed.data_ptr())
+        self.packed = torch.empty(n * k, dtype=torch.float32, device="cpu")
+        lib.adaflash_pack(w.data_ptr(), n, k, self.packed.data_ptr(), torch.get_num_threads())
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.float32:
-            raise ValueError(f"expected [m, {self.k}] fp32 rows, got {x.dtype} {tuple(x.shape)}")
+        if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"expected [m, {self.k}] fp32 CPU rows, got {x.dtype} {tuple(x.shape)} on {x.device}")
         x = x.contiguous()
-        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32, device="cpu")
         if x.shape[0]:
             self._lib.adaflash_packed_linear(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.n,
-                                             None if self.bias is None else self.bias.data_ptr(), y.data_ptr())
+                                             None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                                             torch.get_num_threads())
         return y

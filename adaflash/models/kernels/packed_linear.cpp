@@ -4,8 +4,8 @@
 //
 // Why own it: stock CPU kernels make a 16-row pass cost ~2.2x a 1-row pass and stream a 1-row pass at ~60% of
 // the memory bandwidth; this one streams each panel once for all rows (k-chunks stay in L1 across row blocks).
-// Each output is one FMA chain over k in order, whatever the number of rows, so a row's result is bitwise the
-// same in a 1-row decode step and in a 16-row verification: the linears add no batch-size-dependent rounding.
+// Each output is one FMA chain over k in order, whatever the number of rows, so this kernel gives a row bitwise the
+// same result in a 1-row decode step and in a 16-row verification (where the per-machine choice runs it for both).
 // n must be a multiple of 16 (the Python side falls back to the stock kernel otherwise).
 #include <immintrin.h>
 #include <cstdint>
@@ -57,8 +57,10 @@ constexpr Micro kMicro[7] = {nullptr, micro<1>, micro<2>, micro<3>, micro<4>, mi
 extern "C" {
 
 // w: [n, k] row-major -> packed: [n / 16][k][16].
-void adaflash_pack(const float* w, int64_t n, int64_t k, float* packed) {
-#pragma omp parallel for schedule(static)
+// threads: torch's count, passed in because an OpenMP region takes the calling thread's count, which is torch's only
+// on threads where torch itself has run a parallel region.
+void adaflash_pack(const float* w, int64_t n, int64_t k, float* packed, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < n / kPanel; ++p) {
     float* dst = packed + p * k * kPanel;
     for (int64_t kk = 0; kk < k; ++kk) {
@@ -69,8 +71,8 @@ void adaflash_pack(const float* w, int64_t n, int64_t k, float* packed) {
 
 // x: [m, k] row-major, y: [m, n] row-major, bias: [n] or null.
 void adaflash_packed_linear(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
-                            float* y) {
-#pragma omp parallel for schedule(static)
+                            float* y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < n / kPanel; ++p) {
     const float* panel = packed + p * k * kPanel;
     const float* b = bias ? bias + p * kPanel : nullptr;

@@ -14,6 +14,8 @@ import hashlib
 import json
 import os
 import platform
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +64,16 @@ def time_shape(weight: torch.Tensor, kernel: packed.PackedLinear) -> dict[str, d
     return out
 
 
+_CACHE_LOCK = threading.Lock()  # the hot-swap watcher builds proposers on its own thread
+
+
+def _read_cache(path: Path) -> dict[str, dict]:
+    try:
+        return json.loads(path.read_text())["shapes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # absent or damaged: measured again
+
+
 class KernelChoice:
     """Per (n, k) shape, the kernel for each row bucket."""
 
@@ -70,30 +82,27 @@ class KernelChoice:
         if self.mode not in ("auto", STOCK, PACKED):
             raise ValueError(f"ADAFLASH_KERNELS must be auto, stock or packed, got {self.mode!r}")
         self._file = cache_file()
-        self._timings: dict[str, dict] = {}
-        if self.mode == "auto" and self._file.is_file():
-            try:
-                self._timings = json.loads(self._file.read_text())["shapes"]
-            except (OSError, ValueError, KeyError):
-                self._timings = {}  # a damaged cache is measured again
 
     def buckets(self, weight: torch.Tensor, kernel: packed.PackedLinear) -> tuple[bool, ...]:
         """For each bucket of ROW_BUCKETS: does the packed kernel run it."""
         if self.mode != "auto":
             return tuple(self.mode == PACKED for _ in ROW_BUCKETS)
         key = f"{weight.shape[0]}x{weight.shape[1]}"
-        if key not in self._timings:
-            self._timings[key] = time_shape(weight, kernel)
-            self._save()
-        times = self._timings[key]
+        with _CACHE_LOCK:
+            times = _read_cache(self._file).get(key)
+            if times is None or any(str(r) not in times for r in ROW_BUCKETS):
+                times = time_shape(weight, kernel)
+                self._save(key, times)
         return tuple(times[str(r)][PACKED] <= times[str(r)][STOCK] for r in ROW_BUCKETS)
 
-    def _save(self) -> None:
+    def _save(self, key: str, times: dict) -> None:
+        """Merge into what is on disk now (another process may have added shapes), then replace atomically."""
+        shapes = {**_read_cache(self._file), key: times}
         self._file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"cpu": _cpu_model(), "threads": torch.get_num_threads(), "shapes": self._timings},
-                                  indent=1))
-        tmp.replace(self._file)
+        fd, tmp = tempfile.mkstemp(dir=self._file.parent, suffix=".json.tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"cpu": _cpu_model(), "threads": torch.get_num_threads(), "shapes": shapes}, f, indent=1)
+        os.replace(tmp, self._file)
 
 
 class FastLinear:
@@ -103,14 +112,27 @@ class FastLinear:
         self.weight, self.bias = weight, bias
         self.kernel = packed.PackedLinear(weight, bias)
         self.use_packed = choice.buckets(weight, self.kernel)
+        self._packed_from = self._source()
+
+    def _source(self) -> tuple:
+        """What the packed copy was made from: any in-place change bumps a version, a move changes the storage."""
+        parts = [self.weight] + ([self.bias] if self.bias is not None else [])
+        return tuple((_version(t), t.data_ptr(), t.dtype, t.device) for t in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         bucket = bisect.bisect_left(ROW_BUCKETS, rows)
         if (bucket < len(ROW_BUCKETS) and self.use_packed[bucket] and x.dtype == torch.float32
-                and x.device.type == "cpu" and x.dim() == 2):
+                and x.device.type == "cpu" and x.dim() == 2 and self._source() == self._packed_from):
             return self.kernel(x)
-        return stock_linear(x, self.weight, self.bias)
+        return stock_linear(x, self.weight, self.bias)  # also once the weights changed after packing
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot be changed in place outside one)
+        return None
 
 
 def fast_linears_available(weight: torch.Tensor) -> bool:

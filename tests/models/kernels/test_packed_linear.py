@@ -96,3 +96,19 @@ def test_target_model_uses_the_kernel_unless_told_not_to(tiny_checkpoints, monke
     assert not stock.layers[0].fast and stock.fast_lm_head is None
     torch.testing.assert_close(logits(fast), logits(stock), atol=1e-4, rtol=1e-4)
     assert load_target(path, dtype=torch.bfloat16).fast_lm_head is None  # bf16: torch's kernels
+
+
+def test_a_weight_changed_after_packing_runs_torchs_kernel_on_the_new_values(monkeypatch):
+    monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(32, 16, generator=g), torch.randn(4, 16, generator=g)
+    fast = selection.FastLinear(w, None, selection.KernelChoice())
+    before = fast(x)
+    w.mul_(2.0)  # in place: the packed copy is stale now
+    torch.testing.assert_close(fast(x), 2 * before, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast(x), selection.stock_linear(x, w))
+
+
+def test_bias_and_device_checks():
+    with pytest.raises(ValueError, match=r"shape \(16,\)"):
+        packed.PackedLinear(torch.randn(16, 8), torch.randn(8))
