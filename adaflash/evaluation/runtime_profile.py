@@ -24,7 +24,7 @@ from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import load_target
 
-LINEAR = ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul")
+LINEAR = ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "packed_linear")
 ATTENTION = ("scaled_dot_product", "index_copy", "aten::bmm", "_softmax")
 ELEMENTWISE = ("rms_norm", "aten::mul", "aten::add", "aten::cat", "aten::neg", "aten::silu", "aten::pow", "aten::mean",
                "aten::rsqrt", "aten::cos", "aten::sin", "aten::embedding", "aten::copy_", "aten::to", "aten::where",
@@ -34,7 +34,8 @@ SHAPES = {"decode (batch 1, 1 token)": (1, 1), "verify (batch 1, 16 tokens)": (1
 
 def _bucket(name: str, shapes, vocab: int) -> str:
     if any(k in name for k in LINEAR):
-        return "lm_head" if any(vocab in s for s in shapes if s) else "linears"
+        # The packed kernel's label carries its weight shape: "adaflash::packed_linear[OUTxIN]".
+        return "lm_head" if any(vocab in s for s in shapes if s) or f"[{vocab}x" in name else "linears"
     if any(k in name for k in ATTENTION):
         return "attention"
     if any(k in name for k in ELEMENTWISE):

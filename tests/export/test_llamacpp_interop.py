@@ -231,7 +231,7 @@ def test_llama_cpp_with_our_drafter_reproduces_its_own_greedy_tokens(interop):
     # text: the AR continuation appears in its output (it may run past n_predict by one draft block; where the
     # server's speculative run met a float tie, it may too, so only the text before that tie is required; whole
     # tokens decoded, so a trailing partial character is cut).
-    # llama.cpp's tokenizer and ours may split a rare text differently (measured: 1 of 24 prompts, by one token).
+    # llama.cpp's tokenizer and ours may split a rare text differently (measured: 1-2 of 24 prompts, by one token).
     alike = [p for p in prompts if p["simple"]["n_prompt"] == len(p["ids"])]
     assert len(alike) >= 0.9 * len(prompts), interop["result"]["speculative_simple_tokenised_differently"]
     for p in alike:

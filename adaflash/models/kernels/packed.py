@@ -103,6 +103,7 @@ class PackedLinear:
         if bias is not None and (bias.shape != (n,) or bias.device.type != "cpu"):
             raise ValueError(f"bias must be a CPU tensor of shape ({n},), got {tuple(bias.shape)} on {bias.device}")
         self._lib, self.n, self.k = lib, n, k
+        self.label = f"adaflash::packed_linear[{n}x{k}]"  # what torch.profiler shows for a call (ctypes is invisible)
         w = weight.detach().contiguous()
         self.packed = torch.empty(n * k, dtype=torch.float32, device="cpu")
         lib.adaflash_pack(w.data_ptr(), n, k, self.packed.data_ptr(), torch.get_num_threads())
@@ -113,8 +114,14 @@ class PackedLinear:
             raise ValueError(f"expected [m, {self.k}] fp32 CPU rows, got {x.dtype} {tuple(x.shape)} on {x.device}")
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32, device="cpu")
-        if x.shape[0]:
-            self._lib.adaflash_packed_linear(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.n,
+        if x.shape[0] and torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(self.label):
+                self._run(x, y)
+        elif x.shape[0]:
+            self._run(x, y)
+        return y
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self._lib.adaflash_packed_linear(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.n,
                                              None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                                              torch.get_num_threads())
-        return y
