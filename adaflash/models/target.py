@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from adaflash.models.config import TransformerConfig
+from adaflash.models.gguf_blocks import QuantizedWeight, quantized_weights
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
 from adaflash.models.layers import apply_rope, linear, rms_norm, rope_cos_sin
@@ -67,20 +68,26 @@ class TargetModel(nn.Module):
             else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         )
         self.fast_lm_head: FastLinear | None = None
+        self.lm_head_blocks: QuantizedWeight | None = None
 
-    def use_fast_linears(self) -> bool:
-        """Run every linear with the packed fp32 kernel at the row counts where it measured faster here.
+    def use_fast_linears(self, quantized: dict[str, QuantizedWeight] | None = None) -> bool:
+        """Run every linear with the kernel that measured fastest here at each row count (kernels/selection.py).
 
         Packs a second copy of the weights (the originals stay: training, the drafter's head and export read
-        them). False, changing nothing, where the kernel cannot run (not fp32 on CPU, no AVX2, ADAFLASH_KERNELS=stock).
+        them); `quantized` (our weight name -> the GGUF's blocks of exactly its values) adds the quantized kernel.
+        False, changing nothing, where the kernels cannot run (not fp32 on CPU, no AVX2, ADAFLASH_KERNELS=stock).
         """
         if not fast_linears_available(self.lm_head):
             return False
+        quantized = quantized or {}
         choice = KernelChoice()
-        for layer in self.layers:
-            layer.fast = {name: FastLinear(getattr(layer, name), getattr(layer, f"{name}_bias", None), choice)
+        for i, layer in enumerate(self.layers):
+            layer.fast = {name: FastLinear(getattr(layer, name), getattr(layer, f"{name}_bias", None), choice,
+                                           quantized.get(f"layers.{i}.{name}"))
                           for name in ("qkv", "o", "gate_up", "down") if packable(getattr(layer, name))}
-        self.fast_lm_head = FastLinear(self.lm_head, None, choice) if packable(self.lm_head) else None
+        head = "embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
+        self.lm_head_blocks = quantized.get(head)  # the drafter's (trimmed) head takes its rows
+        self.fast_lm_head = FastLinear(self.lm_head, None, choice, self.lm_head_blocks) if packable(self.lm_head) else None
         return True
 
     @property
@@ -222,5 +229,8 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: s
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ValueError(f"checkpoint {path} did not provide {leftover}")
-    model.use_fast_linears()
+    if fast_linears_available(model.lm_head):
+        linears = {ours: [(n, tensors[n]) for n in theirs] for ours, theirs in _hf_weight_map(cfg).items()
+                   if ours.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down", "embed_tokens", "lm_head")}
+        model.use_fast_linears(quantized_weights(path, linears))
     return model.eval()

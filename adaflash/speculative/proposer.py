@@ -43,7 +43,9 @@ class DFlashProposer:
         if drafter.draft_vocab is None:
             self._head_linear = target.fast_lm_head
         else:
-            self._head_linear = FastLinear(w, None, KernelChoice()) if fast_linears_available(w) and packable(w) else None
+            blocks = target.lm_head_blocks.rows(self.head.ids) if target.lm_head_blocks is not None else None
+            self._head_linear = (FastLinear(w, None, KernelChoice(), blocks)
+                                 if fast_linears_available(w) and packable(w) else None)
 
     @property
     def block_size(self) -> int:

@@ -80,3 +80,30 @@ def test_shipped_drafter_loads_and_is_lossless(pipeline):
     ar = pipeline.generate_ids(ids, "ar", max_new_tokens=32)
     for length in (4, 15):
         assert spec.generate_ids(ids, "dflash", max_new_tokens=32, draft_length=length).token_ids == ar.token_ids
+
+
+def test_quantized_kernels_run_the_ggufs_blocks_and_compute_the_same_target(smollm2_dir, pipeline, monkeypatch):
+    """Every linear of the embedded target has its GGUF blocks (Q4_1 layers, the Q8_0 tied head), and the quantized
+    kernels give bitwise the logits of the fp32 packed kernels: one target, whichever kernel a row count runs."""
+    from adaflash.models.kernels.selection import fast_linears_available
+
+    target = pipeline.target
+    if not fast_linears_available(target.lm_head):
+        pytest.skip("packed kernels unavailable here")
+    monkeypatch.setenv("ADAFLASH_KERNELS", "quantized")
+    quantized = load_target(smollm2_dir, dtype=torch.float32)
+    monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
+    packed = load_target(smollm2_dir, dtype=torch.float32)
+    assert quantized.lm_head_blocks is not None and quantized.fast_lm_head.choices[0] == "Q8_0"
+    assert all(f.choices[0] == "Q4_1" for layer in quantized.layers for f in layer.fast.values())
+    ids = pipeline.encode(messages=[{"role": "user", "content": "Name three prime numbers."}])
+    outs = []
+    for model in (quantized, packed):  # a prompt (blocked path), a 3-token verify and a decode step (few-rows path)
+        cache = model.new_cache(1, len(ids) + 4)
+        prefill = model(torch.tensor(ids[:-3]), RaggedBatch.build([0], [0], [len(ids) - 3]), cache,
+                        logit_indices=torch.tensor([len(ids) - 4])).logits
+        verify = model(torch.tensor(ids[-3:]), RaggedBatch.build([0], [len(ids) - 3], [3]), cache).logits
+        step = model(torch.tensor([5]), RaggedBatch.build([0], [len(ids)], [1]), cache).logits
+        outs.append((prefill, verify, step))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

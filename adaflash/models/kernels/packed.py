@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,8 +24,21 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
+BLOCK = 32  # k per GGUF quantization block
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    code: int  # the kernel's Format enum
+    block_bytes: int  # one GGUF block of 32 weights
+    packed_block_bytes: int  # one (panel, block): 16 outputs x 32 k
+
+
+# GGUF formats with a kernel here, by ggml type name.
+QUANT_FORMATS = {"Q4_1": QuantFormat(1, 20, 64 + BLOCK * 8), "Q8_0": QuantFormat(2, 34, 32 + BLOCK * 16)}
 
 
 def _cpu_flags() -> set[str]:
@@ -65,7 +79,7 @@ def library() -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
-    missing = {"avx2", "fma"} - _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
     if missing:
         log.info("packed fp32 linear unavailable: CPU lacks %s", sorted(missing))
         return None
@@ -85,29 +99,25 @@ def _load() -> ctypes.CDLL | None:
     lib.adaflash_pack.restype = None
     lib.adaflash_packed_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
     lib.adaflash_packed_linear.restype = None
+    lib.adaflash_pack_quantized.argtypes = [ptr, i64, i64, i32, ptr, i32]
+    lib.adaflash_pack_quantized.restype = None
+    lib.adaflash_quantized_linear.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, ptr, i32]
+    lib.adaflash_quantized_linear.restype = None
     return lib
 
 
-class PackedLinear:
-    """An fp32 [n, k] weight (+ bias) packed for the kernel; call it on [m, k] fp32 rows."""
+def _check_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if bias is not None and (bias.shape != (n,) or bias.device.type != "cpu"):
+        raise ValueError(f"bias must be a CPU tensor of shape ({n},), got {tuple(bias.shape)} on {bias.device}")
+    return None if bias is None else bias.detach().float().contiguous()
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        lib = library()
-        if lib is None:
-            raise RuntimeError("the packed fp32 linear is unavailable on this machine")
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-            raise ValueError(f"packed linear needs a 2-D fp32 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
-        n, k = weight.shape
-        if n % PANEL or k < 1:
-            raise ValueError(f"packed linear needs out_features % {PANEL} == 0 and in_features >= 1, got {n} x {k}")
-        if bias is not None and (bias.shape != (n,) or bias.device.type != "cpu"):
-            raise ValueError(f"bias must be a CPU tensor of shape ({n},), got {tuple(bias.shape)} on {bias.device}")
-        self._lib, self.n, self.k = lib, n, k
-        self.label = f"adaflash::packed_linear[{n}x{k}]"  # what torch.profiler shows for a call (ctypes is invisible)
-        w = weight.detach().contiguous()
-        self.packed = torch.empty(n * k, dtype=torch.float32, device="cpu")
-        lib.adaflash_pack(w.data_ptr(), n, k, self.packed.data_ptr(), torch.get_num_threads())
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+class _Packed:
+    """Shared by both packings: input checks, the output buffer, the profiler label."""
+
+    n: int
+    k: int
+    label: str
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.k or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -122,6 +132,57 @@ class PackedLinear:
         return y
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class PackedLinear(_Packed):
+    """An fp32 [n, k] weight (+ bias) packed for the kernel; call it on [m, k] fp32 rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the packed fp32 linear is unavailable on this machine")
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"packed linear needs a 2-D fp32 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
+        n, k = weight.shape
+        if n % PANEL or k < 1:
+            raise ValueError(f"packed linear needs out_features % {PANEL} == 0 and in_features >= 1, got {n} x {k}")
+        self._lib, self.n, self.k = lib, n, k
+        self.label = f"adaflash::packed_linear[{n}x{k}]"  # what torch.profiler shows for a call (ctypes is invisible)
+        w = weight.detach().contiguous()
+        self.packed = torch.empty(n * k, dtype=torch.float32, device="cpu")
+        lib.adaflash_pack(w.data_ptr(), n, k, self.packed.data_ptr(), torch.get_num_threads())
+        self.bias = _check_bias(bias, n)
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self._lib.adaflash_packed_linear(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.n,
                                              None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                                              torch.get_num_threads())
+
+
+class QuantizedLinear(_Packed):
+    """GGUF blocks of an [n, k] weight ([n, k / 32 * block bytes] uint8, one row per output, in the weight's row
+    order) packed for the quantized kernel: the same outputs, bitwise, as PackedLinear on the dequantized weight."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: str, k: int, bias: torch.Tensor | None = None) -> None:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the packed kernels are unavailable on this machine")
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"no quantized kernel for {fmt!r} (have {sorted(QUANT_FORMATS)})")
+        spec = QUANT_FORMATS[fmt]
+        n = blocks.shape[0]
+        if k % BLOCK or n % PANEL or blocks.dtype != torch.uint8 or blocks.shape != (n, k // BLOCK * spec.block_bytes):
+            raise ValueError(f"{fmt} blocks for {n} x {k} must be uint8 [{n}, {k // BLOCK * spec.block_bytes}] with "
+                             f"n % {PANEL} == 0 and k % {BLOCK} == 0, got {blocks.dtype} {tuple(blocks.shape)}")
+        self._lib, self.n, self.k, self.fmt, self._code = lib, n, k, fmt, spec.code
+        self.label = f"adaflash::packed_linear[{n}x{k} {fmt}]"  # runtime_profile buckets by this prefix
+        src = blocks.detach().contiguous()
+        self.packed = torch.empty(n // PANEL * (k // BLOCK) * spec.packed_block_bytes, dtype=torch.uint8)
+        lib.adaflash_pack_quantized(src.data_ptr(), n, k, spec.code, self.packed.data_ptr(), torch.get_num_threads())
+        self.bias = _check_bias(bias, n)
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self._lib.adaflash_quantized_linear(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self._code,
+                                            self.n, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                                            torch.get_num_threads())

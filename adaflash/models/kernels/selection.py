@@ -1,10 +1,13 @@
-"""Which fp32 linear kernel runs a weight shape at a row count: timed once per machine, kept in a JSON cache.
+"""Which linear kernel runs a weight shape at a row count: timed once per machine, kept in a JSON cache.
 
-Candidates: torch's stock kernel (`layers.linear`: oneDNN where it works) and the packed kernel (packed.py).
-Row counts are bucketed (a count runs with the choice of the next bucket up); past the largest bucket (prefill,
-training teacher passes) the stock kernel runs. The cache key is the CPU model, the thread count and the
-kernel source, so a different machine or --threads measures again (about a second per shape).
-ADAFLASH_KERNELS=stock or =packed forces one kernel for every bucket without timing.
+Candidates: torch's stock kernel (`layers.linear`: oneDNN where it works), the packed fp32 kernel (packed.py) and,
+where the target came from a GGUF, the quantized kernel over the GGUF's own blocks (bitwise the packed kernel's
+outputs, fewer bytes). Each is timed with its weights evicted from the caches first, as a decode step meets them
+(the model is far larger than the L3). Row counts are bucketed (a count runs with the choice of the next bucket
+up); past the largest bucket (prefill, training teacher passes) the stock kernel runs. The cache key is the CPU
+model, the thread count and the kernel source, so a different machine or --threads measures again (a second or two
+per shape). ADAFLASH_KERNELS=stock, =packed or =quantized forces one kernel for every bucket without timing
+(quantized: where the weight has blocks, else packed).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from pathlib import Path
 
 import torch
 
+from adaflash.models.gguf_blocks import QuantizedWeight
 from adaflash.models.kernels import packed
 from adaflash.models.layers import linear as stock_linear
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-STOCK, PACKED = "stock", "packed"
+STOCK, PACKED, QUANTIZED = "stock", "packed", "quantized"
+_EVICT_BYTES = 64 << 20  # read between timed calls: more than any L3 here, so a timed call streams its weights
 
 
 def _cpu_model() -> str:
@@ -45,22 +50,25 @@ def cache_file() -> Path:
     return cache_root() / "kernels" / f"choices-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def _min_ms(fn, repeats: int = 5) -> float:
+def _min_ms(fn, evict: torch.Tensor, repeats: int = 5) -> float:
     fn()
     times = []
     for _ in range(repeats):
+        evict.sum()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return min(times) * 1e3  # the minimum: robust to a preempted run when other work shares the cores
 
 
-def time_shape(weight: torch.Tensor, kernel: packed.PackedLinear) -> dict[str, dict[str, float]]:
-    """ms per call of each kernel at each row bucket (for the record and the choice)."""
+def time_shape(weight: torch.Tensor, kernels: dict[str, object]) -> dict[str, dict[str, float]]:
+    """ms per call of torch's kernel and each of `kernels` (name -> callable) at each row bucket, cold weights."""
+    evict = torch.ones(_EVICT_BYTES // 4)
     out = {}
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, weight.shape[1])
-        out[str(rows)] = {STOCK: _min_ms(lambda: stock_linear(x, weight)), PACKED: _min_ms(lambda: kernel(x))}
+        out[str(rows)] = {STOCK: _min_ms(lambda: stock_linear(x, weight), evict),
+                          **{name: _min_ms(lambda: kernel(x), evict) for name, kernel in kernels.items()}}
     return out
 
 
@@ -79,21 +87,24 @@ class KernelChoice:
 
     def __init__(self) -> None:
         self.mode = os.environ.get("ADAFLASH_KERNELS", "auto")
-        if self.mode not in ("auto", STOCK, PACKED):
-            raise ValueError(f"ADAFLASH_KERNELS must be auto, stock or packed, got {self.mode!r}")
+        if self.mode not in ("auto", STOCK, PACKED, QUANTIZED):
+            raise ValueError(f"ADAFLASH_KERNELS must be auto, stock, packed or quantized, got {self.mode!r}")
         self._file = cache_file()
 
-    def buckets(self, weight: torch.Tensor, kernel: packed.PackedLinear) -> tuple[bool, ...]:
-        """For each bucket of ROW_BUCKETS: does the packed kernel run it."""
+    def buckets(self, weight: torch.Tensor, kernels: dict[str, object]) -> tuple[str, ...]:
+        """For each bucket of ROW_BUCKETS, the name of the kernel that runs it: STOCK or a key of `kernels`
+        (PACKED, and a GGUF format name where the weight has quantized blocks)."""
         if self.mode != "auto":
-            return tuple(self.mode == PACKED for _ in ROW_BUCKETS)
+            quantized = [name for name in kernels if name != PACKED]
+            forced = STOCK if self.mode == STOCK else quantized[0] if self.mode == QUANTIZED and quantized else PACKED
+            return (forced,) * len(ROW_BUCKETS)
         key = f"{weight.shape[0]}x{weight.shape[1]}"
         with _CACHE_LOCK:
             times = _read_cache(self._file).get(key)
-            if times is None or any(str(r) not in times for r in ROW_BUCKETS):
-                times = time_shape(weight, kernel)
+            if times is None or any(str(r) not in times or not set(kernels) <= set(times[str(r)]) for r in ROW_BUCKETS):
+                times = time_shape(weight, kernels)
                 self._save(key, times)
-        return tuple(times[str(r)][PACKED] <= times[str(r)][STOCK] for r in ROW_BUCKETS)
+        return tuple(min([STOCK, *kernels], key=lambda name: times[str(r)][name]) for r in ROW_BUCKETS)
 
     def _save(self, key: str, times: dict) -> None:
         """Merge into what is on disk now (another process may have added shapes), then replace atomically."""
@@ -106,12 +117,23 @@ class KernelChoice:
 
 
 class FastLinear:
-    """One weight's linear: the packed kernel at the row counts where it measured faster, torch's elsewhere."""
+    """One weight's linear: at each row bucket, the kernel that measured fastest (torch's past the buckets).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice) -> None:
+    `quantized`: the weight's own GGUF blocks (gguf_blocks.py), for the quantized kernel. Kernels no bucket chose
+    are dropped (their packed copy freed).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice,
+                 quantized: QuantizedWeight | None = None) -> None:
         self.weight, self.bias = weight, bias
-        self.kernel = packed.PackedLinear(weight, bias)
-        self.use_packed = choice.buckets(weight, self.kernel)
+        kernels: dict[str, object] = {PACKED: packed.PackedLinear(weight, bias)}
+        if quantized is not None:
+            if quantized.blocks.shape[0] != weight.shape[0]:
+                raise ValueError(f"{quantized.fmt} blocks for {quantized.blocks.shape[0]} rows, weight has "
+                                 f"{weight.shape[0]}")
+            kernels[quantized.fmt] = packed.QuantizedLinear(quantized.blocks, quantized.fmt, weight.shape[1], bias)
+        self.choices = choice.buckets(weight, kernels)  # kernel name per bucket, for the record
+        self._bucket_kernels = tuple(kernels.get(name) for name in self.choices)  # None: torch's
         self._packed_from = self._source()
 
     def _source(self) -> tuple:
@@ -120,11 +142,11 @@ class FastLinear:
         return tuple((_version(t), t.data_ptr(), t.dtype, t.device) for t in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        bucket = bisect.bisect_left(ROW_BUCKETS, rows)
-        if (bucket < len(ROW_BUCKETS) and self.use_packed[bucket] and x.dtype == torch.float32
-                and x.device.type == "cpu" and x.dim() == 2 and self._source() == self._packed_from):
-            return self.kernel(x)
+        bucket = bisect.bisect_left(ROW_BUCKETS, x.shape[0])
+        kernel = self._bucket_kernels[bucket] if bucket < len(ROW_BUCKETS) else None
+        if (kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+                and self._source() == self._packed_from):
+            return kernel(x)
         return stock_linear(x, self.weight, self.bias)  # also once the weights changed after packing
 
 

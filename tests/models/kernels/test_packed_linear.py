@@ -1,12 +1,16 @@
-"""The packed fp32 linear against torch, its batch-size independence, and the per-machine kernel choice."""
+"""The packed fp32 and quantized linears against torch and each other, their batch-size independence, and the
+per-machine kernel choice."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
+from gguf import GGMLQuantizationType, quants
 
 from adaflash.models.kernels import packed, selection
 
@@ -49,9 +53,9 @@ def test_choice_is_timed_once_cached_and_forced_by_env(tmp_path, monkeypatch):
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
     monkeypatch.setenv("ADAFLASH_KERNELS", "auto")
     w = torch.randn(32, 64)
-    kernel = packed.PackedLinear(w)
-    buckets = selection.KernelChoice().buckets(w, kernel)
-    assert len(buckets) == len(selection.ROW_BUCKETS)
+    kernels = {selection.PACKED: packed.PackedLinear(w)}
+    buckets = selection.KernelChoice().buckets(w, kernels)
+    assert len(buckets) == len(selection.ROW_BUCKETS) and set(buckets) <= {"stock", "packed"}
     (cache,) = (tmp_path / "kernels").glob("choices-*.json")
     saved = json.loads(cache.read_text())
     assert set(saved["shapes"]["32x64"]) == {str(r) for r in selection.ROW_BUCKETS}
@@ -59,23 +63,71 @@ def test_choice_is_timed_once_cached_and_forced_by_env(tmp_path, monkeypatch):
     for times in saved["shapes"]["32x64"].values():
         times["stock"], times["packed"] = 0.0, 1.0
     cache.write_text(json.dumps(saved))
-    assert selection.KernelChoice().buckets(w, kernel) == (False,) * len(selection.ROW_BUCKETS)
+    assert selection.KernelChoice().buckets(w, kernels) == ("stock",) * len(selection.ROW_BUCKETS)
+    # A kernel the cache has no time for (a quantized copy) is timed: the entry is measured again.
+    raw = torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0))
+    with_q = {**kernels, "Q8_0": packed.QuantizedLinear(raw, "Q8_0", 64)}
+    assert set(selection.KernelChoice().buckets(w, with_q)) <= {"stock", "packed", "Q8_0"}
+    assert all("Q8_0" in t for t in json.loads(cache.read_text())["shapes"]["32x64"].values())
     cache.write_text("{not json")  # damaged: measured again
-    assert len(selection.KernelChoice().buckets(w, kernel)) == len(selection.ROW_BUCKETS)
+    assert len(selection.KernelChoice().buckets(w, kernels)) == len(selection.ROW_BUCKETS)
     monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
-    assert selection.KernelChoice().buckets(w, kernel) == (True,) * len(selection.ROW_BUCKETS)
+    assert selection.KernelChoice().buckets(w, with_q) == ("packed",) * len(selection.ROW_BUCKETS)
+    monkeypatch.setenv("ADAFLASH_KERNELS", "quantized")
+    assert selection.KernelChoice().buckets(w, with_q) == ("Q8_0",) * len(selection.ROW_BUCKETS)
+    assert selection.KernelChoice().buckets(w, kernels) == ("packed",) * len(selection.ROW_BUCKETS)  # none: packed
     monkeypatch.setenv("ADAFLASH_KERNELS", "fast")
-    with pytest.raises(ValueError, match="auto, stock or packed"):
+    with pytest.raises(ValueError, match="auto, stock, packed or quantized"):
         selection.KernelChoice()
 
 
-def test_fast_linear_runs_the_packed_kernel_only_in_its_buckets(monkeypatch):
+def test_fast_linear_runs_the_chosen_kernel_only_in_its_buckets(monkeypatch):
     monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(64, 32, generator=g), torch.randn(300, 32, generator=g)
     fast = selection.FastLinear(w, None, selection.KernelChoice())
-    assert torch.equal(fast(x[:7]), fast.kernel(x[:7]))  # in a bucket: the packed kernel
+    assert fast.choices == ("packed",) * len(selection.ROW_BUCKETS)
+    assert torch.equal(fast(x[:7]), packed.PackedLinear(w)(x[:7]))  # in a bucket: the packed kernel
     assert torch.equal(fast(x), selection.stock_linear(x, w))  # past the largest bucket: torch's
+
+
+def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights quantized by gguf: (the blocks [n, k / 32 * bytes], gguf's own dequantization [n, k])."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    qtype = getattr(GGMLQuantizationType, fmt)
+    raw = quants.quantize(w, qtype)
+    return torch.from_numpy(raw.copy()), torch.from_numpy(quants.dequantize(raw, qtype).copy())
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", [(16, 32), (80, 64), (576, 1536), (112, 288)])
+def test_quantized_kernel_is_bitwise_the_fp32_kernel_on_the_dequantized_weights(fmt, n, k):
+    """The quantized kernel streams the GGUF's blocks; its outputs are exactly the fp32 kernel's on gguf's
+    dequantized values (so it is the same target), for every row count and row subset (decode = verify)."""
+    raw, deq = _gguf_blocks(fmt, n, k, seed=n + k)
+    g = torch.Generator().manual_seed(n * k)
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        quantized, fp32 = packed.QuantizedLinear(raw, fmt, k, b), packed.PackedLinear(deq, b)
+        x = torch.randn(9, k, generator=g)
+        together = fp32(x)
+        torch.testing.assert_close(together, F.linear(x.double(), deq.double(), None if b is None else b.double())
+                                   .float(), atol=1e-4 * k ** 0.5, rtol=1e-5)
+        for start in range(9):
+            for stop in range(start + 1, min(9, start + 6) + 1):  # 1..6 rows: the few-rows and blocked paths
+                assert torch.equal(quantized(x[start:stop]), together[start:stop]), (start, stop)
+                assert torch.equal(fp32(x[start:stop]), together[start:stop]), (start, stop)
+        assert torch.equal(quantized(x), together)
+
+
+def test_quantized_kernel_rejects_what_it_cannot_run():
+    raw, _ = _gguf_blocks("Q4_1", 16, 64, seed=0)
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        packed.QuantizedLinear(raw, "Q5_K", 64)
+    with pytest.raises(ValueError, match=r"uint8 \[16, 40\]"):
+        packed.QuantizedLinear(raw[:, :20], "Q4_1", 64)
+    with pytest.raises(ValueError, match="k % 32"):
+        packed.QuantizedLinear(raw, "Q4_1", 48)
 
 
 def test_target_model_uses_the_kernel_unless_told_not_to(tiny_checkpoints, monkeypatch):
