@@ -20,6 +20,13 @@ def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = "the
     )
 
 
+def add_policy_state_arg(p: argparse.ArgumentParser) -> None:
+    """For commands that run many prompts one by one (not `serve`: its engine always carries what it learned)."""
+    p.add_argument("--carry-policy-state", action="store_true",
+                   help="let a learning length policy carry what it learned from one prompt to the next, as a server "
+                   "does (default: each prompt starts from the policy's prior, so results do not depend on prompt order)")
+
+
 def command_group(subparsers, name: str, help: str):
     """The nested subparsers of top-level command `name`, created on first use so several modules can add to it."""
     parser = subparsers.choices.get(name)

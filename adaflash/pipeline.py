@@ -106,6 +106,7 @@ class Pipeline:
         model_name: str,
         length_policy: str | None = None,
         length_head=None,
+        carry_policy_state: bool = False,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -116,14 +117,18 @@ class Pipeline:
         # (fixed:K, heuristic, throughput, adaflash, block-head) run through the engine at batch 1, exactly as
         # `serve` runs it.
         self.length_policy = length_policy
-        self._policy, self._policy_spec = None, None  # built on first use; kept so what it learned carries over
+        # A learning policy (throughput's shared acceptance estimate) adapts across requests. By default every
+        # generation starts from a fresh policy, so a benchmark's numbers do not depend on its prompt order;
+        # carry_policy_state keeps one policy across generations, as a server's engine does.
+        self.carry_policy_state = carry_policy_state
+        self._policy, self._policy_spec = None, None
         self.codec = TextCodec(tokenizer, target.config.eos_token_ids)
         self.stop_token_ids = self.codec.stop_token_ids
 
     @classmethod
     def load(
         cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto",
-        length_policy: str | None = None, draft_vocab: str | None = None,
+        length_policy: str | None = None, draft_vocab: str | None = None, carry_policy_state: bool = False,
     ) -> "Pipeline":
         if length_policy is not None:
             check_length_policy(length_policy)  # a bad spec fails before the (slow) load, not at the first generation
@@ -135,7 +140,7 @@ class Pipeline:
             proposer = DFlashProposer(load_drafter(drafter, dtype=torch_dtype, draft_vocab=draft_vocab), target)
             head = load_length_head(drafter)
         return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model), length_policy=length_policy,
-                   length_head=head)
+                   length_head=head, carry_policy_state=carry_policy_state)
 
     def with_untrained_drafter(self, num_layers: int = 1, block_size: int = 16, seed: int = 0) -> "Pipeline":
         """A randomly initialised drafter: correct (lossless) but accepts almost nothing. For tests and demos."""
@@ -143,11 +148,14 @@ class Pipeline:
         cfg = DrafterConfig.for_target(self.target.config, mask_token_id=mask, num_layers=num_layers, block_size=block_size)
         drafter = init_drafter(cfg, seed=seed, dtype=self.target.dtype)
         proposer = DFlashProposer(drafter, self.target)
-        return Pipeline(self.target, self.tokenizer, proposer, self.model_name, self.length_policy)
+        return Pipeline(self.target, self.tokenizer, proposer, self.model_name, self.length_policy,
+                        carry_policy_state=self.carry_policy_state)
 
-    def with_length_policy(self, length_policy: str | None) -> "Pipeline":
+    def with_length_policy(self, length_policy: str | None, carry_policy_state: bool | None = None) -> "Pipeline":
         """The same loaded models under another length policy (None: the reference loop)."""
-        return Pipeline(self.target, self.tokenizer, self.proposer, self.model_name, length_policy, self.length_head)
+        carry = self.carry_policy_state if carry_policy_state is None else carry_policy_state
+        return Pipeline(self.target, self.tokenizer, self.proposer, self.model_name, length_policy, self.length_head,
+                        carry)
 
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
         """Raw text is tokenised as is; chat messages go through the model's chat template."""
@@ -190,7 +198,7 @@ class Pipeline:
         config = EngineConfig(method, self.length_policy, max_batch=1,
                               max_len=len(prompt_ids) + max_new_tokens + self.proposer.block_size)
         models = self.engine_models()
-        if self._policy is None or self._policy_spec != config.policy_spec:
+        if not self.carry_policy_state or self._policy is None or self._policy_spec != config.policy_spec:
             self._policy, self._policy_spec = length_policy_factory(config, models)(self.length_head), config.policy_spec
         engine = build_engine(config, models, self._policy)
         request = Request("generate", list(prompt_ids), max_new_tokens, sampling, self.stop_token_ids, seed)

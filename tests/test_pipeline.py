@@ -79,3 +79,22 @@ def test_generate_cli_reports_an_ignored_draft_length(tiny_chat_checkpoint, tmp_
     rc = main(["generate", "--prompt", "hi", "--model", tiny_chat_checkpoint, "--method", "dflash", "--drafter",
                str(drafter), "--length-policy", "fixed:2", "--draft-length", "3", "--max-new-tokens", "4"])
     assert rc == 2 and "--draft-length applies to the reference loop" in capsys.readouterr().err
+
+
+def test_a_learning_policy_starts_fresh_per_generation_unless_told_to_carry(pipeline):
+    """throughput's shared acceptance estimate adapts across requests; a benchmark's prompts must not see each
+    other's (order-independent results) unless --carry-policy-state asks for the server's behaviour."""
+    prompts = [pipeline.encode(prompt=p) for p in ("Count to five", "Name a colour", "Say hello")]
+
+    def lengths(p, order):
+        return {i: p.generate_ids(prompts[i], "dflash", max_new_tokens=10).stats.draft_lengths for i in order}
+
+    fresh = pipeline.with_length_policy("throughput", carry_policy_state=False)
+    forward, backward = lengths(fresh, [0, 1, 2]), lengths(fresh, [2, 1, 0])
+    assert forward == backward
+    carried = pipeline.with_length_policy("throughput", carry_policy_state=True)
+    carried.generate_ids(prompts[0], "dflash", max_new_tokens=10)
+    learned = carried._policy
+    assert learned.shared_alpha != learned.prior  # what the untrained drafter's rejections taught it...
+    carried.generate_ids(prompts[1], "dflash", max_new_tokens=10)
+    assert carried._policy is learned  # ...is where the next prompt starts

@@ -2,8 +2,8 @@
 
     python -m adaflash.evaluation.kernel_choice --json docs/results/kernel_choice.json
 
-Loads the target (which times torch's stock kernel against the packed kernel once per machine and thread count,
-models/kernels/selection.py) plus the shipped drafter's trimmed head, and writes the timings and the choices:
+Loads the target (which times torch's stock kernel, the packed fp32 kernel and, for a GGUF target, the quantized
+kernel once per machine and thread count, models/kernels/selection.py) plus the shipped drafter's trimmed head, and writes the timings and the choices:
 what won and what lost, per shape and row bucket. Run it with nothing else on the cores.
 """
 
@@ -47,21 +47,25 @@ def run(model: str, threads: int | None) -> dict:
 
 def to_markdown(result: dict) -> str:
     m = result["machine"]
-    lines = ["# Linear kernels: torch's stock kernel (oneDNN) vs the packed AVX2 kernel, per weight shape and row count",
+    lines = ["# Linear kernels: torch's stock kernel (oneDNN) vs the packed AVX2 fp32 kernel vs the quantized kernel "
+             "over the GGUF's blocks, per weight shape and row count",
              "", f"Command: `{result['command']}`  ",
-             f"Machine: {m['cpu']}, {m['threads']} threads, fp32. Minimum of 5 timed calls each, weights hot in cache "
-             "(so this favours neither kernel's streaming); the faster one runs that bucket (rows round up to the "
-             "next bucket; past the largest, torch's kernel runs).", "",
+             f"Machine: {m['cpu']}, {m['threads']} threads, fp32 activations. Minimum of 5 timed calls each, the "
+             "caches flushed before each call (a decode step meets its weights cold: the model is larger than the "
+             "L3); the fastest runs that bucket (rows round up to the next bucket; past the largest, torch's kernel "
+             "runs). The quantized kernel's outputs are bitwise the packed kernel's, so the choice never changes "
+             "what the target computes.", "",
              "| weight [out x in] | " + " | ".join(f"{r} rows" for r in result["row_buckets"]) + " |",
              "|---|" + "---|" * len(result["row_buckets"])]
     for shape, times in result["shapes_ms"].items():
         cells = []
         for r in result["row_buckets"]:
             t = times[str(r)]
-            win = "**packed**" if t["packed"] <= t["stock"] else "stock"
-            cells.append(f"{t['stock']:.2f} / {t['packed']:.2f} {win}")
-        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
-    lines += ["", "Cells: stock ms / packed ms, and the winner."]
+            win = min(t, key=t.get)
+            cells.append(" / ".join(f"{t[k]:.2f}" for k in t) + f" **{win}**")
+        kernels = " / ".join(times[str(result["row_buckets"][0])])
+        lines.append(f"| {shape} ({kernels}) | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: ms per call of each kernel named in the first column, and the winner."]
     return "\n".join(lines) + "\n"
 
 

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 from tqdm import tqdm
 
 from adaflash.data.prompt import DatasetUnavailableError, Prompt
-from adaflash.cli_args import add_model_args, command_group
+from adaflash.cli_args import add_model_args, add_policy_state_arg, command_group
 from adaflash.models.registry import resolve_drafter
 from adaflash.pipeline import METHODS
 from adaflash.speculative.sampling import SamplingParams
@@ -245,6 +245,11 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def policy_state_label(carry: bool) -> str:
+    """How a result file's learning length policy treated its prompts (what makes it order-dependent or not)."""
+    return "carried across prompts (order-dependent)" if carry else "reset per prompt (order-independent)"
+
+
 def provenance(command: str) -> dict[str, Any]:
     """What makes a result file reproducible and comparable: the command, the machine and when."""
     return {
@@ -293,10 +298,13 @@ def format_table(report: dict[str, Any], positions: int = 3) -> str:
 
 
 def command_line(words: Sequence[str], options: Sequence[tuple[str, Any]]) -> str:
-    """A shell command reproducing a run with every effective setting spelled out (None options are left out)."""
+    """A shell command reproducing a run with every effective setting spelled out (None options are left out;
+    True is a bare switch, False leaves it out)."""
     parts = list(words)
     for flag, value in options:
-        if value is not None:
+        if value is True:  # a switch
+            parts.append(flag)
+        elif value is not None and value is not False:
             parts += [flag, str(value)]
     return shlex.join(parts)
 
@@ -325,8 +333,10 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     except DatasetUnavailableError as exc:  # a RuntimeError: say which package to install, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab,
+                             carry_policy_state=args.carry_policy_state)
     report = run_offline_bench(pipeline, prompts, methods, args.max_new_tokens, args.draft_length, args.batch_size)
+    report["length_policy_state"] = policy_state_label(pipeline.carry_policy_state)
     print(format_table(report))
     if args.json:
         command = command_line(
@@ -334,7 +344,8 @@ def _cmd_offline(args: argparse.Namespace) -> int:
             [("--dataset", args.dataset), ("--prompts-file", args.prompts_file), ("--methods", ",".join(methods)),
              ("--batch-size", args.batch_size), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),
              ("--draft-length", args.draft_length), ("--model", args.model), ("--drafter", drafter),
-             ("--dtype", args.dtype), ("--json", args.json)],
+             ("--dtype", args.dtype), ("--draft-vocab", args.draft_vocab), ("--length-policy", args.length_policy),
+             ("--carry-policy-state", args.carry_policy_state), ("--json", args.json)],
         )
         print(f"wrote {write_json({**provenance(command), **report}, args.json)}", file=sys.stderr)
     return 0 if report["lossless"] else 1
@@ -353,5 +364,6 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")
     add_model_args(p)
+    add_policy_state_arg(p)
     p.add_argument("--json", default=None, metavar="OUT", help="write the full report (with command and machine) here")
     p.set_defaults(func=_cmd_offline)

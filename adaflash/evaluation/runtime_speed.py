@@ -3,9 +3,11 @@
     python -m adaflash.evaluation.runtime_speed --json docs/results/runtime_speed.json
 
 Both decode the same chat prompts greedily to the same length, alternating run by run (this machine is
-noisy); medians are reported with the measured memory bandwidth and the bandwidth-implied limit. Ours runs
-twice where the packed fp32 kernel is available: with the per-machine kernel choice (the default) and with
-torch's stock kernels only (ADAFLASH_KERNELS=stock), so what the kernel buys is measured in the same run.
+noisy); medians are reported with the measured memory bandwidth and the bandwidth limit of the weight bytes a
+decode step streams. Where the packed kernels are available ours runs three times: with the per-machine kernel
+choice (the default: the quantized kernel over the GGUF's blocks where it is faster), with the packed fp32 kernel
+only (ADAFLASH_KERNELS=packed) and with torch's stock kernels (=stock), so what each kernel buys is measured in the
+same run.
 When llama.cpp is built (`make peer`), its `llama-bench` decode on the target's own GGUF is reported beside.
 """
 
@@ -119,29 +121,29 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
     }
     for name in dtype_names:
         dtype = DTYPES[name]
-        ours = load_target(checkpoint, dtype=dtype)
-        stock = None
-        if ours.fast_lm_head is not None:
-            with _kernels("stock"):
-                stock = load_target(checkpoint, dtype=dtype)
+        ours = {"chosen": load_target(checkpoint, dtype=dtype)}
+        if ours["chosen"].fast_lm_head is not None:  # what each kernel buys, in the same run
+            for variant, mode in (("packed fp32", "packed"), ("stock", "stock")):
+                with _kernels(mode):
+                    ours[variant] = load_target(checkpoint, dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
-        weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
-        ours_tps, stock_tps, hf_tps, agree = [], [], [], []
-        autoregressive_generate(ours, prompts[0], 4)  # warm-up all
-        if stock is not None:
-            autoregressive_generate(stock, prompts[0], 4)
+        tps = {variant: [] for variant in ours}
+        hf_tps, agree = [], []
+        same_as_chosen = {variant: [] for variant in ours}
+        for model in ours.values():  # warm-up all
+            autoregressive_generate(model, prompts[0], 4)
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
-        runs_per_prompt = 3 if stock is not None else 2
-        with tqdm(total=repeats * len(prompts) * runs_per_prompt, desc=f"runtime vs HF ({name})", unit="run") as bar:
+        with tqdm(total=repeats * len(prompts) * (len(ours) + 1), desc=f"runtime vs HF ({name})", unit="run") as bar:
             for _ in range(repeats):
                 for ids in prompts:
-                    r = autoregressive_generate(ours, ids, max_new_tokens)  # no stop tokens: fixed length
-                    ours_tps.append(len(r.token_ids) / r.stats.elapsed_s)
-                    bar.update(1)
-                    if stock is not None:
-                        rs = autoregressive_generate(stock, ids, max_new_tokens)
-                        stock_tps.append(len(rs.token_ids) / rs.stats.elapsed_s)
+                    outputs = {}
+                    for variant, model in ours.items():
+                        r = autoregressive_generate(model, ids, max_new_tokens)  # no stop tokens: fixed length
+                        tps[variant].append(len(r.token_ids) / r.stats.elapsed_s)
+                        outputs[variant] = r.token_ids
                         bar.update(1)
+                    for variant, out in outputs.items():
+                        same_as_chosen[variant].append(out == outputs["chosen"])
                     t = time.perf_counter()
                     with torch.inference_mode():
                         out = hf.generate(
@@ -151,34 +153,36 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
                     hf_tps.append(max_new_tokens / (time.perf_counter() - t))
                     hf_ids = out[0, len(ids):].tolist()
                     # min_new_tokens masks transformers' EOS, so compare up to the first EOS ours chose.
-                    ours_ids = r.token_ids
+                    ours_ids = outputs["chosen"]
                     if tokenizer.eos_token_id in ours_ids:
                         ours_ids = ours_ids[: ours_ids.index(tokenizer.eos_token_id)]
                     agree.append(sum(a == b for a, b in zip(hf_ids, ours_ids)) / max(1, len(ours_ids)))
                     bar.update(1)
-        ours_med, hf_med = statistics.median(ours_tps), statistics.median(hf_tps)
+        hf_med = statistics.median(hf_tps)
+        chosen = ours["chosen"]
+        weight_bytes = chosen.streamed_weight_bytes(1)
+        ours_med = statistics.median(tps["chosen"])
         results["by_dtype"][name] = {
             "ours_tokens_per_s": round(ours_med, 2),
             "transformers_tokens_per_s": round(hf_med, 2),
             "speedup": round(ours_med / hf_med, 3),
-            "ours_runs": [round(x, 2) for x in ours_tps],
             "transformers_runs": [round(x, 2) for x in hf_tps],
-            "weight_MB": round(weight_bytes / 1e6, 1),
+            "decode_weight_MB": round(weight_bytes / 1e6, 1),
             "bandwidth_limit_tokens_per_s": round(bandwidth * 1e9 / weight_bytes, 1),
             "fraction_of_bandwidth_limit": round(ours_med / (bandwidth * 1e9 / weight_bytes), 3),
             "token_agreement_with_transformers": round(statistics.mean(agree), 4),
-            "forward_ms_by_query_len_ctx256": {str(k): round(v, 1) for k, v in forward_cost_ms(ours, 256).items()},
+            "variants": {
+                variant: {
+                    "tokens_per_s": round(statistics.median(tps[variant]), 2),
+                    "runs": [round(x, 2) for x in tps[variant]],
+                    "decode_weight_MB": round(model.streamed_weight_bytes(1) / 1e6, 1),
+                    "runs_identical_to_chosen": f"{sum(same_as_chosen[variant])}/{len(same_as_chosen[variant])}",
+                    "forward_ms_by_query_len_ctx256": {str(k): round(v, 1) for k, v in forward_cost_ms(model, 256).items()},
+                }
+                for variant, model in ours.items()
+            },
         }
-        if stock is not None:
-            stock_med = statistics.median(stock_tps)
-            results["by_dtype"][name].update({
-                "ours_stock_kernels_tokens_per_s": round(stock_med, 2),
-                "packed_kernel_speedup": round(ours_med / stock_med, 3),
-                "ours_stock_kernels_runs": [round(x, 2) for x in stock_tps],
-                "stock_forward_ms_by_query_len_ctx256":
-                    {str(k): round(v, 1) for k, v in forward_cost_ms(stock, 256).items()},
-            })
-        del ours, stock, hf
+        del ours, chosen, hf
     results["llama_cpp"] = llama_bench_decode(model_name, max_new_tokens, torch.get_num_threads())
     if results["llama_cpp"]:
         for r in results["by_dtype"].values():
@@ -196,34 +200,39 @@ def to_markdown(results: dict) -> str:
         f"torch {m['torch']}, measured read bandwidth {m['read_bandwidth_GBps']} GB/s.  ",
         f"{results['max_new_tokens']} new tokens per run, prompts of {results['prompt_tokens']} tokens, medians over alternating runs.",
         "",
-        "| dtype | ours tok/s | ours, stock kernels tok/s | transformers tok/s | speedup | bandwidth limit tok/s | "
-        "ours / limit | token agreement |",
+        "| dtype | kernels | tok/s | decode weight MB | bandwidth limit tok/s | / limit | vs transformers | "
+        "runs with tokens identical to chosen |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results["by_dtype"].items():
-        lines.append(
-            f"| {name} | {r['ours_tokens_per_s']} | {r.get('ours_stock_kernels_tokens_per_s', '-')} | "
-            f"{r['transformers_tokens_per_s']} | {r['speedup']}x | {r['bandwidth_limit_tokens_per_s']} | "
-            f"{r['fraction_of_bandwidth_limit']:.0%} | {r['token_agreement_with_transformers']:.0%} |"
-        )
-    lines += ["", "Token agreement: the share of positions where our greedy tokens equal transformers', up to the first EOS "
+        for variant, v in r["variants"].items():
+            limit = m["read_bandwidth_GBps"] * 1e3 / v["decode_weight_MB"]
+            lines.append(f"| {name} | {variant} | {v['tokens_per_s']} | {v['decode_weight_MB']} | {limit:.1f} | "
+                         f"{v['tokens_per_s'] / limit:.0%} | {v['tokens_per_s'] / r['transformers_tokens_per_s']:.2f}x | "
+                         f"{v['runs_identical_to_chosen']} |")
+        lines.append(f"| {name} | transformers `generate` | {r['transformers_tokens_per_s']} | | | | 1.00x | |")
+    lines += ["", "Token agreement with transformers (chosen kernels): "
+              + ", ".join(f"{n} {r['token_agreement_with_transformers']:.0%}" for n, r in results["by_dtype"].items())
+              + ". chosen = the per-machine choice per weight and row count (kernels/selection.py: the quantized "
+              "kernel over the GGUF's own blocks where it measured fastest); packed fp32 = the packed kernel on the "
+              "dequantized fp32 weights (bitwise the quantized kernel's outputs); stock = torch's kernels (another summation "
+              "order: may part at float ties)."]
+    lines += ["Token agreement: the share of positions where our greedy tokens equal transformers', up to the first EOS "
               "ours chose (transformers' `min_new_tokens` masks EOS to decode a fixed length)."]
     peer = results.get("llama_cpp")
     if peer:
-        lines += ["", f"llama.cpp (`{peer['command']}`, the same model as the {peer['gguf']} it ships as: 4-bit "
-                  "weights, ~7x fewer bytes per token than our fp32): "
+        lines += ["", f"llama.cpp (`{peer['command']}`, the same {peer['gguf']} our quantized kernels stream): "
                   f"{peer['tokens_per_s']} tok/s; ours / llama.cpp: "
                   + ", ".join(f"{n} {r['ours_over_llama_cpp']:.2f}x" for n, r in results["by_dtype"].items())]
     lines += ["", "Target forward cost (ms) appending q tokens to a 256-token context (the verify cost curve):", ""]
-    qs = list(next(iter(results["by_dtype"].values()))["forward_ms_by_query_len_ctx256"])
+    qs = list(next(iter(next(iter(results["by_dtype"].values()))["variants"].values()))["forward_ms_by_query_len_ctx256"])
     lines.append("| dtype | kernels | " + " | ".join(f"q={q}" for q in qs) + " | q=16 / q=1 |")
     lines.append("|---|---|" + "---|" * (len(qs) + 1))
     for name, r in results["by_dtype"].items():
-        for label, key in (("chosen", "forward_ms_by_query_len_ctx256"), ("stock", "stock_forward_ms_by_query_len_ctx256")):
-            if key in r:
-                cost = r[key]
-                lines.append(f"| {name} | {label} | " + " | ".join(str(cost[q]) for q in qs)
-                             + f" | {cost[qs[-1]] / cost[qs[0]]:.2f} |")
+        for variant, v in r["variants"].items():
+            cost = v["forward_ms_by_query_len_ctx256"]
+            lines.append(f"| {name} | {variant} | " + " | ".join(str(cost[q]) for q in qs)
+                         + f" | {cost[qs[-1]] / cost[qs[0]]:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from adaflash.data import EVAL_BENCHMARKS, DatasetUnavailableError, Prompt, load_prompts
-from adaflash.cli_args import add_model_args, command_group
+from adaflash.cli_args import add_model_args, add_policy_state_arg, command_group
 from adaflash.models.registry import resolve_drafter
 from adaflash.evaluation.offline import (
     command_line,
     fmt,
+    policy_state_label,
     provenance,
     run_offline_bench,
     write_json,
@@ -161,6 +162,7 @@ def run_tau_eval(
         command = f"run_tau_eval(limit={limit}, max_new_tokens={max_new_tokens}, draft_length={draft_length})"
     report = {**provenance(command), **report}
     report["tau"] = tau_summary(report)
+    report["length_policy_state"] = policy_state_label(pipeline.carry_policy_state)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_json(report, out / FILES[0])
@@ -177,14 +179,16 @@ def _cmd_tau(args: argparse.Namespace) -> int:
         ["adaflash", "eval", "tau"],
         [("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens), ("--draft-length", args.draft_length),
          ("--model", args.model), ("--drafter", drafter), ("--dtype", args.dtype), ("--draft-vocab", args.draft_vocab),
-         ("--length-policy", args.length_policy), ("--out-dir", args.out_dir)],
+         ("--length-policy", args.length_policy), ("--carry-policy-state", args.carry_policy_state),
+         ("--out-dir", args.out_dir)],
     )
     try:
         prompts = load_benchmarks(args.limit)
     except DatasetUnavailableError as exc:  # a RuntimeError: say which package to install, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab,
+                             carry_policy_state=args.carry_policy_state)
     report = run_tau_eval(pipeline, args.out_dir, args.limit, args.max_new_tokens, args.draft_length, command, prompts=prompts)
     print(format_markdown(report))
     print(f"wrote {', '.join(str(Path(args.out_dir) / f) for f in FILES)}", file=sys.stderr)
@@ -199,5 +203,6 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")
     add_model_args(p)
+    add_policy_state_arg(p)
     p.add_argument("--out-dir", default="docs/results", help="where tau.json, tau.md and the plots go (default docs/results)")
     p.set_defaults(func=_cmd_tau)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from adaflash.models.config import TransformerConfig, rope_theta_of
 from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.layers import apply_rope, rms_norm, rope_cos_sin
 
 
@@ -179,15 +180,27 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class Projection(nn.Linear):
+    """nn.Linear (the checkpoint schema's names) that, once given a FastLinear, runs it for inference passes
+    (no autograd, 2-D rows); training keeps torch's kernel and its gradients."""
+
+    fast: FastLinear | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None and x.dim() == 2 and not torch.is_grad_enabled():
+            return self.fast(x)
+        return super().forward(x)
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        self.q_proj = Projection(d, cfg.num_heads * hd, bias=False)
+        self.k_proj = Projection(d, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = Projection(d, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = Projection(cfg.num_heads * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
@@ -205,9 +218,9 @@ class DFlashAttention(nn.Module):
 class DFlashMLP(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Projection(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Projection(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -227,7 +240,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
+        self.fc = Projection(len(config.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
@@ -239,6 +252,17 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"a draft vocabulary over {vocab.vocab_size} ids for a drafter of vocab {self.config.vocab_size}")
         self.draft_vocab = vocab
         self.config = replace(self.config, draft_vocab_size=vocab.size if vocab is not None else None)
+
+    def use_fast_linears(self) -> bool:
+        """Inference passes run our kernels at the row counts where they measured faster (kernels/selection.py);
+        False, changing nothing, where they cannot run here."""
+        if not fast_linears_available(self.fc.weight):
+            return False
+        choice = KernelChoice()
+        for module in self.modules():
+            if isinstance(module, Projection) and packable(module.weight):
+                module.fast = FastLinear(module.weight, module.bias, choice)
+        return True
 
     @property
     def dtype(self) -> torch.dtype:

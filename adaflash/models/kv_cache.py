@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from adaflash.models.kernels import attention as attention_kernel
+
 
 class KVCache:
     def __init__(
@@ -91,6 +93,8 @@ class RaggedAttention:
 
     def __init__(self, batch: RaggedBatch, causal: bool, device: torch.device | str = "cpu") -> None:
         self.batch = batch
+        self.causal = causal
+        self._kernel_index: tuple[torch.Tensor, ...] | None = None  # (token starts, slots, key lengths), lazy
         self.single = len(batch.slots) == 1
         self.key_len = max(batch.ends)
         n, qmax = len(batch.slots), max(batch.query_lens)
@@ -151,6 +155,8 @@ class RaggedAttention:
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
         t, h, d = q.shape
+        if self.qmax <= attention_kernel.MAX_QUERIES and attention_kernel.available(q.dtype, q.device, d):
+            return attention_kernel.ragged_attention(q, cache.k[layer], cache.v[layer], *self._index(), scale=d ** -0.5)
         if self.single:
             k = cache.k[layer, self.slot, :, : self.key_len].unsqueeze(0)
             v = cache.v[layer, self.slot, :, : self.key_len].unsqueeze(0)
@@ -166,6 +172,20 @@ class RaggedAttention:
             q_pad[self.seq_of_token, self.within] = q
         out = self._grouped_attention(q_pad.transpose(1, 2), k, v).transpose(1, 2)
         return (out if self.uniform else out[self.seq_of_token, self.within]).reshape(t, h * d)
+
+    def _index(self) -> tuple[torch.Tensor, ...]:
+        """For the ragged kernel: each sequence's first token, its slot, and each token's key count (causal: up to
+        its own position; non-causal: its sequence's end)."""
+        if self._kernel_index is None:
+            b = self.batch
+            lens = torch.tensor(b.query_lens)
+            token_start = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+            if self.causal:
+                key_len = b.positions + 1
+            else:
+                key_len = torch.repeat_interleave(torch.tensor(b.ends), lens)
+            self._kernel_index = (token_start, torch.tensor(b.slots), key_len.to(torch.long).contiguous())
+        return self._kernel_index
 
     def _grouped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """SDPA of q [n, H, Q, d] over k, v [n, KVH, L, d] with the query heads that share a KV head folded into

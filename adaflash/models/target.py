@@ -90,6 +90,15 @@ class TargetModel(nn.Module):
         self.fast_lm_head = FastLinear(self.lm_head, None, choice, self.lm_head_blocks) if packable(self.lm_head) else None
         return True
 
+    def streamed_weight_bytes(self, rows: int = 1) -> int:
+        """Weight bytes one forward over `rows` rows reads (the bandwidth bound of a decode step): each linear's
+        kernel at that row count, every other parameter once."""
+        fast = {id(getattr(layer, name)): f for layer in self.layers for name, f in layer.fast.items()}
+        if self.fast_lm_head is not None:
+            fast[id(self.lm_head)] = self.fast_lm_head
+        return sum(fast[id(p)].streamed_bytes(rows) if id(p) in fast else p.numel() * p.element_size()
+                   for p in self.parameters())
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype

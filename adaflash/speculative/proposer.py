@@ -33,6 +33,7 @@ class Drafts:
 class DFlashProposer:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel) -> None:
         drafter.config.check_compatible(target.config)
+        drafter.use_fast_linears()
         self.drafter = drafter
         self.target = target
         # The target's LM head, or its rows of the draft vocabulary (sliced once, contiguous).

@@ -55,8 +55,14 @@ def test_layer_ids_follow_dflash():
     assert build_target_layer_ids(30, 2) == (1, 27)
 
 
-def test_cached_drafting_equals_dense_reference():
+@pytest.mark.parametrize("fast", [False, True])
+def test_cached_drafting_equals_dense_reference(fast, monkeypatch):
+    """Also with the drafter's projections on our kernels (inference only: the reference runs with autograd on,
+    through torch's kernel)."""
+    monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
     drafter = _drafter()
+    if fast and not drafter.use_fast_linears():
+        pytest.skip("packed kernels unavailable here")
     n_ctx, b = 9, drafter.config.block_size
     feats = torch.randn(n_ctx, 2 * 64)
     block = torch.randn(b, 64)

@@ -24,6 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("attention.cpp"))  # one library
 # -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
@@ -59,9 +60,9 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE}:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on {', '.join(map(str, SOURCES))}:\n{proc.stderr[-2000:]}")
         os.replace(tmp, out)  # atomic: concurrent first uses (other processes too) never load a half-written library
     finally:
         if os.path.exists(tmp):
@@ -85,7 +86,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     from adaflash.models.registry import cache_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"packed_linear-{digest}.so"
     try:
         if not path.is_file():
@@ -103,6 +104,9 @@ def _load() -> ctypes.CDLL | None:
     lib.adaflash_pack_quantized.restype = None
     lib.adaflash_quantized_linear.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, ptr, i32]
     lib.adaflash_quantized_linear.restype = None
+    lib.adaflash_ragged_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float,
+                                              ptr, i32]
+    lib.adaflash_ragged_attention.restype = None
     return lib
 
 

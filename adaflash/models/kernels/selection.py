@@ -136,6 +136,13 @@ class FastLinear:
         self._bucket_kernels = tuple(kernels.get(name) for name in self.choices)  # None: torch's
         self._packed_from = self._source()
 
+    def streamed_bytes(self, rows: int) -> int:
+        """Weight bytes a call on `rows` rows reads: the packed copy of the kernel that runs there, else torch's."""
+        bucket = bisect.bisect_left(ROW_BUCKETS, rows)
+        kernel = self._bucket_kernels[bucket] if bucket < len(ROW_BUCKETS) else None
+        tensor = kernel.packed if kernel is not None else self.weight
+        return tensor.numel() * tensor.element_size()
+
     def _source(self) -> tuple:
         """What the packed copy was made from: any in-place change bumps a version, a move changes the storage."""
         parts = [self.weight] + ([self.bias] if self.bias is not None else [])

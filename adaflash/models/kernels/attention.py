@@ -1,0 +1,33 @@
+"""Ragged attention over the slot cache (attention.cpp), for the few new queries per sequence of a decode step,
+a verification or a draft block; prefill-sized query counts stay on torch's SDPA."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from adaflash.models.kernels import packed
+
+MAX_QUERIES = 16  # per sequence: decode, verify and draft blocks; longer (prefill) runs SDPA
+
+
+def available(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    return (dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0
+            and os.environ.get("ADAFLASH_KERNELS") != "stock" and packed.library() is not None)
+
+
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_start: torch.Tensor,
+                     slots: torch.Tensor, key_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, d]; k, v one layer of the cache [slots, KVH, max_len, d]; sequence s owns tokens
+    [token_start[s], token_start[s + 1]) and cache slot slots[s]; token t sees keys [0, key_len[t]). -> [T, H * d]."""
+    t, heads, d = q.shape
+    _, kv_heads, max_len, _ = k.shape
+    if not (k.is_contiguous() and v.is_contiguous()) or heads % kv_heads:
+        raise ValueError("ragged attention needs contiguous cache layers and heads divisible by KV heads")
+    q = q.contiguous()
+    out = torch.empty(t, heads * d, dtype=torch.float32)
+    packed.library().adaflash_ragged_attention(
+        q.data_ptr(), heads, d, k.data_ptr(), v.data_ptr(), kv_heads, max_len, slots.numel(), token_start.data_ptr(),
+        slots.data_ptr(), key_len.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+    return out

@@ -1,0 +1,76 @@
+"""The ragged attention kernel against a float64 reference, its batch invariance, and RaggedAttention's use of it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from adaflash.models.kernels import attention, packed
+from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+
+pytestmark = pytest.mark.skipif(packed.library() is None, reason="kernels unavailable (no AVX2/FMA or compiler)")
+
+
+def _reference(q, k, v, slots, token_start, key_len):
+    """softmax(q k^T / sqrt(d)) v per token over its own slot's first key_len keys, in float64."""
+    heads, d = q.shape[1], q.shape[2]
+    groups = heads // k.shape[1]
+    out = torch.empty(q.shape[0], heads * d, dtype=torch.float64)
+    for s, slot in enumerate(slots.tolist()):
+        for t in range(int(token_start[s]), int(token_start[s + 1])):
+            n = int(key_len[t])
+            qq = q[t].double().view(k.shape[1], groups, d)
+            scores = torch.einsum("hgd,hld->hgl", qq, k[slot, :, :n].double()) / math.sqrt(d)
+            out[t] = torch.einsum("hgl,hld->hgd", scores.softmax(-1), v[slot, :, :n].double()).reshape(-1)
+    return out.float()
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 40), (8, 2, 8)])
+def test_matches_a_float64_reference_on_a_ragged_batch(heads, kv_heads, d):
+    g = torch.Generator().manual_seed(heads * d)
+    k, v = torch.randn(6, kv_heads, 300, d, generator=g), torch.randn(6, kv_heads, 300, d, generator=g)
+    slots, query_lens = torch.tensor([4, 0, 2]), [1, 5, 3]
+    token_start = torch.tensor([0, 1, 6, 9])
+    key_len = torch.tensor([7, 101, 102, 103, 104, 105, 297, 298, 299])  # not multiples of 8: the tail paths
+    q = torch.randn(sum(query_lens), heads, d, generator=g)
+    out = attention.ragged_attention(q, k, v, token_start, slots, key_len, scale=d ** -0.5)
+    torch.testing.assert_close(out, _reference(q, k, v, slots, token_start, key_len), atol=2e-6, rtol=1e-5)
+
+
+def test_a_tokens_attention_does_not_depend_on_the_rest_of_the_batch():
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(4, 3, 128, 64, generator=g), torch.randn(4, 3, 128, 64, generator=g)
+    q = torch.randn(6, 9, 64, generator=g)
+    token_start, slots, key_len = torch.tensor([0, 2, 6]), torch.tensor([1, 3]), torch.tensor([50, 51, 90, 91, 92, 93])
+    together = attention.ragged_attention(q, k, v, token_start, slots, key_len, scale=0.125)
+    for t in range(6):  # one token alone, as a decode step of its sequence
+        slot = slots[0] if t < 2 else slots[1]
+        alone = attention.ragged_attention(q[t : t + 1], k, v, torch.tensor([0, 1]), slot.view(1), key_len[t : t + 1],
+                                           scale=0.125)
+        assert torch.equal(alone, together[t : t + 1])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ragged_attention_runs_the_kernel_for_short_queries_and_agrees_with_sdpa(causal, monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    cache = KVCache(num_layers=1, num_slots=3, max_len=64, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    batch = RaggedBatch.build([2, 0], [20, 33], [3, 1])
+    q = torch.randn(4, 4, 16, generator=g)
+    calls = []
+    real = attention.ragged_attention
+    monkeypatch.setattr(attention, "ragged_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("ADAFLASH_KERNELS", "auto")
+    kernel = RaggedAttention(batch, causal=causal).attend(cache, 0, q)
+    assert calls == [1]
+    monkeypatch.setenv("ADAFLASH_KERNELS", "stock")  # torch's SDPA over the padded batch
+    sdpa = RaggedAttention(batch, causal=causal).attend(cache, 0, q)
+    assert calls == [1]
+    torch.testing.assert_close(kernel, sdpa, atol=1e-5, rtol=1e-5)
+    long = RaggedBatch.build([1], [0], [attention.MAX_QUERIES + 1])  # a prefill-sized query count: SDPA
+    monkeypatch.setenv("ADAFLASH_KERNELS", "auto")
+    RaggedAttention(long, causal=causal).attend(cache, 0, torch.randn(attention.MAX_QUERIES + 1, 4, 16, generator=g))
+    assert calls == [1]
