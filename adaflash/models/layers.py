@@ -26,11 +26,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def fused_kernels_available(x: torch.Tensor) -> bool:
+    """Whether our fused CPU kernels (kernels/fused.cpp) can run on `x`: fp32 on CPU, no autograd, the kernel
+    library built here, and not ADAFLASH_KERNELS=stock."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and _kernel_library() is not None)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)  # one fused kernel
+        if weight.dtype == torch.float32 and fused_kernels_available(x):  # torch's costs ~20 us a call at one row
+            from adaflash.models.kernels.packed import profiled
+
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            with profiled("adaflash::rms_norm"):
+                _kernel_library().adaflash_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                                                    weight.contiguous().data_ptr(), eps, out.data_ptr(),
+                                                    torch.get_num_threads())
+            return out
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     # Normalise in fp32 and scale in the model dtype, as transformers' Llama/Qwen RMSNorm does.
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _kernel_library():
+    """The kernel library (kernels/), unless unavailable or ADAFLASH_KERNELS=stock."""
+    import os
+
+    from adaflash.models.kernels import packed
+
+    return None if os.environ.get("ADAFLASH_KERNELS") == "stock" else packed.library()
 
 
 def rope_cos_sin(

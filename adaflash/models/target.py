@@ -21,7 +21,7 @@ from adaflash.models.config import TransformerConfig
 from adaflash.models.gguf_blocks import QuantizedWeight, quantized_weights
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
-from adaflash.models.layers import apply_rope, linear, rms_norm, rope_cos_sin
+from adaflash.models.layers import apply_rope, fused_kernels_available, linear, rms_norm, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -149,17 +149,21 @@ class TargetModel(nn.Module):
         captured: list[torch.Tensor] = []
         capture = set(capture_layers)
         h = self.embed(token_ids.to(self.device))
+        fused_rope = not cfg.qk_norm and fused_kernels_available(h)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.project("qkv", x)
-            q = qkv[:, : nq * hd].view(t, nq, hd)
-            k = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
-            v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd)
-            if cfg.qk_norm:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attention.write(cache, i, k, v)
+            if fused_rope:  # bitwise the unfused path below, in one kernel call
+                q = attention.rope_and_write(cache, i, qkv, cos, sin, nq)
+            else:
+                q = qkv[:, : nq * hd].view(t, nq, hd)
+                k = qkv[:, nq * hd : (nq + nkv) * hd].view(t, nkv, hd)
+                v = qkv[:, (nq + nkv) * hd :].view(t, nkv, hd)
+                if cfg.qk_norm:
+                    q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                    k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                attention.write(cache, i, k, v)
             h = h + layer.project("o", attention.attend(cache, i, q))
             gate, up = layer.project("gate_up", rms_norm(h, layer.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
             h = h + layer.project("down", F.silu(gate) * up)

@@ -7,6 +7,7 @@ kernels - where the CPU lacks AVX2/FMA or no compiler is found (ADAFLASH_KERNELS
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -24,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("attention.cpp"))  # one library
+SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("attention.cpp", "fused.cpp")))  # one library
 # -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
@@ -107,7 +108,19 @@ def _load() -> ctypes.CDLL | None:
     lib.adaflash_ragged_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float,
                                               ptr, i32]
     lib.adaflash_ragged_attention.restype = None
+    lib.adaflash_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, i32]
+    lib.adaflash_rms_norm.restype = None
+    lib.adaflash_rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+    lib.adaflash_rope_qkv.restype = None
     return lib
+
+
+def profiled(label: str):
+    """A torch.profiler range named `label` while profiling (ctypes calls are otherwise invisible to it), else a
+    no-op; cheap enough for every call."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(label)
+    return contextlib.nullcontext()
 
 
 def _check_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -128,11 +141,9 @@ class _Packed:
             raise ValueError(f"expected [m, {self.k}] fp32 CPU rows, got {x.dtype} {tuple(x.shape)} on {x.device}")
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32, device="cpu")
-        if x.shape[0] and torch.autograd.profiler._is_profiler_enabled:
-            with torch.profiler.record_function(self.label):
+        if x.shape[0]:
+            with profiled(self.label):
                 self._run(x, y)
-        elif x.shape[0]:
-            self._run(x, y)
         return y
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -1,0 +1,63 @@
+// Small fused steps of a decoder layer, where a decode step's time goes to per-op overhead, not arithmetic:
+// torch's CPU rms_norm costs ~20 us a call at one row (dtype dispatch, five kernels) and the RoPE + cache write of
+// q/k/v some 25 small ops per layer.
+//
+// RMSNorm over fp32 rows: out = x * (1 / sqrt(mean(x^2) + eps)) * w, as transformers' Llama/Qwen RMSNorm computes it
+// (the mean here sums in 8 lanes, then across them).
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+
+extern "C" {
+
+void adaflash_rms_norm(const float* x, int64_t rows, int64_t d, const float* w, float eps, float* out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 64)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    float* yr = out + r * d;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    float sum = 0.0f;
+    for (int u = 0; u < 8; ++u) sum += lanes[u];
+    for (; i < d; ++i) sum += xr[i] * xr[i];
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (i = 0; i + 8 <= d; i += 8)
+      _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vs), _mm256_loadu_ps(w + i)));
+    for (; i < d; ++i) yr[i] = xr[i] * scale * w[i];
+  }
+}
+
+// The fused q/k/v projection's output [T, (nq + 2 nkv) * hd] -> RoPE'd queries q_out [T, nq, hd], RoPE'd keys and
+// the values written into one layer of the slot cache ([slots, nkv, max_len, hd]) at each token's slot and position.
+// RoPE (half-split, as HF checkpoints use): y = x * cos + rotate_half(x) * sin, each product and the sum rounded
+// as torch computes them (built with -ffp-contract=off), so the values are bitwise the unfused path's.
+void adaflash_rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
+                       const float* sin, float* k_cache, float* v_cache, int64_t max_len, const int64_t* slot,
+                       const int64_t* position, float* q_out) {
+  const int64_t half = hd / 2, width = (nq + 2 * nkv) * hd;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = qkv + t * width;
+    const float* c = cos + t * hd;
+    const float* s = sin + t * hd;
+    for (int64_t h = 0; h < nq + nkv; ++h) {
+      const float* x = row + h * hd;
+      float* y = h < nq ? q_out + (t * nq + h) * hd : k_cache + ((slot[t] * nkv + (h - nq)) * max_len + position[t]) * hd;
+      for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+      for (int64_t i = half; i < hd; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+    }
+    for (int64_t h = 0; h < nkv; ++h) {
+      const float* x = row + (nq + nkv + h) * hd;
+      float* y = v_cache + ((slot[t] * nkv + h) * max_len + position[t]) * hd;
+      for (int64_t i = 0; i < hd; ++i) y[i] = x[i];
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,46 @@
+"""The fused decoder-layer kernels (kernels/fused.cpp) against the torch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaflash.models.kernels import packed
+from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+from adaflash.models.layers import apply_rope, fused_kernels_available, rms_norm, rope_cos_sin
+
+pytestmark = pytest.mark.skipif(packed.library() is None, reason="kernels unavailable (no AVX2/FMA or compiler)")
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 9, 64), (70, 20)])
+def test_rms_norm_matches_torch(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    x, w = torch.randn(shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    assert fused_kernels_available(x)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, eps=1e-5), atol=1e-6, rtol=1e-6)
+
+
+def test_rms_norm_keeps_torchs_kernel_under_autograd():
+    x, w = torch.randn(2, 16, requires_grad=True), torch.randn(16, requires_grad=True)
+    rms_norm(x, w, 1e-6).sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("slots,starts,lens", [([1], [5], [1]), ([1], [0], [12]), ([2, 0, 3], [4, 9, 0], [1, 3, 5])])
+def test_rope_and_write_is_bitwise_the_unfused_path(slots, starts, lens):
+    nq, nkv, d = 6, 2, 16
+    g = torch.Generator().manual_seed(sum(lens))
+    batch = RaggedBatch.build(slots, starts, lens)
+    qkv = torch.randn(batch.num_tokens, (nq + 2 * nkv) * d, generator=g)
+    cos, sin = rope_cos_sin(batch.positions, d, 10000.0, torch.float32)
+    caches = [KVCache(2, 4, 32, nkv, d, torch.float32) for _ in range(2)]
+    fused = RaggedAttention(batch, causal=True).rope_and_write(caches[0], 1, qkv, cos, sin, nq)
+    t = batch.num_tokens
+    q = apply_rope(qkv[:, : nq * d].view(t, nq, d), cos, sin)
+    k = apply_rope(qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d), cos, sin)
+    RaggedAttention(batch, causal=True).write(caches[1], 1, k, qkv[:, (nq + nkv) * d :].view(t, nkv, d))
+    assert torch.equal(fused, q)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
