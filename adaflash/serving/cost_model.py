@@ -86,11 +86,14 @@ def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
     """Where this target + drafter's cost model is cached in the user cache (one file per machine setting)."""
     from adaflash.models.registry import cache_root
 
+    from adaflash.models.kernels.selection import kernel_fingerprint
+
     d = proposer.drafter.config
     # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
-    # The draft vocabulary too: trimming it exists to make drafting cheaper.
+    # The draft vocabulary too: trimming it exists to make drafting cheaper. And the CPU + kernel build + kernel mode:
+    # a new kernel changes every cost.
     name = (f"{Path(str(model_name)).name}-{str(target.dtype).split('.')[-1]}-L{d.num_layers}-B{d.block_size}"
-            f"-V{d.draft_vocab_size or 'full'}-T{max_tokens}-th{torch.get_num_threads()}.json")
+            f"-V{d.draft_vocab_size or 'full'}-T{max_tokens}-th{torch.get_num_threads()}-k{kernel_fingerprint()}.json")
     return cache_root() / "cost_models" / name
 
 

@@ -42,3 +42,5 @@ def test_profile_once_then_cached(tiny_chat_checkpoint, tmp_path, monkeypatch):
     assert model.total_tokens == (1, 2, 4, 8) and all(t > 0 for t in model.verify_s) and model.draft_s > 0
     assert path.is_file() and CostModel.from_json(path.read_text()) == model
     assert cost_model_for(target, proposer, "tiny/qwen2", max_tokens=8) == model  # the second call reads the file
+    monkeypatch.setenv("ADAFLASH_KERNELS", "stock")  # other kernels, other costs: another file
+    assert cost_model_file(target, proposer, "tiny/qwen2", max_tokens=8) != path

@@ -1,8 +1,11 @@
-"""The packed fp32 linear (packed_linear.cpp): built with the system C++ compiler on first use, loaded with ctypes.
+"""Our CPU kernel library and its linears: the packed fp32 linear and the quantized linear over GGUF blocks
+(packed_linear.cpp); the library also holds the ragged attention (attention.cpp, wrapped in attention.py) and the
+fused layer steps (fused.cpp, used by layers.py and kv_cache.py).
 
-Built once per source/flags into $ADAFLASH_CACHE/kernels (a second), linked against the OpenMP runtime torch has
-already loaded (same soname), so both share one thread pool. Unavailable - and callers fall back to torch's
-kernels - where the CPU lacks AVX2/FMA or no compiler is found (ADAFLASH_KERNELS=stock is the callers' switch).
+Built with the system C++ compiler on first use, once per sources/flags, into $ADAFLASH_CACHE/kernels (a second or
+two), loaded with ctypes and linked against the OpenMP runtime torch has already loaded (same soname), so both
+share one thread pool. Unavailable - and callers fall back to torch's kernels - where the CPU lacks AVX2/FMA/F16C
+or no compiler is found (ADAFLASH_KERNELS=stock is the callers' switch).
 """
 
 from __future__ import annotations
@@ -70,6 +73,11 @@ def _build(out: Path) -> None:
             os.unlink(tmp)
 
 
+def source_digest() -> str:
+    """Names one build of the library: its sources and flags."""
+    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
 _BUILD_LOCK = threading.Lock()
 
 
@@ -83,18 +91,18 @@ def library() -> ctypes.CDLL | None:
 def _load() -> ctypes.CDLL | None:
     missing = {"avx2", "fma", "f16c"} - _cpu_flags()
     if missing:
-        log.info("packed fp32 linear unavailable: CPU lacks %s", sorted(missing))
+        log.info("our CPU kernels are unavailable: the CPU lacks %s", sorted(missing))
         return None
     from adaflash.models.registry import cache_root
 
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = source_digest()
     path = cache_root() / "kernels" / f"packed_linear-{digest}.so"
     try:
         if not path.is_file():
             _build(path)
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as exc:
-        log.warning("packed fp32 linear unavailable, using torch's kernels: %s", exc)
+        log.warning("our CPU kernels are unavailable, using torch's: %s", exc)
         return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.adaflash_pack.argtypes = [ptr, i64, i64, ptr, i32]

@@ -61,9 +61,13 @@ constexpr Micro kMicro[7] = {nullptr, micro<1>, micro<2>, micro<3>, micro<4>, mi
 // Every row block of one panel over one k-chunk whose weights are `panel` ([k1 - k0][16] floats).
 inline void chunk_rows(const float* x, int64_t m, int64_t k, const float* panel, int64_t k0, int64_t k1, float* y,
                        int64_t n, const float* bias) {
-  for (int64_t r0 = 0; r0 < m; r0 += 6) {
-    const int mr = static_cast<int>(m - r0 < 6 ? m - r0 : 6);
+  // Blocks of 6 rows, but 7 or 8 left go as 4 + 3 / 4 + 4: a 1- or 2-row block has too few accumulators to hide
+  // the FMA latency. (Any blocking gives each row the same FMA chain, so the outputs do not change.)
+  for (int64_t r0 = 0; r0 < m;) {
+    const int64_t left = m - r0;
+    const int mr = static_cast<int>(left == 7 || left == 8 ? 4 : left < 6 ? left : 6);
     kMicro[mr](x + r0 * k, k, panel, k0, k1, y + r0 * n, n, bias, k0 == 0, k1 == k);
+    r0 += mr;
   }
 }
 

@@ -43,6 +43,13 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def kernel_fingerprint() -> str:
+    """What the speed of a forward pass depends on besides the model and threads: the CPU, the kernel build and the
+    ADAFLASH_KERNELS mode (cached timings of whole passes, like the cost models, key on it)."""
+    key = f"{_cpu_model()}|{packed.source_digest()}|{os.environ.get('ADAFLASH_KERNELS', 'auto')}"
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
 def cache_file() -> Path:
     from adaflash.models.registry import cache_root
 
