@@ -95,6 +95,9 @@ def test_a_learning_policy_starts_fresh_per_generation_unless_told_to_carry(pipe
     carried = pipeline.with_length_policy("throughput", carry_policy_state=True)
     carried.generate_ids(prompts[0], "dflash", max_new_tokens=10)
     learned = carried._policy
-    assert learned.shared_alpha != learned.prior  # what the untrained drafter's rejections taught it...
+    learned.shared_alpha = 0.05  # as if the first prompt had taught it that this drafter is poor...
     carried.generate_ids(prompts[1], "dflash", max_new_tokens=10)
-    assert carried._policy is learned  # ...is where the next prompt starts
+    assert carried._policy is learned  # ...the next prompt starts from it
+    first = fresh._policy
+    fresh.generate_ids(prompts[1], "dflash", max_new_tokens=10)
+    assert fresh._policy is not first  # a fresh policy for every generation

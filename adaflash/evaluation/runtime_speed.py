@@ -121,24 +121,30 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
     }
     for name in dtype_names:
         dtype = DTYPES[name]
+        # Each variant loads and runs under its own ADAFLASH_KERNELS mode: the linears fix their kernels at load,
+        # attention and the fused steps read the mode at every call.
+        modes = {"chosen": os.environ.get("ADAFLASH_KERNELS", "auto")}
         ours = {"chosen": load_target(checkpoint, dtype=dtype)}
         if ours["chosen"].fast_lm_head is not None:  # what each kernel buys, in the same run
             for variant, mode in (("packed fp32", "packed"), ("stock", "stock")):
+                modes[variant] = mode
                 with _kernels(mode):
                     ours[variant] = load_target(checkpoint, dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
         tps = {variant: [] for variant in ours}
         hf_tps, agree = [], []
         same_as_chosen = {variant: [] for variant in ours}
-        for model in ours.values():  # warm-up all
-            autoregressive_generate(model, prompts[0], 4)
+        for variant, model in ours.items():  # warm-up all
+            with _kernels(modes[variant]):
+                autoregressive_generate(model, prompts[0], 4)
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
         with tqdm(total=repeats * len(prompts) * (len(ours) + 1), desc=f"runtime vs HF ({name})", unit="run") as bar:
             for _ in range(repeats):
                 for ids in prompts:
                     outputs = {}
                     for variant, model in ours.items():
-                        r = autoregressive_generate(model, ids, max_new_tokens)  # no stop tokens: fixed length
+                        with _kernels(modes[variant]):
+                            r = autoregressive_generate(model, ids, max_new_tokens)  # no stop tokens: fixed length
                         tps[variant].append(len(r.token_ids) / r.stats.elapsed_s)
                         outputs[variant] = r.token_ids
                         bar.update(1)
@@ -159,6 +165,10 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
                     agree.append(sum(a == b for a, b in zip(hf_ids, ours_ids)) / max(1, len(ours_ids)))
                     bar.update(1)
         hf_med = statistics.median(hf_tps)
+        costs = {}
+        for variant, model in ours.items():
+            with _kernels(modes[variant]):
+                costs[variant] = forward_cost_ms(model, 256)
         chosen = ours["chosen"]
         weight_bytes = chosen.streamed_weight_bytes(1)
         ours_med = statistics.median(tps["chosen"])
@@ -177,7 +187,7 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
                     "runs": [round(x, 2) for x in tps[variant]],
                     "decode_weight_MB": round(model.streamed_weight_bytes(1) / 1e6, 1),
                     "runs_identical_to_chosen": f"{sum(same_as_chosen[variant])}/{len(same_as_chosen[variant])}",
-                    "forward_ms_by_query_len_ctx256": {str(k): round(v, 1) for k, v in forward_cost_ms(model, 256).items()},
+                    "forward_ms_by_query_len_ctx256": {str(k): round(v, 1) for k, v in costs[variant].items()},
                 }
                 for variant, model in ours.items()
             },

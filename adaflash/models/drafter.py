@@ -187,7 +187,9 @@ class Projection(nn.Linear):
     fast: FastLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast is not None and x.dim() == 2 and not torch.is_grad_enabled():
+        # (`fast.weight is self.weight`: a Parameter replaced since, e.g. by load_state_dict(assign=True), is not
+        # what the kernel packed)
+        if self.fast is not None and x.dim() == 2 and not torch.is_grad_enabled() and self.fast.weight is self.weight:
             return self.fast(x)
         return super().forward(x)
 

@@ -87,7 +87,10 @@ def _build(gguf: Path, weights: dict[str, list[tuple[str, torch.Tensor]]]) -> di
             continue
         raw = np.concatenate([np.asarray(t.data).reshape(t.data.shape[0], -1) for t in found])
         weight = torch.cat([w for _, w in parts]).float().numpy()
-        blocks = match_rows(weight, raw, dequantize(raw, found[0].tensor_type).reshape(weight.shape))
+        dequantized = dequantize(raw, found[0].tensor_type)
+        if dequantized.size != weight.size:  # another tensor than the name says: keep the fp32 kernels
+            continue
+        blocks = match_rows(weight, raw, dequantized.reshape(weight.shape))
         if blocks is None:
             log.warning("%s: the GGUF's %s blocks are not this weight's values; it keeps the fp32 kernels", ours, fmt)
             continue
@@ -108,23 +111,31 @@ def quantized_weights(checkpoint_dir: Path, weights: dict[str, list[tuple[str, t
     gguf = source_gguf(checkpoint_dir)
     if gguf is None:
         return {}
-    stat = gguf.stat()
-    key = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}"
+    # The GGUF and the weights matched against it: a rewritten checkpoint is matched again.
+    files = [gguf, *sorted(checkpoint_dir.glob("*.safetensors"))]
+    key = "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.name != CACHE_FILE)
     cache = checkpoint_dir / CACHE_FILE
     try:
         with safe_open(str(cache), framework="pt") as f:
             meta = f.metadata() or {}
             if meta.get("source") == key:
-                return {name: QuantizedWeight(meta[f"fmt.{name}"], f.get_tensor(name)) for name in f.keys()}
+                out = {name: QuantizedWeight(meta[f"fmt.{name}"], f.get_tensor(name)) for name in f.keys()}
+                rows = {name: sum(w.shape[0] for _, w in parts) for name, parts in weights.items()}
+                if all(rows.get(name) == q.blocks.shape[0] for name, q in out.items()):
+                    return out
     except Exception:  # absent or damaged (safetensors raises its own types): matched again
         pass
     out = _build(gguf, weights)
     meta = {"source": key, **{f"fmt.{name}": q.fmt for name, q in out.items()}}
+    tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=checkpoint_dir, suffix=".safetensors.tmp")
         os.close(fd)
         save_file({name: q.blocks for name, q in out.items()}, tmp, metadata=meta)
-        os.replace(tmp, cache)
+        os.replace(tmp, cache)  # atomic: a concurrent load never reads half a file
     except OSError as exc:  # a read-only checkpoint directory: matched again next time
         log.info("cannot cache GGUF blocks in %s: %s", checkpoint_dir, exc)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     return out

@@ -66,6 +66,8 @@ class RaggedBatch:
             raise ValueError("slots, starts and query_lens must be non-empty and of equal length")
         if len(set(slots)) != len(slots):
             raise ValueError(f"a slot appears twice in one batch: {list(slots)}")
+        if min(slots) < 0 or min(starts) < 0:
+            raise ValueError(f"slots and starts must be >= 0, got {list(slots)} and {list(starts)}")
         if min(query_lens) < 1:
             raise ValueError(f"every sequence needs at least one new token, got {list(query_lens)}")
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens)])
@@ -182,6 +184,9 @@ class RaggedAttention:
         t = qkv.shape[0]
         _, _, kv_heads, max_len, d = cache.k.shape
         if self._token_slots is None:
+            if max(self.batch.slots) >= cache.num_slots or max(self.batch.ends) > max_len:  # the kernel writes unchecked
+                raise ValueError(f"batch slots {self.batch.slots} / ends {self.batch.ends} exceed the cache's "
+                                 f"{cache.num_slots} slots of {max_len} positions")
             self._token_slots = torch.repeat_interleave(torch.tensor(self.batch.slots), torch.tensor(self.batch.query_lens))
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         q = torch.empty(t, num_heads, d, dtype=torch.float32)

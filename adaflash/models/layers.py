@@ -38,12 +38,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if weight.dtype == torch.float32 and fused_kernels_available(x):  # torch's costs ~20 us a call at one row
             from adaflash.models.kernels.packed import profiled
 
-            x = x.contiguous()
+            x, w = x.contiguous(), weight.contiguous()  # bound: a temporary would be freed before the call
             out = torch.empty_like(x)
-            with profiled("adaflash::rms_norm"):
-                _kernel_library().adaflash_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                                                    weight.contiguous().data_ptr(), eps, out.data_ptr(),
-                                                    torch.get_num_threads())
+            if x.numel():
+                with profiled("adaflash::rms_norm"):
+                    _kernel_library().adaflash_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                                                        w.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
             return out
         return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     # Normalise in fp32 and scale in the model dtype, as transformers' Llama/Qwen RMSNorm does.
@@ -51,12 +51,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _kernel_library():
-    """The kernel library (kernels/), unless unavailable or ADAFLASH_KERNELS=stock."""
-    import os
+    from adaflash.models.kernels import packed  # here, not at the top: kernels/selection.py imports this module
 
-    from adaflash.models.kernels import packed
-
-    return None if os.environ.get("ADAFLASH_KERNELS") == "stock" else packed.library()
+    return packed.enabled_library()
 
 
 def rope_cos_sin(

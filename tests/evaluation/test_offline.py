@@ -24,6 +24,7 @@ class FakePipeline:
     """Returns scripted results per (prompt text, method) and logs the calls; no model involved."""
 
     model_name = "fake"
+    carry_policy_state = False
     target = SimpleNamespace(dtype="fp32")
     proposer = SimpleNamespace(block_size=4)
 

@@ -5,7 +5,7 @@
 // Why own it: batched decode attention is the KV cache streamed once per step, and SDPA over a padded
 // [n, heads, qmax, key_len] batch ran at ~4 GB/s here. Each query row's result depends only on that row, its keys
 // and their order (never on the other rows or sequences of the batch), so a token gets bitwise the same attention
-// alone or in any batch.
+// alone or in any batch this kernel runs (RaggedAttention sends a batch with a prefill-length query to SDPA).
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>

@@ -3,8 +3,6 @@ a verification or a draft block; prefill-sized query counts stay on torch's SDPA
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from adaflash.models.kernels import packed
@@ -13,8 +11,7 @@ MAX_QUERIES = 16  # per sequence: decode, verify and draft blocks; longer (prefi
 
 
 def available(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
-    return (dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0
-            and os.environ.get("ADAFLASH_KERNELS") != "stock" and packed.library() is not None)
+    return dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0 and packed.enabled_library() is not None
 
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_start: torch.Tensor,
@@ -23,8 +20,11 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_st
     [token_start[s], token_start[s + 1]) and cache slot slots[s]; token t sees keys [0, key_len[t]). -> [T, H * d]."""
     t, heads, d = q.shape
     _, kv_heads, max_len, _ = k.shape
-    if not (k.is_contiguous() and v.is_contiguous()) or heads % kv_heads:
-        raise ValueError("ragged attention needs contiguous cache layers and heads divisible by KV heads")
+    if not (k.is_contiguous() and v.is_contiguous()) or heads % kv_heads or k.shape != v.shape or k.shape[-1] != d:
+        raise ValueError(f"ragged attention needs contiguous [slots, kv_heads, len, {d}] cache layers and heads "
+                         f"divisible by KV heads, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if {q.dtype, k.dtype, v.dtype} != {torch.float32} or {token_start.dtype, slots.dtype, key_len.dtype} != {torch.long}:
+        raise ValueError("ragged attention needs fp32 q/k/v and int64 index tensors")
     q = q.contiguous()
     out = torch.empty(t, heads * d, dtype=torch.float32)
     with packed.profiled("adaflash::ragged_attention"):

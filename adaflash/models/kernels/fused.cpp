@@ -3,7 +3,8 @@
 // q/k/v some 25 small ops per layer.
 //
 // RMSNorm over fp32 rows: out = x * (1 / sqrt(mean(x^2) + eps)) * w, as transformers' Llama/Qwen RMSNorm computes it
-// (the mean here sums in 8 lanes, then across them).
+// (the mean here sums in 8 lanes, then across them: close to torch's rms_norm, not bitwise - the autograd path and
+// ADAFLASH_KERNELS=stock keep torch's, so they round the last bits differently).
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>

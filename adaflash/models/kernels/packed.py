@@ -123,6 +123,12 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
+def enabled_library() -> ctypes.CDLL | None:
+    """The library, unless it cannot run here or ADAFLASH_KERNELS=stock asks for torch's kernels throughout (read
+    per call: the linears fix their kernels at load, attention and the fused steps choose at each call)."""
+    return None if os.environ.get("ADAFLASH_KERNELS") == "stock" else library()
+
+
 def profiled(label: str):
     """A torch.profiler range named `label` while profiling (ctypes calls are otherwise invisible to it), else a
     no-op; cheap enough for every call."""
@@ -195,7 +201,7 @@ class QuantizedLinear(_Packed):
             raise ValueError(f"no quantized kernel for {fmt!r} (have {sorted(QUANT_FORMATS)})")
         spec = QUANT_FORMATS[fmt]
         n = blocks.shape[0]
-        if k % BLOCK or n % PANEL or blocks.dtype != torch.uint8 or blocks.shape != (n, k // BLOCK * spec.block_bytes):
+        if k < BLOCK or k % BLOCK or n % PANEL or blocks.dtype != torch.uint8 or blocks.shape != (n, k // BLOCK * spec.block_bytes):
             raise ValueError(f"{fmt} blocks for {n} x {k} must be uint8 [{n}, {k // BLOCK * spec.block_bytes}] with "
                              f"n % {PANEL} == 0 and k % {BLOCK} == 0, got {blocks.dtype} {tuple(blocks.shape)}")
         self._lib, self.n, self.k, self.fmt, self._code = lib, n, k, fmt, spec.code

@@ -256,6 +256,7 @@ void adaflash_pack(const float* w, int64_t n, int64_t k, float* packed, int thre
 // x: [m, k] row-major, y: [m, n] row-major, bias: [n] or null.
 void adaflash_packed_linear(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
                             float* y, int threads) {
+  if (m < 1) return;
   if (m <= kFewRows) {
     static constexpr Few np[] = {nullptr, few_fp32<1, 2>, few_fp32<2, 2>, few_fp32<3, 1>, few_fp32<4, 1>};
     static constexpr Few one[] = {nullptr, few_fp32<1, 1>, few_fp32<2, 1>, few_fp32<3, 1>, few_fp32<4, 1>};
@@ -301,6 +302,7 @@ void adaflash_pack_quantized(const uint8_t* src, int64_t n, int64_t k, int forma
 // As adaflash_packed_linear, over packed quantized blocks.
 void adaflash_quantized_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int format, int64_t n,
                                const float* bias, float* y, int threads) {
+  if (m < 1) return;
   const int64_t nb = k / kBlock, bytes = packed_block_bytes(format);
   if (m <= kFewRows) {
     static constexpr Few q4_np[] = {nullptr, few_quant<kQ4_1, 1, 2>, few_quant<kQ4_1, 2, 2>, few_quant<kQ4_1, 3, 1>,

