@@ -3,8 +3,8 @@
     python -m adaflash.evaluation.kernel_choice --json docs/results/kernel_choice.json
 
 Loads the target (which times torch's stock kernel, the packed fp32 kernel and, for a GGUF target, the quantized
-kernel once per machine and thread count, models/kernels/selection.py) plus the shipped drafter's trimmed head, and writes the timings and the choices:
-what won and what lost, per shape and row bucket. Run it with nothing else on the cores.
+kernel once per machine and thread count, models/kernels/selection.py) plus the shipped drafter's trimmed head,
+and writes the timings and the choices: what won and what lost, per shape and row bucket. Run it with nothing else on the cores.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ from adaflash.models.target import load_target
 
 LINEAR = ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "packed_linear")
 ATTENTION = ("scaled_dot_product", "index_copy", "aten::bmm", "_softmax", "ragged_attention")
-ELEMENTWISE = ("rms_norm", "rope_qkv", "aten::mul", "aten::add", "aten::cat", "aten::neg", "aten::silu", "aten::pow", "aten::mean",
+# rope_qkv: the fused RoPE + K/V cache write (the unfused path's cache write, index_copy, counts as attention)
+ELEMENTWISE = ("rms_norm", "rope_qkv", "aten::mul", "aten::add", "aten::cat", "aten::neg", "aten::silu", "aten::pow",
+               "aten::mean",
                "aten::rsqrt", "aten::cos", "aten::sin", "aten::embedding", "aten::copy_", "aten::to", "aten::where",
                "aten::div", "aten::sum", "aten::chunk", "aten::slice", "aten::view", "aten::reshape", "aten::transpose")
 SHAPES = {"decode (batch 1, 1 token)": (1, 1), "verify (batch 1, 16 tokens)": (1, 16), "batch-64 decode step": (64, 1)}

@@ -235,7 +235,8 @@ def to_markdown(results: dict) -> str:
                   f"{peer['tokens_per_s']} tok/s; ours / llama.cpp: "
                   + ", ".join(f"{n} {r['ours_over_llama_cpp']:.2f}x" for n, r in results["by_dtype"].items())]
     lines += ["", "Target forward cost (ms) appending q tokens to a 256-token context (the verify cost curve):", ""]
-    qs = list(next(iter(next(iter(results["by_dtype"].values()))["variants"].values()))["forward_ms_by_query_len_ctx256"])
+    first_variant = next(iter(next(iter(results["by_dtype"].values()))["variants"].values()))
+    qs = list(first_variant["forward_ms_by_query_len_ctx256"])
     lines.append("| dtype | kernels | " + " | ".join(f"q={q}" for q in qs) + " | q=16 / q=1 |")
     lines.append("|---|---|" + "---|" * (len(qs) + 1))
     for name, r in results["by_dtype"].items():

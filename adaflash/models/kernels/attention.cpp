@@ -56,7 +56,8 @@ void attend_row(const float* q, const float* k, const float* v, int64_t len, int
     const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
     const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
     // lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of h0123 (and k4..k7 for h4567): add the two 128-bit halves.
-    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+    const __m256 sums =
+        _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
     const __m256 sc = _mm256_mul_ps(sums, _mm256_set1_ps(scale));
     _mm256_storeu_ps(scores + j0, sc);
     vmax8 = _mm256_max_ps(vmax8, sc);
