@@ -143,10 +143,14 @@ class FastLinear:
         self._bucket_kernels = tuple(kernels.get(name) for name in self.choices)  # None: torch's
         self._packed_from = self._source()
 
+    def _kernel_at(self, rows: int):
+        """The kernel chosen for `rows` rows' bucket; None (torch's) past the largest bucket."""
+        bucket = bisect.bisect_left(ROW_BUCKETS, rows)
+        return self._bucket_kernels[bucket] if bucket < len(ROW_BUCKETS) else None
+
     def streamed_bytes(self, rows: int) -> int:
         """Weight bytes a call on `rows` rows reads: the packed copy of the kernel that runs there, else torch's."""
-        bucket = bisect.bisect_left(ROW_BUCKETS, rows)
-        kernel = self._bucket_kernels[bucket] if bucket < len(ROW_BUCKETS) else None
+        kernel = self._kernel_at(rows)
         tensor = kernel.packed if kernel is not None else self.weight
         return tensor.numel() * tensor.element_size()
 
@@ -156,8 +160,7 @@ class FastLinear:
         return tuple((_version(t), t.data_ptr(), t.dtype, t.device) for t in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        bucket = bisect.bisect_left(ROW_BUCKETS, x.shape[0])
-        kernel = self._bucket_kernels[bucket] if bucket < len(ROW_BUCKETS) else None
+        kernel = self._kernel_at(x.shape[0])
         if (kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
                 and self._source() == self._packed_from):
             return kernel(x)
