@@ -38,7 +38,7 @@ bench: install
 # the target's top-32 log-probabilities), train with a 16K-row draft vocabulary and soft targets, export.
 # Hours on a CPU; both steps resume where they stopped if interrupted (rerun the same command).
 DRAFTER_DATA := runs/data/smollm2-v2
-DRAFTER_MIX := gsm-symbolic:1100,mgsm-symbolic:900,champ:174,sharegpt-chat:1500,sharegpt-code:1000
+DRAFTER_MIX := gsm-symbolic:1500,mgsm-symbolic:1200,champ:174,sharegpt-chat:2000,sharegpt-code:1400
 drafter: install
 	$(VENV)/bin/adaflash data generate --out $(DRAFTER_DATA) --capture-layers 1,14,27 --mix $(DRAFTER_MIX) \
 		--max-new-tokens 256 --max-prompt-tokens 256 --batch-size 64 --top-logprobs 32

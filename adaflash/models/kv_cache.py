@@ -183,19 +183,28 @@ class RaggedAttention:
         [T, (H + 2 KVH) * d], k and v written into the cache; returns q [T, H, d]. fp32 CPU, kernels available."""
         t = qkv.shape[0]
         _, _, kv_heads, max_len, d = cache.k.shape
-        if self._token_slots is None:
-            if max(self.batch.slots) >= cache.num_slots or max(self.batch.ends) > max_len:  # the kernel writes unchecked
-                raise ValueError(f"batch slots {self.batch.slots} / ends {self.batch.ends} exceed the cache's "
-                                 f"{cache.num_slots} slots of {max_len} positions")
-            self._token_slots = torch.repeat_interleave(torch.tensor(self.batch.slots), torch.tensor(self.batch.query_lens))
+        token_slots = self._checked_token_slots(cache)
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         q = torch.empty(t, num_heads, d, dtype=torch.float32)
         k_layer, v_layer = cache.k[layer], cache.v[layer]
         with packed.profiled("adaflash::rope_qkv"):
             packed.library().adaflash_rope_qkv(
                 qkv.data_ptr(), t, num_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), k_layer.data_ptr(),
-                v_layer.data_ptr(), max_len, self._token_slots.data_ptr(), self.batch.positions.data_ptr(), q.data_ptr())
+                v_layer.data_ptr(), max_len, token_slots.data_ptr(), self.batch.positions.data_ptr(), q.data_ptr())
         return q
+
+    def _checked_token_slots(self, cache: KVCache) -> torch.Tensor:
+        """Each token's cache slot, once the batch is known to fit the cache (the kernels write unchecked)."""
+        if self._token_slots is None:
+            if max(self.batch.slots) >= cache.num_slots or max(self.batch.ends) > cache.max_len:
+                raise ValueError(f"batch slots {self.batch.slots} / ends {self.batch.ends} exceed the cache's "
+                                 f"{cache.num_slots} slots of {cache.max_len} positions")
+            self._token_slots = torch.repeat_interleave(torch.tensor(self.batch.slots), torch.tensor(self.batch.query_lens))
+        return self._token_slots
+
+    def kernel_index(self, cache: KVCache) -> tuple[torch.Tensor, ...]:
+        """What the whole-layer step (kernels/layer_step.py) reads: each token's slot, then _index()'s three."""
+        return (self._checked_token_slots(cache), *self._index())
 
     def _index(self) -> tuple[torch.Tensor, ...]:
         """For the ragged kernel: each sequence's first token, its slot, and each token's key count (causal: up to

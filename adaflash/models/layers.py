@@ -50,6 +50,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up over the fused gate/up projection [rows, 2 * inter] (gate first)."""
+    if fused_kernels_available(gate_up) and gate_up.dim() == 2:  # one kernel where torch runs chunk, silu and mul
+        from adaflash.models.kernels.packed import profiled
+
+        gate_up = gate_up.contiguous()
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter, dtype=torch.float32)
+        if rows:
+            with profiled("adaflash::silu_mul"):
+                _kernel_library().adaflash_silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr(),
+                                                    torch.get_num_threads())
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _kernel_library():
     from adaflash.models.kernels import packed  # here, not at the top: kernels/selection.py imports this module
 

@@ -19,9 +19,10 @@ from safetensors import safe_open
 
 from adaflash.models.config import TransformerConfig
 from adaflash.models.gguf_blocks import QuantizedWeight, quantized_weights
+from adaflash.models.kernels.layer_step import LayerSteps
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
-from adaflash.models.layers import apply_rope, fused_kernels_available, linear, rms_norm, rope_cos_sin
+from adaflash.models.layers import apply_rope, fused_kernels_available, linear, rms_norm, rope_cos_sin, silu_mul
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class TargetModel(nn.Module):
         )
         self.fast_lm_head: FastLinear | None = None
         self.lm_head_blocks: QuantizedWeight | None = None
+        self.layer_steps: LayerSteps | None = None  # one kernel call per layer, where use_fast_linears made it possible
 
     def use_fast_linears(self, quantized: dict[str, QuantizedWeight] | None = None) -> bool:
         """Run every linear with the kernel that measured fastest here at each row count (kernels/selection.py).
@@ -88,6 +90,10 @@ class TargetModel(nn.Module):
         head = "embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
         self.lm_head_blocks = quantized.get(head)  # the drafter's (trimmed) head takes its rows
         self.fast_lm_head = FastLinear(self.lm_head, None, choice, self.lm_head_blocks) if packable(self.lm_head) else None
+        c = self.config
+        if not c.qk_norm:  # the fused step has no q/k norm (Qwen3 runs the Python loop)
+            self.layer_steps = LayerSteps(self.layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                          c.intermediate_size, c.rms_norm_eps)
         return True
 
     def streamed_weight_bytes(self, rows: int = 1) -> int:
@@ -144,12 +150,29 @@ class TargetModel(nn.Module):
             raise ValueError(f"sequence of {max(batch.ends)} positions exceeds the cache's {cache.max_len}")
         attention = RaggedAttention(batch, causal=True, device=self.device)
         cos, sin = rope_cos_sin(batch.positions.to(self.device), cfg.head_dim, cfg.rope_theta, self.dtype)
-        nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        t = token_ids.shape[0]
-        captured: list[torch.Tensor] = []
         capture = set(capture_layers)
         h = self.embed(token_ids.to(self.device))
+        fused = self.layer_steps.run(h, attention, cache, cos, sin, capture) if self.layer_steps is not None else None
+        h, captured = fused if fused is not None else self._layer_loop(h, attention, cache, cos, sin, capture)
+        attention.commit_lengths(cache)
+        hidden = None
+        if capture_layers:
+            by_layer = dict(zip(sorted(capture), captured))
+            hidden = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
+        logits = None
+        if compute_logits:
+            selected = h if logit_indices is None else h[logit_indices.to(self.device)]
+            logits = self.logits(rms_norm(selected, self.final_norm, cfg.rms_norm_eps))
+        return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _layer_loop(self, h: torch.Tensor, attention: RaggedAttention, cache: KVCache, cos: torch.Tensor,
+                    sin: torch.Tensor, capture: set[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every decoder layer, op by op (what LayerSteps does in one call per layer where it can)."""
+        cfg = self.config
+        nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        t = h.shape[0]
         fused_rope = not cfg.qk_norm and fused_kernels_available(h)
+        captured: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.project("qkv", x)
@@ -165,20 +188,11 @@ class TargetModel(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 attention.write(cache, i, k, v)
             h = h + layer.project("o", attention.attend(cache, i, q))
-            gate, up = layer.project("gate_up", rms_norm(h, layer.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-            h = h + layer.project("down", F.silu(gate) * up)
+            gate_up = layer.project("gate_up", rms_norm(h, layer.post_norm, cfg.rms_norm_eps))
+            h = h + layer.project("down", silu_mul(gate_up))
             if i in capture:
                 captured.append(h)
-        attention.commit_lengths(cache)
-        hidden = None
-        if capture_layers:
-            by_layer = dict(zip(sorted(capture), captured))
-            hidden = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
-        logits = None
-        if compute_logits:
-            selected = h if logit_indices is None else h[logit_indices.to(self.device)]
-            logits = self.logits(rms_norm(selected, self.final_norm, cfg.rms_norm_eps))
-        return ForwardOutput(logits=logits, hidden=hidden)
+        return h, captured
 
 
 def _hf_weight_map(cfg: TransformerConfig) -> dict[str, list[str]]:

@@ -1,6 +1,6 @@
 """Our CPU kernel library and its linears: the packed fp32 linear and the quantized linear over GGUF blocks
-(packed_linear.cpp); the library also holds the ragged attention (attention.cpp, wrapped in attention.py) and the
-fused layer steps (fused.cpp, used by layers.py and kv_cache.py).
+(packed_linear.cpp); the library also holds the ragged attention (attention.cpp, wrapped in attention.py), the
+fused steps (fused.cpp, used by layers.py and kv_cache.py) and the whole-layer step (layer_step.cpp / .py).
 
 Built with the system C++ compiler on first use, once per sources/flags, into $ADAFLASH_CACHE/kernels (a second or
 two), loaded with ctypes and linked against the OpenMP runtime torch has already loaded (same soname), so both
@@ -28,7 +28,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
-SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("attention.cpp", "fused.cpp")))  # one library
+SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("attention.cpp", "fused.cpp", "layer_step.cpp")))  # one library
+HEADERS = (Path(__file__).with_name("simd_math.h"),)
 # -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
@@ -75,7 +76,8 @@ def _build(out: Path) -> None:
 
 def source_digest() -> str:
     """Names one build of the library: its sources and flags."""
-    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    text = b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
+    return hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
 
 
 _BUILD_LOCK = threading.Lock()
@@ -120,6 +122,12 @@ def _load() -> ctypes.CDLL | None:
     lib.adaflash_rms_norm.restype = None
     lib.adaflash_rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
     lib.adaflash_rope_qkv.restype = None
+    lib.adaflash_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
+    lib.adaflash_silu_mul.restype = None
+    lib.adaflash_layer_scratch_floats.argtypes = [ptr, i64]
+    lib.adaflash_layer_scratch_floats.restype = i64
+    lib.adaflash_decoder_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i32]
+    lib.adaflash_decoder_layer.restype = None
     return lib
 
 
@@ -177,6 +185,7 @@ class PackedLinear(_Packed):
         if n % PANEL or k < 1:
             raise ValueError(f"packed linear needs out_features % {PANEL} == 0 and in_features >= 1, got {n} x {k}")
         self._lib, self.n, self.k = lib, n, k
+        self.format_code = 0  # layer_step.cpp's code for this kernel
         self.label = f"adaflash::packed_linear[{n}x{k}]"  # what torch.profiler shows for a call (ctypes is invisible)
         w = weight.detach().contiguous()
         self.packed = torch.empty(n * k, dtype=torch.float32, device="cpu")
@@ -204,7 +213,7 @@ class QuantizedLinear(_Packed):
         if k < BLOCK or k % BLOCK or n % PANEL or blocks.dtype != torch.uint8 or blocks.shape != (n, k // BLOCK * spec.block_bytes):
             raise ValueError(f"{fmt} blocks for {n} x {k} must be uint8 [{n}, {k // BLOCK * spec.block_bytes}] with "
                              f"n % {PANEL} == 0 and k % {BLOCK} == 0, got {blocks.dtype} {tuple(blocks.shape)}")
-        self._lib, self.n, self.k, self.fmt, self._code = lib, n, k, fmt, spec.code
+        self._lib, self.n, self.k, self.fmt, self.format_code = lib, n, k, fmt, spec.code
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}]"  # runtime_profile buckets by this prefix
         src = blocks.detach().contiguous()
         self.packed = torch.empty(n // PANEL * (k // BLOCK) * spec.packed_block_bytes, dtype=torch.uint8)
@@ -212,6 +221,6 @@ class QuantizedLinear(_Packed):
         self.bias = _check_bias(bias, n)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self._lib.adaflash_quantized_linear(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self._code,
+        self._lib.adaflash_quantized_linear(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.format_code,
                                             self.n, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                                             torch.get_num_threads())

@@ -159,10 +159,15 @@ class FastLinear:
         parts = [self.weight] + ([self.bias] if self.bias is not None else [])
         return tuple((_version(t), t.data_ptr(), t.dtype, t.device) for t in parts)
 
+    def kernel_for(self, rows: int):
+        """The packed kernel that runs `rows` rows, or None where torch's does (past the buckets, a bucket that chose
+        it, or weights changed in place since they were packed)."""
+        kernel = self._kernel_at(rows)
+        return kernel if kernel is not None and self._source() == self._packed_from else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self._kernel_at(x.shape[0])
-        if (kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
-                and self._source() == self._packed_from):
+        kernel = self.kernel_for(x.shape[0])
+        if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
             return kernel(x)
         return stock_linear(x, self.weight, self.bias)  # also once the weights changed after packing
 

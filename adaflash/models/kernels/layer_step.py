@@ -1,0 +1,115 @@
+"""The target's decoder layers run one ctypes call each (layer_step.cpp) instead of ~13 torch / ctypes calls.
+
+Only where every piece of the layer has our kernel: fp32 on CPU, no q/k norm (Llama / Qwen2 shapes), at most
+attention.MAX_QUERIES new tokens per sequence, and each linear's chosen kernel at this row count packed (not torch's).
+Elsewhere TargetModel.forward runs its Python loop, which calls the same kernels: the two are bitwise equal (tested).
+ADAFLASH_LAYER_STEP=0 keeps the Python loop (to measure what the fused step saves).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+from typing import Sequence
+
+import torch
+
+from adaflash.models.kernels import attention as attention_kernel
+from adaflash.models.kernels import packed
+from adaflash.models.kernels.selection import ROW_BUCKETS
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("packed", _p), ("format", _i64), ("bias", _p), ("n", _i64), ("k", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p), *((name, _Linear) for name in LINEARS)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
+                ("eps", _f32), ("scale", _f32)]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("tokens", _i64), ("num_seqs", _i64), ("max_len", _i64), ("layer_stride", _i64),
+                ("k_cache", _p), ("v_cache", _p), ("cos", _p), ("sin", _p), ("token_slot", _p), ("position", _p),
+                ("token_start", _p), ("seq_slot", _p), ("key_len", _p)]
+
+
+def enabled() -> bool:
+    return os.environ.get("ADAFLASH_LAYER_STEP", "1") != "0" and packed.enabled_library() is not None
+
+
+class LayerSteps:
+    """The fused step over a target's layers (DecoderLayer objects with `.fast` FastLinears), per row bucket."""
+
+    def __init__(self, layers: Sequence, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 eps: float) -> None:
+        self.layers = list(layers)
+        self.shape = _Shape(hidden, heads, kv_heads, head_dim, intermediate, eps, head_dim ** -0.5)
+        self.head_dim = head_dim
+        self._by_bucket: dict[int, ctypes.Array | None] = {}
+
+    def _layers_at(self, rows: int) -> ctypes.Array | None:
+        """The layers' structures for `rows` rows, or None if some linear runs torch's kernel there. Rebuilt per call
+        from each FastLinear's current kernel (kernel_for also checks that the weights did not change)."""
+        bucket = bisect.bisect_left(ROW_BUCKETS, rows)
+        if bucket >= len(ROW_BUCKETS):
+            return None
+        kernels = []
+        for layer in self.layers:
+            row = [layer.fast[name].kernel_for(rows) if name in layer.fast else None for name in LINEARS]
+            if None in row:
+                return None
+            kernels.append(row)
+        structs = self._by_bucket.get(bucket)
+        if structs is None:
+            structs = (_Layer * len(self.layers))()
+            for s, layer, row in zip(structs, self.layers, kernels):
+                s.input_norm, s.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+                for name, kernel in zip(LINEARS, row):
+                    bias = kernel.bias.data_ptr() if kernel.bias is not None else None
+                    setattr(s, name, _Linear(kernel.packed.data_ptr(), kernel.format_code, bias, kernel.n, kernel.k))
+            self._by_bucket[bucket] = structs
+        return structs
+
+    def run(self, h: torch.Tensor, attention, cache, cos: torch.Tensor, sin: torch.Tensor,
+            capture: set[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Every layer over the residual stream `h` [T, hidden] of a RaggedAttention batch (causal); returns the
+        final stream and the stream after each layer in `capture` (ascending), or None where the step cannot run
+        (the caller runs its Python loop)."""
+        t = h.shape[0]
+        if (not enabled() or h.dtype != torch.float32 or h.device.type != "cpu" or not attention.causal
+                or attention.qmax > attention_kernel.MAX_QUERIES
+                or not attention_kernel.available(h.dtype, h.device, self.head_dim)):
+            return None
+        structs = self._layers_at(t)
+        if structs is None:
+            return None
+        token_slots, token_start, seq_slots, key_len = attention.kernel_index(cache)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        positions = attention.batch.positions.contiguous()
+        k, v = cache.k, cache.v
+        if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32):
+            return None
+        batch = _Batch(t, len(attention.batch.slots), k.shape[3], k[0].numel(), k.data_ptr(), v.data_ptr(),
+                       cos.data_ptr(), sin.data_ptr(), token_slots.data_ptr(), positions.data_ptr(),
+                       token_start.data_ptr(), seq_slots.data_ptr(), key_len.data_ptr())
+        lib = packed.library()
+        scratch = torch.empty(lib.adaflash_layer_scratch_floats(ctypes.byref(self.shape), t), dtype=torch.float32)
+        h = h.clone()  # updated in place, layer by layer
+        captured = []
+        threads = torch.get_num_threads()
+        for i, layer in enumerate(structs):
+            with packed.profiled("adaflash::decoder_layer"):
+                lib.adaflash_decoder_layer(h.data_ptr(), ctypes.byref(layer), i, ctypes.byref(self.shape),
+                                           ctypes.byref(batch), scratch.data_ptr(), threads)
+            if i in capture:
+                captured.append(h.clone())
+        return h, captured

@@ -1,0 +1,82 @@
+"""The whole-layer step (one kernel call per decoder layer) against the Python layer loop it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaflash.models.kernels import layer_step, packed
+from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.layers import silu_mul
+from adaflash.models.target import load_target
+
+pytestmark = pytest.mark.skipif(packed.library() is None, reason="our CPU kernels cannot run here")
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 128), (3, 1536), (20, 72), (5, 13)])
+def test_silu_mul_matches_torch(rows, inter):
+    gate_up = torch.randn(rows, 2 * inter) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+def test_silu_mul_keeps_torchs_kernel_under_autograd():
+    gate_up = torch.randn(2, 16, requires_grad=True)
+    silu_mul(gate_up).sum().backward()
+    assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
+
+
+def _steps(model):
+    """Prefill (20 tokens: past the step's 16 queries, the loop), a 3-token verify with captures, a decode step,
+    a ragged batch joining two new sequences, and a mixed batch over all three."""
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(3, 64)
+    outs = [model(ids[:20], RaggedBatch.build([0], [0], [20]), cache, capture_layers=(1, 3)),
+            model(ids[20:23], RaggedBatch.build([0], [20], [3]), cache, capture_layers=(3, 0)),
+            model(ids[23:24], RaggedBatch.build([0], [23], [1]), cache),
+            model(ids[24:30], RaggedBatch.build([2, 1], [0, 0], [2, 4]), cache, capture_layers=(2,)),
+            model(ids[30:40], RaggedBatch.build([0, 1, 2], [24, 4, 2], [5, 1, 4]), cache)]
+    return outs, cache
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_the_step_is_bitwise_the_layer_loop(tiny_checkpoints, name, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
+    model = load_target(tiny_checkpoints[name], dtype=torch.float32)
+    assert model.layer_steps is not None
+    ran, run = [], layer_step.LayerSteps.run
+
+    def spy(self, *args):
+        out = run(self, *args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(layer_step.LayerSteps, "run", spy)
+    monkeypatch.setenv("ADAFLASH_LAYER_STEP", "0")
+    loop, loop_cache = _steps(model)
+    assert ran == [False] * 5
+    ran.clear()
+    monkeypatch.setenv("ADAFLASH_LAYER_STEP", "1")
+    fused, fused_cache = _steps(model)
+    assert ran == [False, True, True, True, True]  # the 20-token prefill stays on the loop
+    for a, b in zip(loop, fused):
+        assert torch.equal(a.logits, b.logits)
+        assert (a.hidden is None) == (b.hidden is None) and (a.hidden is None or torch.equal(a.hidden, b.hidden))
+    assert torch.equal(loop_cache.k, fused_cache.k) and torch.equal(loop_cache.v, fused_cache.v)
+    assert loop_cache.lengths == fused_cache.lengths
+
+
+def test_the_step_steps_aside_where_a_piece_has_no_kernel(tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
+    assert load_target(tiny_checkpoints["qwen3"], dtype=torch.float32).layer_steps is None  # q/k norm: the loop
+    model = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
+    ids = torch.arange(4)
+    fused = model(ids, RaggedBatch.build([0], [0], [4]), model.new_cache(1, 8)).logits
+    model.layers[1].down.mul_(2.0)  # in place: that packed copy is stale, so torch's kernel (and the loop) run
+    assert model.layer_steps._layers_at(4) is None
+    changed = model(ids, RaggedBatch.build([0], [0], [4]), model.new_cache(1, 8)).logits
+    model.layers[1].down.mul_(0.5)
+    assert not torch.allclose(fused, changed)
+    monkeypatch.setenv("ADAFLASH_KERNELS", "stock")
+    assert load_target(tiny_checkpoints["llama"], dtype=torch.float32).layer_steps is None
