@@ -4,10 +4,10 @@
 
 Both decode the same chat prompts greedily to the same length, alternating run by run (this machine is
 noisy); medians are reported with the measured memory bandwidth and the bandwidth limit of the weight bytes a
-decode step streams. Where the packed kernels are available ours runs three times: with the per-machine kernel
-choice (the default: the quantized kernel over the GGUF's blocks where it is faster), with the packed fp32 kernel
-only (ADAFLASH_KERNELS=packed) and with torch's stock kernels (=stock), so what each kernel buys is measured in the
-same run.
+decode step streams. Where the packed kernels are available ours runs four times: with the per-machine kernel
+choice (the default: the quantized kernel over the GGUF's blocks where it is faster, one kernel call per layer),
+the same with the layers run op by op from Python (ADAFLASH_LAYER_STEP=0), with the packed fp32 kernel only
+(ADAFLASH_KERNELS=packed) and with torch's stock kernels (=stock), so what each piece buys is measured in the same run.
 When llama.cpp is built (`make peer`), its `llama-bench` decode on the target's own GGUF is reported beside.
 """
 
@@ -63,16 +63,17 @@ def forward_cost_ms(model, context: int, query_lens=(1, 2, 4, 8, 16), repeats: i
 
 
 @contextlib.contextmanager
-def _kernels(mode: str):
-    old = os.environ.get("ADAFLASH_KERNELS")
-    os.environ["ADAFLASH_KERNELS"] = mode
+def _env(settings: dict[str, str]):
+    old = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["ADAFLASH_KERNELS"]
-        else:
-            os.environ["ADAFLASH_KERNELS"] = old
+        for name, value in old.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def llama_bench_decode(model_name: str, tokens: int, threads: int, repeats: int = 3) -> dict | None:
@@ -123,19 +124,22 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
         dtype = DTYPES[name]
         # Each variant loads and runs under its own ADAFLASH_KERNELS mode: the linears fix their kernels at load,
         # attention and the fused steps read the mode at every call.
-        modes = {"chosen": os.environ.get("ADAFLASH_KERNELS", "auto")}
+        modes = {"chosen": {"ADAFLASH_KERNELS": os.environ.get("ADAFLASH_KERNELS", "auto")}}
         ours = {"chosen": load_target(checkpoint, dtype=dtype)}
+        if ours["chosen"].layer_steps is not None:  # the same model and kernels, layers run op by op from Python
+            modes["chosen, op-by-op layers"] = {**modes["chosen"], "ADAFLASH_LAYER_STEP": "0"}
+            ours["chosen, op-by-op layers"] = ours["chosen"]
         if ours["chosen"].fast_lm_head is not None:  # what each kernel buys, in the same run
             for variant, mode in (("packed fp32", "packed"), ("stock", "stock")):
-                modes[variant] = mode
-                with _kernels(mode):
+                modes[variant] = {"ADAFLASH_KERNELS": mode}
+                with _env(modes[variant]):
                     ours[variant] = load_target(checkpoint, dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
         tps = {variant: [] for variant in ours}
         hf_tps, agree = [], []
         same_as_chosen = {variant: [] for variant in ours}
         for variant, model in ours.items():  # warm-up all
-            with _kernels(modes[variant]):
+            with _env(modes[variant]):
                 autoregressive_generate(model, prompts[0], 4)
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
         with tqdm(total=repeats * len(prompts) * (len(ours) + 1), desc=f"runtime vs HF ({name})", unit="run") as bar:
@@ -143,7 +147,7 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
                 for ids in prompts:
                     outputs = {}
                     for variant, model in ours.items():
-                        with _kernels(modes[variant]):
+                        with _env(modes[variant]):
                             r = autoregressive_generate(model, ids, max_new_tokens)  # no stop tokens: fixed length
                         tps[variant].append(len(r.token_ids) / r.stats.elapsed_s)
                         outputs[variant] = r.token_ids
@@ -167,7 +171,7 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
         hf_med = statistics.median(hf_tps)
         costs = {}
         for variant, model in ours.items():
-            with _kernels(modes[variant]):
+            with _env(modes[variant]):
                 costs[variant] = forward_cost_ms(model, 256)
         chosen = ours["chosen"]
         weight_bytes = chosen.streamed_weight_bytes(1)
@@ -224,7 +228,9 @@ def to_markdown(results: dict) -> str:
     lines += ["", "Token agreement with transformers (chosen kernels): "
               + ", ".join(f"{n} {r['token_agreement_with_transformers']:.0%}" for n, r in results["by_dtype"].items())
               + ". chosen = the per-machine choice per weight and row count (kernels/selection.py: the quantized "
-              "kernel over the GGUF's own blocks where it measured fastest); packed fp32 = the packed kernel on the "
+              "kernel over the GGUF's own blocks where it measured fastest, one kernel call per decoder layer); "
+              "op-by-op layers = the same kernels called layer op by layer op from Python (bitwise the same); "
+              "packed fp32 = the packed kernel on the "
               "dequantized fp32 weights (bitwise the quantized kernel's outputs); stock = torch's kernels (another summation "
               "order: may part at float ties)."]
     lines += ["Token agreement: the share of positions where our greedy tokens equal transformers', up to the first EOS "

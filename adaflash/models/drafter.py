@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from adaflash.models.config import TransformerConfig, rope_theta_of
 from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
-from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
+from adaflash.models.kernels.layer_step import LayerSteps, StepLayer
+from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable, version_of
 from adaflash.models.layers import apply_rope, rms_norm, rope_cos_sin
 
 
@@ -248,6 +249,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(d, config.rms_norm_eps)
         # Not a parameter or buffer: the state dict stays the public schema's; saved in its own file.
         self.draft_vocab: DraftVocab | None = None
+        self._layer_steps: LayerSteps | None = None  # the block pass in one kernel call per layer (use_fast_linears)
+        self._step_sources: list[tuple[torch.Tensor, int | None]] = []  # what the step's stacked copies came from
 
     def set_draft_vocab(self, vocab: DraftVocab | None) -> None:
         if vocab is not None and vocab.vocab_size != self.config.vocab_size:
@@ -264,7 +267,30 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if isinstance(module, Projection) and packable(module.weight):
                 module.fast = FastLinear(module.weight, module.bias, choice)
+        self._layer_steps = self._build_layer_steps(choice)
         return True
+
+    def _build_layer_steps(self, choice: KernelChoice) -> LayerSteps | None:
+        """q/k/v and gate/up stacked into one packed weight each (an inference copy: `_steps_current` notices when
+        training changes or replaces the originals, and the loop runs instead)."""
+        c, steps = self.config, []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            stacked = {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), "o": a.o_proj.weight,
+                       "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]), "down": m.down_proj.weight}
+            if not all(packable(w) for w in stacked.values()):
+                return None
+            steps.append(StepLayer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                                   {name: FastLinear(w.detach(), None, choice) for name, w in stacked.items()},
+                                   a.q_norm.weight.detach(), a.k_norm.weight.detach()))
+        self._step_sources = [(p, version_of(p)) for p in self.layers.parameters()]
+        return LayerSteps(steps, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                          c.rms_norm_eps)
+
+    def _steps_current(self) -> bool:
+        params = list(self.layers.parameters())
+        return (self._layer_steps is not None and len(params) == len(self._step_sources)
+                and all(p is q and version_of(p) == v for p, (q, v) in zip(params, self._step_sources)))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -306,11 +332,15 @@ class DFlashDrafter(nn.Module):
         attention = RaggedAttention(batch, causal=False, device=self.device)
         cos, sin = self._rope(batch.positions)
         h = block_embeds.to(device=self.device, dtype=self.dtype).reshape(r * b, d)
+        # Block K/V land past the context length (overwritten by the next context): neither path commits lengths.
+        fused = self._layer_steps.run(h, attention, cache, cos, sin, set()) if self._steps_current() else None
+        if fused is not None:
+            return self.norm(fused[0]).view(r, b, d)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             k, v = attn.keys_values(x, cos, sin)
-            attention.write(cache, i, k, v)  # past the context length: overwritten by the next context
+            attention.write(cache, i, k, v)
             h = h + attn.o_proj(attention.attend(cache, i, attn.queries(x, cos, sin)))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h).view(r, b, d)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from adaflash.models.config import TransformerConfig
 from adaflash.models.gguf_blocks import QuantizedWeight, quantized_weights
-from adaflash.models.kernels.layer_step import LayerSteps
+from adaflash.models.kernels.layer_step import LayerSteps, StepLayer
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
 from adaflash.models.layers import apply_rope, fused_kernels_available, linear, rms_norm, rope_cos_sin, silu_mul
@@ -91,9 +91,9 @@ class TargetModel(nn.Module):
         self.lm_head_blocks = quantized.get(head)  # the drafter's (trimmed) head takes its rows
         self.fast_lm_head = FastLinear(self.lm_head, None, choice, self.lm_head_blocks) if packable(self.lm_head) else None
         c = self.config
-        if not c.qk_norm:  # the fused step has no q/k norm (Qwen3 runs the Python loop)
-            self.layer_steps = LayerSteps(self.layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                          c.intermediate_size, c.rms_norm_eps)
+        self.layer_steps = LayerSteps(
+            [StepLayer(layer.input_norm, layer.post_norm, layer.fast, layer.q_norm, layer.k_norm) for layer in self.layers],
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
         return True
 
     def streamed_weight_bytes(self, rows: int = 1) -> int:

@@ -1,6 +1,7 @@
-// One whole decoder layer in one call, for steps of up to 16 new tokens per sequence (decode, verify, draft-sized
-// blocks): RMSNorm, the fused q/k/v projection, RoPE + K/V cache write, ragged attention, the output projection and
-// residual, RMSNorm, the fused gate/up projection, SiLU * up, the down projection and residual.
+// One whole decoder layer in one call, for steps of up to 16 new tokens per sequence (decode, verify, draft blocks):
+// RMSNorm, the fused q/k/v projection, the optional per-head q/k RMSNorm, RoPE + K/V cache write, ragged attention
+// (causal or not: each token's key count says), the output projection and residual, RMSNorm, the fused gate/up
+// projection, SiLU * up, the down projection and residual. The target's layers and the DFlash drafter's share it.
 //
 // Why: at one row a decode step's arithmetic is ~10 ms, and the eager Python loop around it added ~5 ms of per-op
 // overhead (13 torch or ctypes calls per layer, 30 layers). This calls the very kernels that loop calls, in the same
@@ -35,6 +36,8 @@ struct Linear {
 struct Layer {
   const float* input_norm;
   const float* post_norm;
+  const float* q_norm;  // [head_dim] per-head RMSNorm of queries / keys before RoPE (Qwen3, DFlash), or null
+  const float* k_norm;
   Linear qkv, o, gate_up, down;
 };
 
@@ -93,6 +96,13 @@ void adaflash_decoder_layer(float* h, const Layer* layer, int64_t layer_index, c
 
   adaflash_rms_norm(h, t, d, layer->input_norm, s->eps, x, threads);
   run_linear(layer->qkv, x, t, qkv, threads);
+  const int64_t width = (s->heads + 2 * s->kv_heads) * s->head_dim;
+  for (int64_t i = 0; i < t && (layer->q_norm || layer->k_norm); ++i) {  // in place: each row is read, then written
+    float* row = qkv + i * width;
+    if (layer->q_norm) adaflash_rms_norm(row, s->heads, s->head_dim, layer->q_norm, s->eps, row, threads);
+    float* keys = row + s->heads * s->head_dim;
+    if (layer->k_norm) adaflash_rms_norm(keys, s->kv_heads, s->head_dim, layer->k_norm, s->eps, keys, threads);
+  }
   adaflash_rope_qkv(qkv, t, s->heads, s->kv_heads, s->head_dim, b->cos, b->sin, k_cache, v_cache, b->max_len,
                     b->token_slot, b->position, q);
   adaflash_ragged_attention(q, s->heads, s->head_dim, k_cache, v_cache, s->kv_heads, b->max_len, b->num_seqs,

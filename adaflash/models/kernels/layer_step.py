@@ -1,9 +1,10 @@
-"""The target's decoder layers run one ctypes call each (layer_step.cpp) instead of ~13 torch / ctypes calls.
+"""Decoder layers run one ctypes call each (layer_step.cpp) instead of ~13 torch / ctypes calls: the target's, and
+the DFlash drafter's block pass.
 
-Only where every piece of the layer has our kernel: fp32 on CPU, no q/k norm (Llama / Qwen2 shapes), at most
-attention.MAX_QUERIES new tokens per sequence, and each linear's chosen kernel at this row count packed (not torch's).
-Elsewhere TargetModel.forward runs its Python loop, which calls the same kernels: the two are bitwise equal (tested).
-ADAFLASH_LAYER_STEP=0 keeps the Python loop (to measure what the fused step saves).
+Only where every piece of the layer has our kernel: fp32 on CPU, at most attention.MAX_QUERIES new tokens per
+sequence, and each linear's chosen kernel at this row count packed (not torch's). Elsewhere the caller runs its
+Python loop, which calls the same kernels: for the target the two are bitwise equal (tested).
+ADAFLASH_LAYER_STEP=0 keeps the Python loops (to measure what the fused step saves).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from adaflash.models.kernels import attention as attention_kernel
 from adaflash.models.kernels import packed
-from adaflash.models.kernels.selection import ROW_BUCKETS
+from adaflash.models.kernels.selection import ROW_BUCKETS, FastLinear
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -28,7 +30,8 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_norm", _p), *((name, _Linear) for name in LINEARS)]
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
+                *((name, _Linear) for name in LINEARS)]
 
 
 class _Shape(ctypes.Structure):
@@ -46,25 +49,45 @@ def enabled() -> bool:
     return os.environ.get("ADAFLASH_LAYER_STEP", "1") != "0" and packed.enabled_library() is not None
 
 
-class LayerSteps:
-    """The fused step over a target's layers (DecoderLayer objects with `.fast` FastLinears), per row bucket."""
+@dataclass(frozen=True)
+class StepLayer:
+    """One decoder layer as the step reads it: the two norms, the per-head q/k norms (or None) and the four fused
+    linears by name (qkv = q, k, v stacked; gate_up = gate, up stacked)."""
 
-    def __init__(self, layers: Sequence, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                 eps: float) -> None:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    linears: dict[str, FastLinear]
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class LayerSteps:
+    """The fused step over a stack of StepLayers, its ctypes structures kept per row bucket."""
+
+    def __init__(self, layers: Sequence[StepLayer], hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float) -> None:
+        for layer in layers:
+            for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm):
+                if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()):
+                    raise ValueError("the layer step reads contiguous fp32 norm weights")
         self.layers = list(layers)
         self.shape = _Shape(hidden, heads, kv_heads, head_dim, intermediate, eps, head_dim ** -0.5)
         self.head_dim = head_dim
-        self._by_bucket: dict[int, ctypes.Array | None] = {}
+        self._by_bucket: dict[int, ctypes.Array] = {}
 
     def _layers_at(self, rows: int) -> ctypes.Array | None:
-        """The layers' structures for `rows` rows, or None if some linear runs torch's kernel there. Rebuilt per call
-        from each FastLinear's current kernel (kernel_for also checks that the weights did not change)."""
+        """The layers' structures for `rows` rows, or None if some linear runs torch's kernel there (kernel_for also
+        checks that its weights did not change since they were packed)."""
         bucket = bisect.bisect_left(ROW_BUCKETS, rows)
         if bucket >= len(ROW_BUCKETS):
             return None
         kernels = []
         for layer in self.layers:
-            row = [layer.fast[name].kernel_for(rows) if name in layer.fast else None for name in LINEARS]
+            row = [layer.linears[name].kernel_for(rows) if name in layer.linears else None for name in LINEARS]
             if None in row:
                 return None
             kernels.append(row)
@@ -73,19 +96,20 @@ class LayerSteps:
             structs = (_Layer * len(self.layers))()
             for s, layer, row in zip(structs, self.layers, kernels):
                 s.input_norm, s.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+                s.q_norm, s.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
                 for name, kernel in zip(LINEARS, row):
-                    bias = kernel.bias.data_ptr() if kernel.bias is not None else None
-                    setattr(s, name, _Linear(kernel.packed.data_ptr(), kernel.format_code, bias, kernel.n, kernel.k))
+                    setattr(s, name, _Linear(kernel.packed.data_ptr(), kernel.format_code, _ptr(kernel.bias),
+                                             kernel.n, kernel.k))
             self._by_bucket[bucket] = structs
         return structs
 
     def run(self, h: torch.Tensor, attention, cache, cos: torch.Tensor, sin: torch.Tensor,
             capture: set[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """Every layer over the residual stream `h` [T, hidden] of a RaggedAttention batch (causal); returns the
-        final stream and the stream after each layer in `capture` (ascending), or None where the step cannot run
+        """Every layer over the residual stream `h` [T, hidden] of a RaggedAttention batch (causal or not); returns
+        the final stream and the stream after each layer in `capture` (ascending), or None where the step cannot run
         (the caller runs its Python loop)."""
         t = h.shape[0]
-        if (not enabled() or h.dtype != torch.float32 or h.device.type != "cpu" or not attention.causal
+        if (not enabled() or h.dtype != torch.float32 or h.device.type != "cpu"
                 or attention.qmax > attention_kernel.MAX_QUERIES
                 or not attention_kernel.available(h.dtype, h.device, self.head_dim)):
             return None

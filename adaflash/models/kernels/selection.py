@@ -157,7 +157,7 @@ class FastLinear:
     def _source(self) -> tuple:
         """What the packed copy was made from: any in-place change bumps a version, a move changes the storage."""
         parts = [self.weight] + ([self.bias] if self.bias is not None else [])
-        return tuple((_version(t), t.data_ptr(), t.dtype, t.device) for t in parts)
+        return tuple((version_of(t), t.data_ptr(), t.dtype, t.device) for t in parts)
 
     def kernel_for(self, rows: int):
         """The packed kernel that runs `rows` rows, or None where torch's does (past the buckets, a bucket that chose
@@ -172,10 +172,11 @@ class FastLinear:
         return stock_linear(x, self.weight, self.bias)  # also once the weights changed after packing
 
 
-def _version(t: torch.Tensor) -> int | None:
+def version_of(t: torch.Tensor) -> int | None:
+    """The in-place change counter of `t` (None for an inference tensor, which cannot change outside one)."""
     try:
         return t._version
-    except RuntimeError:  # an inference tensor has no version counter (and cannot be changed in place outside one)
+    except RuntimeError:
         return None
 
 

@@ -27,6 +27,19 @@ def test_silu_mul_keeps_torchs_kernel_under_autograd():
     assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
 
 
+def _spy_on_the_step(monkeypatch) -> list[bool]:
+    """Records, per LayerSteps.run call, whether the step ran (True) or left it to the caller's loop."""
+    ran, run = [], layer_step.LayerSteps.run
+
+    def spy(self, *args):
+        out = run(self, *args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(layer_step.LayerSteps, "run", spy)
+    return ran
+
+
 def _steps(model):
     """Prefill (20 tokens: past the step's 16 queries, the loop), a 3-token verify with captures, a decode step,
     a ragged batch joining two new sequences, and a mixed batch over all three."""
@@ -40,19 +53,12 @@ def _steps(model):
     return outs, cache
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q/k norms
 def test_the_step_is_bitwise_the_layer_loop(tiny_checkpoints, name, monkeypatch):
     monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
     model = load_target(tiny_checkpoints[name], dtype=torch.float32)
     assert model.layer_steps is not None
-    ran, run = [], layer_step.LayerSteps.run
-
-    def spy(self, *args):
-        out = run(self, *args)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(layer_step.LayerSteps, "run", spy)
+    ran = _spy_on_the_step(monkeypatch)
     monkeypatch.setenv("ADAFLASH_LAYER_STEP", "0")
     loop, loop_cache = _steps(model)
     assert ran == [False] * 5
@@ -69,7 +75,6 @@ def test_the_step_is_bitwise_the_layer_loop(tiny_checkpoints, name, monkeypatch)
 
 def test_the_step_steps_aside_where_a_piece_has_no_kernel(tiny_checkpoints, monkeypatch):
     monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
-    assert load_target(tiny_checkpoints["qwen3"], dtype=torch.float32).layer_steps is None  # q/k norm: the loop
     model = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
     ids = torch.arange(4)
     fused = model(ids, RaggedBatch.build([0], [0], [4]), model.new_cache(1, 8)).logits
@@ -80,3 +85,33 @@ def test_the_step_steps_aside_where_a_piece_has_no_kernel(tiny_checkpoints, monk
     assert not torch.allclose(fused, changed)
     monkeypatch.setenv("ADAFLASH_KERNELS", "stock")
     assert load_target(tiny_checkpoints["llama"], dtype=torch.float32).layer_steps is None
+
+
+def test_the_drafters_block_pass_runs_the_step_and_agrees_with_its_loop(monkeypatch):
+    """The drafter's step stacks q/k/v and gate/up (an inference copy) and uses the SiLU kernel, so it is close to
+    the loop rather than bitwise (drafts need not be exact: verification keeps the output the target's); after an
+    in-place change to the weights the loop runs on the new values."""
+    from adaflash.models.drafter import DrafterConfig
+    from adaflash.models.drafter_checkpoint import init_drafter
+
+    monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        vocab_size=96, block_size=8, mask_token_id=3, target_layer_ids=(1, 2), num_target_layers=4,
+                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512)
+    drafter = init_drafter(cfg, seed=1).eval()
+    assert drafter.use_fast_linears() and drafter._steps_current()
+    cache = drafter.new_cache(2, 64)
+    drafter.extend_context(cache, torch.randn(10, 128), RaggedBatch.build([0, 1], [0, 0], [6, 4]))
+    block = torch.randn(2, 8, 64)
+
+    def draft(flag):
+        monkeypatch.setenv("ADAFLASH_LAYER_STEP", flag)
+        return drafter.draft_hidden(cache, block, [0, 1])
+
+    ran = _spy_on_the_step(monkeypatch)
+    torch.testing.assert_close(draft("1"), draft("0"), atol=1e-5, rtol=1e-4)
+    assert ran == [True, False]
+    with torch.no_grad():
+        drafter.layers[0].mlp.down_proj.weight.mul_(3.0)
+    assert not drafter._steps_current()
+    torch.testing.assert_close(draft("1"), draft("0"))
