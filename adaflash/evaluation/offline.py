@@ -236,13 +236,21 @@ def run_offline_bench(
 def machine_info() -> dict[str, Any]:
     import torch
 
+    from adaflash.models.kernels.selection import cpu_model
+
     return {
+        "cpu": cpu_model(),
         "processor": platform.processor() or platform.machine(),
         "machine": platform.machine(),
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+
+
+def cpu_label(machine: dict[str, Any]) -> str:
+    """The CPU a result ran on, as its machine_info names it (older files have no "cpu")."""
+    return machine.get("cpu") or machine["processor"]
 
 
 def policy_state_label(carry: bool) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from adaflash.cli_args import set_threads
 from adaflash.data import load_prompts
-from adaflash.evaluation.offline import command_line, provenance, write_json
+from adaflash.evaluation.offline import command_line, cpu_label, provenance, write_json
 
 DOMAINS = {"math": "gsm8k", "code": "humaneval", "chat": "mt-bench", "multilingual": "mgsm"}
 
@@ -76,7 +76,7 @@ def to_markdown(report: dict) -> str:
         "# Our speculative speedup vs transformers' prompt-lookup decoding (batch 1, greedy)",
         "",
         f"Command: `{report['command']}`",
-        f"Machine: {report['machine']['processor']}, {report['machine']['threads']} threads, {report['dtype']}; "
+        f"Machine: {cpu_label(report['machine'])}, {report['machine']['threads']} threads, {report['dtype']}; "
         f"ours: DFlash drafter, length policy {report['length_policy']}; transformers: prompt_lookup_num_tokens="
         f"{report['lookup']}. Each speedup is over its own AR on the same prompts (median).",
         "",

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from adaflash.cli_args import set_threads
-from adaflash.evaluation.offline import machine_info, write_json
+from adaflash.evaluation.offline import cpu_label, machine_info, write_json
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.registry import resolve_target
@@ -94,7 +94,7 @@ def to_markdown(report: dict) -> str:
     m = report["machine"]
     lines = ["# Where a target step's time goes (torch.profiler, self CPU time per bucket)", "",
              f"Command: `{report['command']}`  ",
-             f"Machine: {m['processor']}, {m['threads']} threads, {report['dtype']}, context {report['context']} tokens, "
+             f"Machine: {cpu_label(m)}, {m['threads']} threads, {report['dtype']}, context {report['context']} tokens, "
              "nothing else running.", "",
              "Op by op (the Python layer loop, profiled), and the wall time of the whole-layer step that runs by "
              "default:", "",

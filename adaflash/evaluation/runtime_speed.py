@@ -27,7 +27,9 @@ import torch
 from tqdm import tqdm
 
 from adaflash.evaluation.demo import DEMO_PROMPTS
+from adaflash.evaluation.offline import cpu_label
 from adaflash.models.dtype import DTYPES, cpu_has_native_bf16
+from adaflash.models.kernels.selection import cpu_model
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.registry import load_tokenizer, resolve_target
 from adaflash.models.target import load_target
@@ -109,6 +111,7 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
         "command": f"python -m adaflash.evaluation.runtime_speed --model {model_name} --dtypes {','.join(dtype_names)} "
         f"--max-new-tokens {max_new_tokens} --repeats {repeats}",
         "machine": {
+            "cpu": cpu_model(),
             "processor": platform.processor() or platform.machine(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "native_bf16": cpu_has_native_bf16(),
@@ -210,7 +213,7 @@ def to_markdown(results: dict) -> str:
         "# Runtime speed: batch-1 greedy AR decoding, ours vs transformers `generate`",
         "",
         f"Command: `{results['command']}`  ",
-        f"Machine: {m['processor']}, {m['cpu_capability']}, native bf16: {m['native_bf16']}, {m['threads']} threads, "
+        f"Machine: {cpu_label(m)}, {m['cpu_capability']}, native bf16: {m['native_bf16']}, {m['threads']} threads, "
         f"torch {m['torch']}, measured read bandwidth {m['read_bandwidth_GBps']} GB/s.  ",
         f"{results['max_new_tokens']} new tokens per run, prompts of {results['prompt_tokens']} tokens, medians over alternating runs.",
         "",

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from adaflash.cli_args import command_group
-from adaflash.evaluation.offline import command_line, provenance, write_json
+from adaflash.evaluation.offline import command_line, cpu_label, provenance, write_json
 from adaflash.models.draft_vocab import DraftVocab
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
@@ -104,7 +104,7 @@ def to_markdown(report: dict) -> str:
         f"Command: `{report['command']}`",
         f"Ranked on {report['train_samples']} training samples' responses; coverage on {report['held_out_samples']} "
         f"held-out samples ({report['held_out_tokens'].get('all', 0)} response tokens).",
-        f"Machine: {report['machine']['processor']}, {report['machine']['threads']} threads, {report['dtype']}.",
+        f"Machine: {cpu_label(report['machine'])}, {report['machine']['threads']} threads, {report['dtype']}.",
         "",
         "| rows kept | " + " | ".join(f"coverage {d}" for d in domains) + " | draft step ms, batch 1 | batch 32 |",
         "|---" * (len(domains) + 3) + "|",

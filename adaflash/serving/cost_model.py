@@ -17,7 +17,8 @@ import torch
 @dataclass(frozen=True)
 class CostModel:
     """Seconds of one target verify pass as a function of the batch's total tokens, plus the drafter's
-    cost per drafting request.
+    cost per drafting request: `draft_s` for a whole block, or by draft length where `draft_widths` were profiled
+    (the proposer runs a block only as wide as the drafts it is asked for).
 
     Profiled on the running machine (`profile_cost_model`), piecewise-linear in between the measured points.
     """
@@ -25,22 +26,41 @@ class CostModel:
     total_tokens: tuple[int, ...]
     verify_s: tuple[float, ...]
     draft_s: float
+    draft_widths: tuple[int, ...] = ()  # drafter block widths profiled (anchor + drafts), ascending
+    draft_width_s: tuple[float, ...] = ()
 
     def verify(self, tokens: int) -> float:
-        xs, ys = self.total_tokens, self.verify_s
-        if tokens <= xs[0]:
-            return ys[0] * tokens / xs[0]
-        i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)  # extrapolates linearly past the last point
+        return _interpolate(self.total_tokens, self.verify_s, tokens)
+
+    def draft(self, num_draft: int) -> float:
+        """The drafter's seconds for one request drafting `num_draft` tokens (0: not drafting)."""
+        if num_draft <= 0:
+            return 0.0
+        if not self.draft_widths:
+            return self.draft_s
+        return _interpolate(self.draft_widths, self.draft_width_s, num_draft + 1, through_zero=False)
 
     def to_json(self) -> str:
-        return json.dumps({"total_tokens": self.total_tokens, "verify_s": self.verify_s, "draft_s": self.draft_s})
+        return json.dumps({"total_tokens": self.total_tokens, "verify_s": self.verify_s, "draft_s": self.draft_s,
+                           "draft_widths": self.draft_widths, "draft_width_s": self.draft_width_s})
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
         d = json.loads(text)
-        return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]))
+        return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]),
+                   tuple(d.get("draft_widths", ())), tuple(d.get("draft_width_s", ())))
+
+
+def _interpolate(xs: tuple, ys: tuple, x: float, through_zero: bool = True) -> float:
+    """Piecewise-linear through the points, extrapolated linearly past the last; below the first, towards 0 (a
+    verify of fewer tokens) or flat (a drafter pass has a floor)."""
+    if x <= xs[0]:
+        return ys[0] * x / xs[0] if through_zero else ys[0]
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 3) -> CostModel:
@@ -60,16 +80,19 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
             samples.append(time.perf_counter() - start)
             cache.rollback(0, context)
         times.append(sorted(samples)[len(samples) // 2])
-    draft_s = 0.0
+    widths, width_s = [], []
     if proposer is not None:
         dcache = proposer.new_cache(1, context + proposer.block_size)
         hidden = torch.zeros(context, len(proposer.capture_layers) * target.config.hidden_size, dtype=target.dtype)
         proposer.add_context(dcache, hidden, RaggedBatch.build([0], [0], [context]))
-        start = time.perf_counter()
-        for _ in range(repeats):
-            proposer.propose(dcache, [0], [100], [proposer.block_size - 1], [SamplingParams()], [None])
-        draft_s = (time.perf_counter() - start) / repeats
-    return CostModel(tuple(points), tuple(times), draft_s)
+        widths = sorted({w for w in (2, 4, 8, proposer.block_size) if w <= proposer.block_size})
+        for w in widths:  # propose runs a block of anchor + drafts: its cost grows with the draft length
+            proposer.propose(dcache, [0], [100], [w - 1], [SamplingParams()], [None])
+            start = time.perf_counter()
+            for _ in range(repeats):
+                proposer.propose(dcache, [0], [100], [w - 1], [SamplingParams()], [None])
+            width_s.append((time.perf_counter() - start) / repeats)
+    return CostModel(tuple(points), tuple(times), width_s[-1] if width_s else 0.0, tuple(widths), tuple(width_s))
 
 
 def load_or_profile_cost_model(target, proposer, max_tokens: int, cache_file: Path | None) -> CostModel:

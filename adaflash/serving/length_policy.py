@@ -70,24 +70,24 @@ def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel, max_dr
 
     survival[r][j-1] = P(request r's drafts 1..j all accepted), non-increasing in j: the expected gain of
     r's j-th draft position. Starting from no drafts, repeatedly add the position with the largest gain while
-    (expected tokens) / (verify cost(total tokens) + drafter cost x drafting requests) rises. At batch 1
+    (expected tokens) / (verify cost(total tokens) + the drafter's cost of every request's draft length) rises. At batch 1
     verification is nearly free and lengths grow; under load every token costs and they shrink.
     """
     lengths = [0] * len(survival)
     expected = float(len(survival))  # every request commits at least the target's own token
-    tokens, drafting = len(survival), 0
+    tokens, drafter_s = len(survival), 0.0
     best = expected / cost.verify(tokens)
     heap = [(-float(s[0]), i) for i, s in enumerate(survival) if max_draft > 0 and len(s)]
     heapq.heapify(heap)
     while heap:
         neg_gain, i = heapq.heappop(heap)
-        # A request's first draft position also puts it into the drafter pass.
-        now_drafting = drafting + (lengths[i] == 0)
-        rate = (expected - neg_gain) / (cost.verify(tokens + 1) + cost.draft_s * now_drafting)
+        # A request's first draft position puts it into the drafter pass; later ones widen its block.
+        now_drafter_s = drafter_s + cost.draft(lengths[i] + 1) - cost.draft(lengths[i])
+        rate = (expected - neg_gain) / (cost.verify(tokens + 1) + now_drafter_s)
         if rate <= best:
             break
         lengths[i] += 1
-        expected, tokens, drafting, best = expected - neg_gain, tokens + 1, now_drafting, rate
+        expected, tokens, drafter_s, best = expected - neg_gain, tokens + 1, now_drafter_s, rate
         if lengths[i] < min(max_draft, len(survival[i])):
             heapq.heappush(heap, (-float(survival[i][lengths[i]]), i))
     return lengths

@@ -21,8 +21,19 @@ def test_verify_is_piecewise_linear_and_extrapolates():
     assert COST.verify(24) == pytest.approx(0.11)  # past the last point: the last segment's slope
 
 
+def test_drafter_cost_by_draft_length():
+    assert COST.draft(0) == 0.0 and COST.draft(1) == COST.draft(9) == 0.005  # no widths profiled: one block cost
+    by_width = CostModel((4,), (0.02,), draft_s=0.009, draft_widths=(2, 4, 16), draft_width_s=(0.002, 0.003, 0.009))
+    assert by_width.draft(0) == 0.0
+    assert by_width.draft(1) == pytest.approx(0.002)  # width 2: anchor + 1 draft
+    assert by_width.draft(2) == pytest.approx(0.0025)
+    assert by_width.draft(15) == pytest.approx(0.009)
+
+
 def test_json_round_trip():
     assert CostModel.from_json(COST.to_json()) == COST
+    by_width = CostModel((4,), (0.02,), draft_s=0.009, draft_widths=(2, 16), draft_width_s=(0.002, 0.009))
+    assert CostModel.from_json(by_width.to_json()) == by_width
 
 
 def test_a_cached_file_is_read_not_profiled(tmp_path):
@@ -40,6 +51,7 @@ def test_profile_once_then_cached(tiny_chat_checkpoint, tmp_path, monkeypatch):
     assert path.parent == tmp_path / "cost_models" and path.name.startswith("qwen2-float32-L1-B4-Vfull-T8-th")
     model = cost_model_for(target, proposer, "tiny/qwen2", max_tokens=8)
     assert model.total_tokens == (1, 2, 4, 8) and all(t > 0 for t in model.verify_s) and model.draft_s > 0
+    assert model.draft_widths == (2, 4) and model.draft_width_s[-1] == model.draft_s  # block 4: widths 2 and 4
     assert path.is_file() and CostModel.from_json(path.read_text()) == model
     assert cost_model_for(target, proposer, "tiny/qwen2", max_tokens=8) == model  # the second call reads the file
     monkeypatch.setenv("ADAFLASH_KERNELS", "stock")  # other kernels, other costs: another file

@@ -55,6 +55,14 @@ def test_allocate_drafts_gives_the_likelier_request_more():
     assert high > low
 
 
+def test_allocate_drafts_prices_the_draft_block_by_its_width():
+    survival = [[0.8 ** j for j in range(1, 8)]]
+    whole = CostModel((1, 64), (0.01, 0.01), draft_s=0.012)  # any draft pays a whole block: not worth it here
+    by_width = CostModel((1, 64), (0.01, 0.01), draft_s=0.012, draft_widths=(2, 8), draft_width_s=(0.0005, 0.012))
+    assert allocate_drafts(survival, whole, 7) == [0]
+    assert allocate_drafts(survival, by_width, 7) == [4]  # short blocks pay; past 4 the widening costs more
+
+
 def test_throughput_learns_alpha_from_feedback():
     policy, (r,) = ThroughputLength(FREE_VERIFY, prior=0.6), _requests(1)
     policy.feedback(r, drafted=4, accepted=4)

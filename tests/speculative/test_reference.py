@@ -61,6 +61,22 @@ def test_stop_tokens_and_budget(tiny_checkpoints):
         assert spec.token_ids == ar.token_ids[:budget]
 
 
+def test_propose_runs_a_block_only_as_wide_as_its_longest_draft(tiny_checkpoints):
+    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
+    proposer = _random_proposer(target)
+    cache = proposer.new_cache(2, 32)
+    features = torch.randn(9, len(proposer.capture_layers) * target.config.hidden_size)
+    proposer.add_context(cache, features, RaggedBatch.build([0, 1], [0, 0], [5, 4]))
+    greedy = [SamplingParams()] * 2
+    drafts = proposer.propose(cache, [0, 1], [7, 9], [1, 3], greedy, [None] * 2)
+    narrow = proposer.draft_hidden(cache, [0, 1], [7, 9], width=4)
+    assert narrow.shape[1] == 4
+    assert torch.equal(drafts.tokens, proposer.draft_tokens(narrow, [1, 3], greedy, [None] * 2).tokens)
+    assert proposer.draft_hidden(cache, [0], [7]).shape[1] == proposer.block_size  # the length head's whole block
+    with pytest.raises(ValueError, match="wide"):
+        proposer.draft_hidden(cache, [0], [7], width=proposer.block_size + 1)
+
+
 def test_bad_arguments(tiny_checkpoints):
     target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
     proposer = _random_proposer(target)

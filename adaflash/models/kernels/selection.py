@@ -33,7 +33,8 @@ STOCK, PACKED, QUANTIZED = "stock", "packed", "quantized"
 _EVICT_BYTES = 64 << 20  # read between timed calls: more than any L3 here, so a timed call streams its weights
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (what results and kernel caches are keyed by)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -46,14 +47,14 @@ def _cpu_model() -> str:
 def kernel_fingerprint() -> str:
     """What the speed of a forward pass depends on besides the model and threads: the CPU, the kernel build and the
     ADAFLASH_KERNELS mode (cached timings of whole passes, like the cost models, key on it)."""
-    key = f"{_cpu_model()}|{packed.source_digest()}|{os.environ.get('ADAFLASH_KERNELS', 'auto')}"
+    key = f"{cpu_model()}|{packed.source_digest()}|{os.environ.get('ADAFLASH_KERNELS', 'auto')}"
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 def cache_file() -> Path:
     from adaflash.models.registry import cache_root
 
-    key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{packed.source_digest()}"
+    key = f"{cpu_model()}|threads={torch.get_num_threads()}|{packed.source_digest()}"
     return cache_root() / "kernels" / f"choices-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -119,7 +120,7 @@ class KernelChoice:
         self._file.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self._file.parent, suffix=".json.tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"cpu": _cpu_model(), "threads": torch.get_num_threads(), "shapes": shapes}, f, indent=1)
+            json.dump({"cpu": cpu_model(), "threads": torch.get_num_threads(), "shapes": shapes}, f, indent=1)
         os.replace(tmp, self._file)
 
 
