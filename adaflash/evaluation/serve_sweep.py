@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
 import sys
 from contextlib import ExitStack, contextmanager
@@ -33,6 +32,7 @@ from adaflash.cli_args import command_group
 from adaflash.evaluation.peer import (LLAMA_SERVER, launched_process, llama_server_command, peer_bin_dir, peer_env,
                                       require_binary)
 from adaflash.evaluation.serve_bench import run_level
+from adaflash.models.kernels.selection import cpu_model
 
 
 def launched_server(name: str, serve_args: list[str], port: int, max_batch: int, log_dir: Path, threads: int | None = None,
@@ -180,7 +180,7 @@ def _cmd(args: argparse.Namespace) -> int:
 def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict]) -> None:
     names = [n for n, _ in servers + peers]
     meta = {"command": "adaflash " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+            "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
             "servers": {n: a for n, a in servers}, "peers": {n: ["llama-server", *a] for n, a in peers},
             "max_batch": args.max_batch, "max_tokens": args.max_tokens,
             "threads_per_server": args.threads or "torch default"}
