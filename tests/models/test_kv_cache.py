@@ -96,3 +96,32 @@ def test_decode_attention_is_the_same_through_views_and_gathers(slots):
         expected = _reference(q[row : row + 1], cache.k[0, slot, :, :n].transpose(0, 1), cache.v[0, slot, :, :n].transpose(0, 1),
                               lengths[slot])
         torch.testing.assert_close(out[row : row + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_batched_prefill_attends_each_sequence_as_if_alone():
+    """Prefill-length queries (past the ragged kernel's 16) run SDPA per sequence over its own keys: no padding to
+    the longest prompt, and a sequence's rows are bitwise what it gets alone - from position 0 or after a prefix."""
+    g = torch.Generator().manual_seed(2)
+    max_len = 64
+    cache = KVCache(LAYERS, SLOTS, max_len, KV_HEADS, DIM, torch.float32)
+    cache.k[0, 1, :, :5] = torch.randn(KV_HEADS, 5, DIM, generator=g)  # slot 1 continues after a 5-token prefix
+    cache.v[0, 1, :, :5] = torch.randn(KV_HEADS, 5, DIM, generator=g)
+    cache.lengths[1] = 5
+    spec = [(0, 0, 30), (1, 5, 20), (2, 0, 3)]  # (slot, start, new tokens)
+    batch = RaggedBatch.build(*map(list, zip(*spec)))
+    q = torch.randn(batch.num_tokens, HEADS, DIM, generator=g)
+    k_new = torch.randn(batch.num_tokens, KV_HEADS, DIM, generator=g)
+    v_new = torch.randn(batch.num_tokens, KV_HEADS, DIM, generator=g)
+    attention = RaggedAttention(batch, causal=True)
+    attention.write(cache, 0, k_new, v_new)
+    out = attention.attend(cache, 0, q)
+    offset = 0
+    for slot, start, n in spec:
+        rows = slice(offset, offset + n)
+        alone = RaggedAttention(RaggedBatch.build([slot], [start], [n]), causal=True).attend(cache, 0, q[rows])
+        if n > 16:  # the short one runs the ragged kernel alone, SDPA in the batch: close, not bitwise
+            assert torch.equal(out[rows], alone)
+        keys = cache.k[0, slot, :, : start + n].transpose(0, 1)
+        values = cache.v[0, slot, :, : start + n].transpose(0, 1)
+        torch.testing.assert_close(out[rows], _reference(q[rows], keys, values, start), atol=1e-5, rtol=1e-5)
+        offset += n
