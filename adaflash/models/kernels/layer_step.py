@@ -19,7 +19,7 @@ import torch
 
 from adaflash.models.kernels import attention as attention_kernel
 from adaflash.models.kernels import packed
-from adaflash.models.kernels.selection import ROW_BUCKETS, FastLinear
+from adaflash.models.kernels.selection import ROW_BUCKETS, FastLinear, version_of
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 LINEARS = ("qkv", "o", "gate_up", "down")
@@ -77,30 +77,35 @@ class LayerSteps:
         self.layers = list(layers)
         self.shape = _Shape(hidden, heads, kv_heads, head_dim, intermediate, eps, head_dim ** -0.5)
         self.head_dim = head_dim
-        self._by_bucket: dict[int, ctypes.Array] = {}
+        self._by_bucket: dict[int, tuple[ctypes.Array, list]] = {}  # bucket -> (structures, (weight, version)s)
 
     def _layers_at(self, rows: int) -> ctypes.Array | None:
-        """The layers' structures for `rows` rows, or None if some linear runs torch's kernel there (kernel_for also
-        checks that its weights did not change since they were packed)."""
+        """The layers' structures for `rows` rows, or None if some linear runs torch's kernel there or has weights
+        changed in place since they were packed (then FastLinear runs torch's kernel on the new values, and so must
+        the caller's loop)."""
         bucket = bisect.bisect_left(ROW_BUCKETS, rows)
         if bucket >= len(ROW_BUCKETS):
             return None
+        cached = self._by_bucket.get(bucket)
+        if cached is not None:  # one version counter per weight: far cheaper than asking each FastLinear
+            structs, sources = cached
+            return structs if all(version_of(t) == v for t, v in sources) else None
         kernels = []
         for layer in self.layers:
             row = [layer.linears[name].kernel_for(rows) if name in layer.linears else None for name in LINEARS]
             if None in row:
                 return None
             kernels.append(row)
-        structs = self._by_bucket.get(bucket)
-        if structs is None:
-            structs = (_Layer * len(self.layers))()
-            for s, layer, row in zip(structs, self.layers, kernels):
-                s.input_norm, s.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-                s.q_norm, s.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
-                for name, kernel in zip(LINEARS, row):
-                    setattr(s, name, _Linear(kernel.packed.data_ptr(), kernel.format_code, _ptr(kernel.bias),
-                                             kernel.n, kernel.k))
-            self._by_bucket[bucket] = structs
+        structs = (_Layer * len(self.layers))()
+        for s, layer, row in zip(structs, self.layers, kernels):
+            s.input_norm, s.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            s.q_norm, s.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
+            for name, kernel in zip(LINEARS, row):
+                setattr(s, name, _Linear(kernel.packed.data_ptr(), kernel.format_code, _ptr(kernel.bias),
+                                         kernel.n, kernel.k))
+        sources = [(t, version_of(t)) for layer in self.layers for f in layer.linears.values()
+                   for t in (f.weight, f.bias) if t is not None]
+        self._by_bucket[bucket] = (structs, sources)
         return structs
 
     def run(self, h: torch.Tensor, attention, cache, cos: torch.Tensor, sin: torch.Tensor,
