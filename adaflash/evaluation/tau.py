@@ -22,6 +22,7 @@ from adaflash.cli_args import add_model_args, add_policy_state_arg, command_grou
 from adaflash.models.registry import resolve_drafter
 from adaflash.evaluation.offline import (
     command_line,
+    cpu_label,
     fmt,
     policy_state_label,
     provenance,
@@ -124,7 +125,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        f"Machine: {machine['processor']}, {machine['threads']} threads, torch {machine['torch']}; {report['timestamp']}.",
+        f"Machine: {cpu_label(machine)}, {machine['threads']} threads, torch {machine['torch']}; {report['timestamp']}.",
         "",
     ]
     return "\n".join(lines)
