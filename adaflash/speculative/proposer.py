@@ -77,8 +77,8 @@ class DFlashProposer:
 
         `width` (default: the whole block) = anchor + the positions wanted. A learned length head judges the whole
         block before any vocabulary projection runs; `propose` knows its draft lengths and runs a block only as
-        wide as the longest (measured on eval prompts: accept lengths -0.04..+0.01 from the whole block's, math
-        unchanged, for a drafter pass of 2.8 instead of 6.3 ms at two positions - docs/results/draft_width.md)."""
+        wide as the longest (measured on eval prompts: accept lengths -0.03..+0.02 from the whole block's, for a
+        drafter pass of 2.3 instead of 6.1 ms at two positions - docs/results/draft_width.md)."""
         b, mask = width or self.block_size, self.drafter.config.mask_token_id
         if not 2 <= b <= self.block_size:
             raise ValueError(f"a draft block is 2..{self.block_size} positions wide, got {b}")
