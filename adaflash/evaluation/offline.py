@@ -15,8 +15,10 @@ per-position acceptance: for k = 1..K, P(draft k accepted | drafts 1..k-1 accept
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -246,6 +248,21 @@ def machine_info() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+
+
+@contextlib.contextmanager
+def environment(settings: dict[str, str]):
+    """Environment variables set for the block, restored after (kernel switches read at load or at each call)."""
+    old = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def cpu_label(machine: dict[str, Any]) -> str:

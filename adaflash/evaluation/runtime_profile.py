@@ -12,7 +12,6 @@ what the loop's per-op overhead cost. Run with nothing else on the cores; the JS
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from adaflash.cli_args import set_threads
-from adaflash.evaluation.offline import cpu_label, machine_info, write_json
+from adaflash.evaluation.offline import cpu_label, environment, machine_info, write_json
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.registry import resolve_target
@@ -59,21 +58,21 @@ def profile_step(target, batch: int, query_len: int, context: int, repeats: int)
             cache.lengths[s] = context
         target(ids, step, cache)
 
-    os.environ["ADAFLASH_LAYER_STEP"] = "1"
-    fused_ms = _wall_ms(run, repeats)
-    os.environ["ADAFLASH_LAYER_STEP"] = "0"  # op by op, so the profiler sees each op
-    wall_ms = _wall_ms(run, repeats)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(repeats):
-            run()
+    with environment({"ADAFLASH_LAYER_STEP": "1"}):
+        fused_ms = _wall_ms(run, repeats)
+    with environment({"ADAFLASH_LAYER_STEP": "0"}):  # op by op, so the profiler sees each op
+        wall_ms = _wall_ms(run, repeats)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(repeats):
+                run()
     buckets: dict[str, float] = {}
     for event in prof.key_averages(group_by_input_shape=True):
         key = _bucket(event.key, event.input_shapes or [], target.config.vocab_size)
         buckets[key] = buckets.get(key, 0.0) + event.self_cpu_time_total / 1e3 / repeats
-    os.environ.pop("ADAFLASH_LAYER_STEP")
     ops_ms = sum(buckets.values())
     buckets["python_dispatch"] = max(0.0, wall_ms - ops_ms)
-    return {"wall_ms": round(wall_ms, 2), "layer_step_wall_ms": round(fused_ms, 2), "ms": {k: round(v, 2) for k, v in sorted(buckets.items())},
+    return {"wall_ms": round(wall_ms, 2), "layer_step_wall_ms": round(fused_ms, 2),
+            "ms": {k: round(v, 2) for k, v in sorted(buckets.items())},
             "share": {k: round(v / max(wall_ms, ops_ms), 3) for k, v in sorted(buckets.items())}}
 
 

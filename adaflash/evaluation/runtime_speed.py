@@ -14,7 +14,6 @@ When llama.cpp is built (`make peer`), its `llama-bench` decode on the target's 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -27,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from adaflash.evaluation.demo import DEMO_PROMPTS
-from adaflash.evaluation.offline import cpu_label
+from adaflash.evaluation.offline import cpu_label, environment
 from adaflash.models.dtype import DTYPES, cpu_has_native_bf16
 from adaflash.models.kernels.selection import cpu_model
 from adaflash.models.kv_cache import RaggedBatch
@@ -62,20 +61,6 @@ def forward_cost_ms(model, context: int, query_lens=(1, 2, 4, 8, 16), repeats: i
             cache.rollback(0, context)
         out[q] = 1000 * statistics.median(times[1:])
     return out
-
-
-@contextlib.contextmanager
-def _env(settings: dict[str, str]):
-    old = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
 
 
 def llama_bench_decode(model_name: str, tokens: int, threads: int, repeats: int = 3) -> dict | None:
@@ -135,14 +120,14 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
         if ours["chosen"].fast_lm_head is not None:  # what each kernel buys, in the same run
             for variant, mode in (("packed fp32", "packed"), ("stock", "stock")):
                 modes[variant] = {"ADAFLASH_KERNELS": mode}
-                with _env(modes[variant]):
+                with environment(modes[variant]):
                     ours[variant] = load_target(checkpoint, dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
         tps = {variant: [] for variant in ours}
         hf_tps, agree = [], []
         same_as_chosen = {variant: [] for variant in ours}
         for variant, model in ours.items():  # warm-up all
-            with _env(modes[variant]):
+            with environment(modes[variant]):
                 autoregressive_generate(model, prompts[0], 4)
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
         with tqdm(total=repeats * len(prompts) * (len(ours) + 1), desc=f"runtime vs HF ({name})", unit="run") as bar:
@@ -150,7 +135,7 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
                 for ids in prompts:
                     outputs = {}
                     for variant, model in ours.items():
-                        with _env(modes[variant]):
+                        with environment(modes[variant]):
                             r = autoregressive_generate(model, ids, max_new_tokens)  # no stop tokens: fixed length
                         tps[variant].append(len(r.token_ids) / r.stats.elapsed_s)
                         outputs[variant] = r.token_ids
@@ -174,7 +159,7 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
         hf_med = statistics.median(hf_tps)
         costs = {}
         for variant, model in ours.items():
-            with _env(modes[variant]):
+            with environment(modes[variant]):
                 costs[variant] = forward_cost_ms(model, 256)
         chosen = ours["chosen"]
         weight_bytes = chosen.streamed_weight_bytes(1)

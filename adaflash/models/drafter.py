@@ -276,13 +276,14 @@ class DFlashDrafter(nn.Module):
         c, steps = self.config, []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            stacked = {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), "o": a.o_proj.weight,
-                       "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]), "down": m.down_proj.weight}
-            if not all(packable(w) for w in stacked.values()):
+            stacked = {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                       "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight])}
+            if a.o_proj.fast is None or m.down_proj.fast is None or not all(map(packable, stacked.values())):
                 return None
+            linears = {name: FastLinear(w.detach(), None, choice) for name, w in stacked.items()}
+            linears.update(o=a.o_proj.fast, down=m.down_proj.fast)  # unstacked: the projections' own kernels
             steps.append(StepLayer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                                   {name: FastLinear(w.detach(), None, choice) for name, w in stacked.items()},
-                                   a.q_norm.weight.detach(), a.k_norm.weight.detach()))
+                                   linears, a.q_norm.weight.detach(), a.k_norm.weight.detach()))
         self._step_sources = [(p, version_of(p)) for p in self.layers.parameters()]
         return LayerSteps(steps, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                           c.rms_norm_eps)

@@ -8,6 +8,7 @@ stale entries past the length are never read (attention masks by position) and g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -89,7 +90,8 @@ class RaggedBatch:
 class RaggedAttention:
     """Scatter new K/V into the cache, then attend each sequence's queries to its cached keys.
 
-    Built once per forward and reused by every layer: index tensors and the mask depend only on the batch.
+    Built once per forward and reused by every layer: index tensors and the mask depend only on the batch
+    (each built on first use).
     `causal=False` lets every query see all keys of its own sequence up to the batch end (the drafter's
     non-causal block); `causal=True` is ordinary decoding.
     """
@@ -104,15 +106,10 @@ class RaggedAttention:
         n, qmax = len(batch.slots), max(batch.query_lens)
         self.qmax = qmax
         self._grouped_mask: torch.Tensor | None = None  # the mask tiled over the query heads of a KV head (lazy)
+        self._device = device
         if self.single:
             self.slot = batch.slots[0]
             self.start = batch.starts[0]
-            needs_mask = causal and batch.query_lens[0] > 1
-            if needs_mask:
-                key_pos = torch.arange(self.key_len, device=device)
-                self.mask = key_pos[None, :] <= batch.positions.to(device)[:, None]
-            else:
-                self.mask = None
             return
         # Equal query lengths (decode steps, fixed-size blocks): padding is a plain reshape, no scatter/gather.
         self.uniform = len(set(batch.query_lens)) == 1
@@ -128,16 +125,25 @@ class RaggedAttention:
         slots = list(batch.slots)
         contiguous = slots == list(range(slots[0], slots[0] + n))
         self.slot_range = slice(slots[0], slots[0] + n) if contiguous else torch.tensor(slots, device=device)
-        # Padded query positions: padding rows get position 0 so they see one key and never produce NaN.
-        qpos = torch.zeros(n, qmax, dtype=torch.long, device=device)
-        qpos[self.seq_of_token, self.within] = self.positions
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """The SDPA mask of the padded paths, built on first use (the ragged kernel and the per-sequence prefill
+        need none): [Q, key_len] for one sequence (None if it needs no mask), else [n, 1, qmax, key_len]."""
+        b, device = self.batch, self._device
         key_pos = torch.arange(self.key_len, device=device)
-        if causal:
+        if self.single:
+            return key_pos[None, :] <= b.positions.to(device)[:, None] if self.causal and b.query_lens[0] > 1 else None
+        n = len(b.slots)
+        # Padded query positions: padding rows get position 0 so they see one key and never produce NaN.
+        qpos = torch.zeros(n, self.qmax, dtype=torch.long, device=device)
+        qpos[self.seq_of_token, self.within] = self.positions
+        if self.causal:
             allowed = key_pos[None, None, :] <= qpos[:, :, None]
         else:
-            ends = torch.tensor(batch.ends, device=device)
-            allowed = (key_pos[None, :] < ends[:, None])[:, None, :].expand(n, qmax, self.key_len)
-        self.mask = allowed[:, None]  # [n, 1, qmax, key_len]
+            ends = torch.tensor(b.ends, device=device)
+            allowed = (key_pos[None, :] < ends[:, None])[:, None, :].expand(n, self.qmax, self.key_len)
+        return allowed[:, None]
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, kv_heads, head_dim] for the batch's new tokens."""
