@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from adaflash.cli_args import add_model_args, add_policy_state_arg, set_threads
+from adaflash.evaluation.context_length import register_cli as register_context_length_cli
 from adaflash.evaluation.drafter_eval import register_cli as register_drafter_eval_cli
 from adaflash.evaluation.load_test import register_cli as register_load_cli
 from adaflash.evaluation.sensitivity import register_cli as register_sensitivity_cli
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_eval_cli(sub)  # eval tau
     register_vocab_cli(sub)  # eval vocab
     register_drafter_eval_cli(sub)  # eval drafters, eval rkl-picture
+    register_context_length_cli(sub)  # eval context-length
     register_sensitivity_cli(sub)  # eval sensitivity
     register_serve_cli(sub)  # serve
     register_train_cli(sub)  # train drafter, train distill

@@ -1,5 +1,5 @@
-"""Drafters compared along the same target trajectories (teacher forcing): accept length per benchmark, per
-block position and per context length, with and without their length heads.
+"""Drafters compared along the same target trajectories (teacher forcing): accept length per benchmark and per
+block position, with and without their length heads (by context length: `context_length.py`).
 
     adaflash eval drafters --drafter dflash=DIR --drafter dflash+rkl=DIR2 --limit 8 --out docs/results/variance
 
@@ -32,27 +32,27 @@ from adaflash.serving.request import Request
 from adaflash.training.block_outcomes import BlockScores, score_blocks
 
 
-def target_trajectories(pipeline, dataset: str, limit: int, max_new_tokens: int, cache_dir: Path,
-                        spread_lengths: bool = False, max_prompt_tokens: int = 1536) -> list[Trajectory]:
-    """The target's greedy responses to a benchmark's first `limit` eval prompts (batched; cached on disk).
-    `spread_lengths`: instead, `limit` prompts evenly spread over the set's prompt lengths (context sweeps)."""
-    path = cache_dir / f"{dataset}-{limit}-{max_new_tokens}{'-spread' if spread_lengths else ''}.jsonl"
-    if path.is_file():
-        return read_trajectories(path)
-    prompts = load_prompts(dataset, "eval", limit=None if spread_lengths else limit)
-    ids = [pipeline.encode(messages=p.messages) for p in prompts]
-    if spread_lengths:
-        fits = sorted((len(x), i) for i, x in enumerate(ids) if len(x) <= max_prompt_tokens)
-        pick = [fits[round(j * (len(fits) - 1) / max(1, limit - 1))][1] for j in range(min(limit, len(fits)))]
-        prompts, ids = [prompts[i] for i in pick], [ids[i] for i in pick]
-    engine = build_engine(EngineConfig("ar", max_batch=len(ids), max_len=max(map(len, ids)) + max_new_tokens + 1),
+def greedy_trajectories(pipeline, ids: Sequence[Sequence[int]], sources: Sequence[str], max_new_tokens: int,
+                        max_batch: int = 32) -> list[Trajectory]:
+    """The target's greedy answers to prompts given as token ids (continuous batching, plain decoding)."""
+    engine = build_engine(EngineConfig("ar", max_batch=min(max_batch, len(ids)), max_len=max(map(len, ids)) + max_new_tokens + 1),
                           pipeline.engine_models())
-    requests = [Request(p.id, x, max_new_tokens, stop_token_ids=pipeline.stop_token_ids) for p, x in zip(prompts, ids)]
+    requests = [Request(f"r{i}", list(x), max_new_tokens, stop_token_ids=pipeline.stop_token_ids) for i, x in enumerate(ids)]
     for r in requests:
         engine.add_request(r)
     while engine.has_work():
         engine.step()
-    append_trajectories(path, [Trajectory(tuple(r.prompt_ids), tuple(r.output_ids), source=dataset) for r in requests])
+    return [Trajectory(tuple(r.prompt_ids), tuple(r.output_ids), source=s) for r, s in zip(requests, sources)]
+
+
+def target_trajectories(pipeline, dataset: str, limit: int, max_new_tokens: int, cache_dir: Path) -> list[Trajectory]:
+    """The target's greedy responses to a benchmark's first `limit` eval prompts (batched; cached on disk)."""
+    path = cache_dir / f"{dataset}-{limit}-{max_new_tokens}.jsonl"
+    if path.is_file():
+        return read_trajectories(path)
+    prompts = load_prompts(dataset, "eval", limit=limit)
+    ids = [pipeline.encode(messages=p.messages) for p in prompts]
+    append_trajectories(path, greedy_trajectories(pipeline, ids, [dataset] * len(ids), max_new_tokens))
     return read_trajectories(path)
 
 
@@ -89,25 +89,6 @@ def evaluate_drafter(target, drafter_dir: str, trajectories: dict[str, list[Traj
             "accept_len_std_across_benchmarks": statistics.pstdev(means),
             "per_position": pooled.per_position_acceptance(),
             "acceptance_std_across_positions": statistics.pstdev(positions) if len(positions) > 1 else 0.0}
-
-
-def context_length_table(target, drafter_dir: str, trajectories: Sequence[Trajectory], edges: Sequence[int]) -> list[dict]:
-    """Accept length by context length (the anchor's position), full blocks and the head's cut."""
-    drafter = load_drafter(drafter_dir, dtype=torch.float32)
-    head = load_length_head(drafter_dir)
-    scores = score_blocks(target, drafter, trajectories)
-    position = torch.cat(scores.anchors)
-    rows = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        sel = ((position >= lo) & (position < hi)).nonzero().flatten()
-        if len(sel) == 0:
-            continue
-        part = BlockScores(scores.outcomes.select(sel), (), ())
-        row = {"context_from": lo, "context_to": hi, "anchors": len(sel), "accept_len": part.accept_length}
-        if isinstance(head, PositionAcceptanceHead):
-            row["head"] = head_cut(head, part)
-        rows.append(row)
-    return rows
 
 
 def markdown(report: dict) -> str:
@@ -147,10 +128,6 @@ def _cmd(args: argparse.Namespace) -> int:
               ("--max-new-tokens", args.max_new_tokens), ("--benchmarks", args.benchmarks)])
               + " " + " ".join(f"--drafter {n}={p}" for n, p in drafters.items())),
               "drafters": {n: evaluate_drafter(pipeline.target, p, trajectories, args.anchors) for n, p in drafters.items()}}
-    if args.context_dataset:
-        long = target_trajectories(pipeline, args.context_dataset, args.limit, args.max_new_tokens, cache, spread_lengths=True)
-        edges = [int(e) for e in args.context_edges.split(",")]
-        report["context_length"] = {n: context_length_table(pipeline.target, p, long, edges) for n, p in drafters.items()}
     out = Path(args.out)
     write_json(report, out.with_suffix(".json"))
     out.with_suffix(".md").write_text(markdown(report))
@@ -211,8 +188,6 @@ def register_cli(subparsers) -> None:
     p.add_argument("--limit", type=int, default=8, help="eval prompts per benchmark")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--anchors", type=int, default=None, help="random anchors per response (default: every one)")
-    p.add_argument("--context-dataset", default=None, help="also tabulate accept length by context length on this set")
-    p.add_argument("--context-edges", default="0,128,256,512,1024,2048")
     p.add_argument("--cache-dir", default="runs/trajectories", help="where the target's responses are cached")
     p.add_argument("--out", required=True, help="path stem for .json and .md")
     p.set_defaults(func=_cmd)

@@ -1,12 +1,13 @@
 """`adaflash eval sensitivity`: how gsm8k accept length responds to the distillation's alpha, tau and gamma,
-and to the block head's rate.
+to the block head's rate and to the per-position head's threshold.
 
     adaflash eval sensitivity --config configs/smollm2-adaflash.toml --steps 30 --out docs/results/sensitivity
 
 Each distillation setting is one short run of the same recipe from the same starting drafter (one value
 changed at a time, the others at the release's defaults), scored by full-block greedy accept length along the
 target's gsm8k responses. The rate is an inference-time knob of the block head (`len = round(ratio x B x
-rate)`): scored on the same anchors, it trades accept length against verify length. Runs resume.
+rate)`) and the threshold one of the per-position head (verify the longest prefix whose predicted survival
+reaches it): scored on the same anchors, each trades accept length against verify length. Runs resume.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from adaflash.cli_args import command_group
 
 GRID = {"alpha": (0.5, 0.8, 1.0), "tau": (0.0, 0.01, 0.1), "gamma": (3.0, 7.0, 15.0)}
 RATES = (0.8, 1.0, 1.15, 1.3)
+THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7)
 
 
 def block_rate_table(head, scores, rates=RATES) -> list[dict]:
@@ -38,12 +40,20 @@ def block_rate_table(head, scores, rates=RATES) -> list[dict]:
     return rows
 
 
+def threshold_table(head, scores, thresholds=THRESHOLDS) -> list[dict]:
+    """Accept and verify length when the per-position head's cut (longest prefix with survival >= threshold) is
+    verified, for each threshold."""
+    from adaflash.evaluation.drafter_eval import head_cut
+
+    return [{"threshold": t, **head_cut(head, scores, t)} for t in thresholds]
+
+
 def _cmd(args: argparse.Namespace) -> int:
     from adaflash.evaluation.drafter_eval import target_trajectories
     from adaflash.evaluation.offline import provenance, write_json
     from adaflash.evaluation.plots import pyplot
     from adaflash.models.drafter_checkpoint import load_drafter
-    from adaflash.models.length_head import BlockLengthHead, load_length_head
+    from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead, load_length_head
     from adaflash.pipeline import Pipeline
     from adaflash.training.block_outcomes import score_blocks
     from adaflash.training.trainer import TeacherCache, TrainConfig, train
@@ -54,7 +64,7 @@ def _cmd(args: argparse.Namespace) -> int:
     runs = Path(args.runs_dir)
     teachers = None  # target passes shared by every run (same data, same target)
     report = {**provenance("adaflash " + " ".join(f"{a}" for a in ["eval", "sensitivity", "--config", args.config,
-                                                                     "--steps", str(args.steps)])),
+                                                                     "--steps", str(args.steps), "--limit", str(args.limit)])),
               "steps": args.steps, "distillation": {}}
     for param, values in GRID.items():
         if param not in args.params.split(","):
@@ -79,6 +89,12 @@ def _cmd(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.block_head} carries no block length head")
         scores = score_blocks(pipeline.target, load_drafter(args.block_head, dtype=torch.float32), trajectories)
         report["rate"] = block_rate_table(head, scores)
+    if args.position_head:
+        head = load_length_head(args.position_head)
+        if not isinstance(head, PositionAcceptanceHead):
+            raise ValueError(f"{args.position_head} carries no per-position length head")
+        scores = score_blocks(pipeline.target, load_drafter(args.position_head, dtype=torch.float32), trajectories)
+        report["threshold"] = threshold_table(head, scores)
     out = Path(args.out)
     write_json(report, out.with_suffix(".json"))
     lines = [f"# Sensitivity on gsm8k\n\n`{report['command']}`\n",
@@ -89,6 +105,12 @@ def _cmd(args: argparse.Namespace) -> int:
     if "rate" in report:
         lines += ["", "Block head rate (inference only):", "", "| rate | accept length | verify length |", "|---|---|---|"]
         lines += [f"| {r['rate']} | {r['accept_len']:.3f} | {r['verify_len']:.2f} |" for r in report["rate"]]
+    if "threshold" in report:
+        lines += ["", "Per-position head threshold (inference only; verify the longest prefix with predicted survival >= "
+                  "threshold, at least one draft):", "", "| threshold | accept length | verify length | tokens per verified token |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['threshold']} | {r['accept_len']:.3f} | {r['verify_len']:.2f} | {r['tokens_per_verified_token']:.3f} |"
+                  for r in report["threshold"]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plt = pyplot()
     fig, axes = plt.subplots(1, max(1, len(report["distillation"])), figsize=(4 * max(1, len(report["distillation"])), 3.2),
@@ -115,6 +137,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--limit", type=int, default=12, help="gsm8k eval prompts scored")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-head", default=None, help="a drafter dir carrying a block length head (for the rate)")
+    p.add_argument("--position-head", default=None, help="a drafter dir carrying a per-position head (for the threshold)")
     p.add_argument("--runs-dir", default="runs/sensitivity")
     p.add_argument("--cache-dir", default="runs/trajectories")
     p.add_argument("--out", required=True, help="path stem for .json, .md and .png")
