@@ -25,6 +25,7 @@ import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -64,6 +65,20 @@ def _parse_server(text: str) -> tuple[str, list[str]]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--server expects NAME=SERVE_ARGS, got {text!r}")
     return name, shlex.split(rest)
+
+
+def measure_cell(names: list[str], run: Callable[[str], dict]) -> dict[str, dict]:
+    """Every server's result in one cell, `run(name)` each. The baseline (names[0]) runs first and again last, so
+    what drifts during a cell (warm-up, the machine's clock) lands on both sides of the ratios: its throughput is the
+    mean of its two runs, both kept (`runs_tok_s`)."""
+    first = run(names[0])
+    results = {names[0]: first, **{n: run(n) for n in names[1:]}}
+    if len(names) > 1:
+        last = run(names[0])
+        runs = [first["output_tokens_per_s"], last["output_tokens_per_s"]]
+        results[names[0]] = {**first, "output_tokens_per_s": sum(runs) / 2, "runs_tok_s": runs,
+                             "failed": first["failed"] + last["failed"]}
+    return results
 
 
 def markdown_table(cells: list[dict], names: list[str]) -> str:
@@ -163,12 +178,14 @@ def _cmd(args: argparse.Namespace) -> int:
             for c in levels:
                 n_prompts = max(args.min_prompts, args.waves * c)
                 pool = (prompts[ds] * (n_prompts // len(prompts[ds]) + 1))[:n_prompts]
-                results = {}
-                for n in names:
+
+                def run(n: str) -> dict:
                     r = asyncio.run(run_level(urls[n], model, pool, c, args.max_tokens))
-                    results[n] = asdict(r)
                     print(f"{ds:>10} c={c:<3} {n:>20}: {r.output_tokens_per_s:7.1f} tok/s  failed {r.failed}  "
                           f"accept {r.accept_len_mean}  verify {r.verify_len_mean}", flush=True)
+                    return asdict(r)
+
+                results = measure_cell(names, run)
                 cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts, "results": results})
                 _write(out, args, servers, peers, cells)  # partial results survive an interruption
     _write(out, args, servers, peers, cells)
@@ -188,7 +205,8 @@ def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict
     out.with_suffix(".md").write_text(
         f"# Serving sweep\n\n`{meta['command']}`\n\nMachine: {meta['machine']}. Greedy, streaming chat completions, "
         f"{args.max_tokens} max tokens, max batch {args.max_batch}; each cell runs the servers one after another on "
-        f"the same prompts. Ratios are against `{names[0]}`.\n\n" + markdown_table(cells, names))
+        f"the same prompts. Ratios are against `{names[0]}`, which runs first and again last in every cell (its "
+        f"throughput: the mean of the two, both in the JSON).\n\n" + markdown_table(cells, names))
 
 
 def register_cli(subparsers) -> None:

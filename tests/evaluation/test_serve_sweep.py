@@ -1,0 +1,26 @@
+"""`bench sweep`'s cell measurement: the baseline brackets the other servers."""
+
+from __future__ import annotations
+
+from adaflash.evaluation.serve_sweep import measure_cell
+
+
+def test_the_baseline_runs_first_and_last_and_its_throughput_is_the_mean():
+    order, speeds = [], iter([40.0, 90.0, 70.0, 60.0])
+
+    def run(name):
+        order.append(name)
+        return {"output_tokens_per_s": next(speeds), "failed": 1 if len(order) == 4 else 0}
+
+    results = measure_cell(["ar", "a", "b"], run)
+    assert order == ["ar", "a", "b", "ar"]
+    assert list(results) == ["ar", "a", "b"]
+    assert results["ar"]["output_tokens_per_s"] == 50.0 and results["ar"]["runs_tok_s"] == [40.0, 60.0]
+    assert results["ar"]["failed"] == 1  # a failure in either baseline run counts
+    assert results["a"]["output_tokens_per_s"] == 90.0
+
+
+def test_a_lone_server_runs_once():
+    calls = []
+    results = measure_cell(["ar"], lambda n: calls.append(n) or {"output_tokens_per_s": 1.0, "failed": 0})
+    assert calls == ["ar"] and "runs_tok_s" not in results["ar"]
