@@ -83,18 +83,18 @@ def _cmd(args: argparse.Namespace) -> int:
         report["distillation"][param] = rows
     start = score_blocks(pipeline.target, load_drafter(base.init_from, dtype=torch.float32), trajectories).accept_length
     report["start_drafter_gsm8k_accept_len"] = start
+
+    def head_and_scores(drafter_dir: str, kind: type, what: str):
+        """A drafter dir's length head (of the kind asked for) and its drafter's full blocks on the gsm8k anchors."""
+        head = load_length_head(drafter_dir)
+        if not isinstance(head, kind):
+            raise ValueError(f"{drafter_dir} carries no {what} length head")
+        return head, score_blocks(pipeline.target, load_drafter(drafter_dir, dtype=torch.float32), trajectories)
+
     if args.block_head:
-        head = load_length_head(args.block_head)
-        if not isinstance(head, BlockLengthHead):
-            raise ValueError(f"{args.block_head} carries no block length head")
-        scores = score_blocks(pipeline.target, load_drafter(args.block_head, dtype=torch.float32), trajectories)
-        report["rate"] = block_rate_table(head, scores)
+        report["rate"] = block_rate_table(*head_and_scores(args.block_head, BlockLengthHead, "block"))
     if args.position_head:
-        head = load_length_head(args.position_head)
-        if not isinstance(head, PositionAcceptanceHead):
-            raise ValueError(f"{args.position_head} carries no per-position length head")
-        scores = score_blocks(pipeline.target, load_drafter(args.position_head, dtype=torch.float32), trajectories)
-        report["threshold"] = threshold_table(head, scores)
+        report["threshold"] = threshold_table(*head_and_scores(args.position_head, PositionAcceptanceHead, "per-position"))
     out = Path(args.out)
     write_json(report, out.with_suffix(".json"))
     lines = [f"# Sensitivity on gsm8k\n\n`{report['command']}`\n",
