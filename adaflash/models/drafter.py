@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from adaflash.models.config import TransformerConfig, rope_theta_of
 from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
+from adaflash.models.gguf_blocks import exact_bf16_blocks
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
 from adaflash.models.kernels.layer_step import LayerSteps, StepLayer
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable, version_of
@@ -260,13 +261,14 @@ class DFlashDrafter(nn.Module):
 
     def use_fast_linears(self) -> bool:
         """Inference passes run our kernels at the row counts where they measured faster (kernels/selection.py);
-        False, changing nothing, where they cannot run here."""
+        False, changing nothing, where they cannot run here. Weights saved in bf16 (every shipped checkpoint) also get
+        the BF16 kernel: bitwise the fp32 kernel's outputs from half the bytes."""
         if not fast_linears_available(self.fc.weight):
             return False
         choice = KernelChoice()
         for module in self.modules():
             if isinstance(module, Projection) and packable(module.weight):
-                module.fast = FastLinear(module.weight, module.bias, choice)
+                module.fast = FastLinear(module.weight, module.bias, choice, exact_bf16_blocks(module.weight))
         self._layer_steps = self._build_layer_steps(choice)
         return True
 
@@ -280,7 +282,7 @@ class DFlashDrafter(nn.Module):
                        "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight])}
             if a.o_proj.fast is None or m.down_proj.fast is None or not all(map(packable, stacked.values())):
                 return None
-            linears = {name: FastLinear(w.detach(), None, choice) for name, w in stacked.items()}
+            linears = {name: FastLinear(w.detach(), None, choice, exact_bf16_blocks(w)) for name, w in stacked.items()}
             linears.update(o=a.o_proj.fast, down=m.down_proj.fast)  # unstacked: the projections' own kernels
             steps.append(StepLayer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                                    linears, a.q_norm.weight.detach(), a.k_norm.weight.detach()))

@@ -44,6 +44,18 @@ class QuantizedWeight:
         return QuantizedWeight(self.fmt, self.blocks[index].contiguous())
 
 
+def exact_bf16_blocks(weight: torch.Tensor) -> QuantizedWeight | None:
+    """A weight every value of which is a bf16 (a checkpoint saved in bf16, loaded in fp32) as BF16 "blocks": the
+    quantized kernel streams half the fp32 bytes and computes bitwise the same outputs. None if any value is not."""
+    w = weight.detach()
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % 32:
+        return None
+    half = w.to(torch.bfloat16)
+    if not torch.equal(half.float(), w):
+        return None
+    return QuantizedWeight("BF16", half.contiguous().view(torch.uint8))
+
+
 def gguf_name(hf_name: str) -> str | None:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
@@ -85,7 +97,7 @@ def _build(gguf: Path, weights: dict[str, list[tuple[str, torch.Tensor]]]) -> di
         fmt = found[0].tensor_type.name
         if fmt not in QUANT_FORMATS:
             continue
-        raw = np.concatenate([np.asarray(t.data).reshape(t.data.shape[0], -1) for t in found])
+        raw = np.concatenate([np.asarray(t.data).reshape(t.data.shape[0], -1) for t in found]).view(np.uint8)
         weight = torch.cat([w for _, w in parts]).float().numpy()
         dequantized = dequantize(raw, found[0].tensor_type)
         if dequantized.size != weight.size:  # another tensor than the name says: keep the fp32 kernels

@@ -86,11 +86,21 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
         hidden = torch.zeros(context, len(proposer.capture_layers) * target.config.hidden_size, dtype=target.dtype)
         proposer.add_context(dcache, hidden, RaggedBatch.build([0], [0], [context]))
         widths = sorted({w for w in (2, 4, 8, proposer.block_size) if w <= proposer.block_size})
-        for w in widths:  # propose runs a block of anchor + drafts: its cost grows with the draft length
+        fed = RaggedBatch.build([0], [context], [2])
+
+        def draft_step(w: int) -> None:
+            """What a drafting request costs the drafter in one step: feeding the features of the last step's kept
+            positions (two, typically: at batch 1 the feed is a third of the drafter's time), then a block of
+            anchor + drafts, whose cost grows with the draft length."""
+            proposer.add_context(dcache, hidden[:2], fed)
             proposer.propose(dcache, [0], [100], [w - 1], [SamplingParams()], [None])
+            dcache.rollback(0, context)
+
+        for w in widths:
+            draft_step(w)
             start = time.perf_counter()
             for _ in range(repeats):
-                proposer.propose(dcache, [0], [100], [w - 1], [SamplingParams()], [None])
+                draft_step(w)
             width_s.append((time.perf_counter() - start) / repeats)
     return CostModel(tuple(points), tuple(times), width_s[-1] if width_s else 0.0, tuple(widths), tuple(width_s))
 

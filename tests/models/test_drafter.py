@@ -78,6 +78,29 @@ def test_cached_drafting_equals_dense_reference(fast, monkeypatch):
     torch.testing.assert_close(drafter.draft_hidden(cache, block[None], [1])[0], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_bf16_saved_drafter_drafts_bitwise_the_same_on_the_bf16_kernel(monkeypatch):
+    """Weights with bf16 values (how checkpoints are saved) run the BF16 kernel: context feed and block pass give the
+    fp32 kernel's results bit for bit."""
+    def run(mode):
+        monkeypatch.setenv("ADAFLASH_KERNELS", mode)
+        drafter = _drafter()
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        if not drafter.use_fast_linears():
+            pytest.skip("packed kernels unavailable here")
+        formats = {getattr(f.kernel_for(1), "fmt", "fp32") for m in drafter.modules() if (f := getattr(m, "fast", None))}
+        cache = drafter.new_cache(1, 32)
+        g = torch.Generator().manual_seed(3)
+        drafter.extend_context(cache, torch.randn(6, 128, generator=g), RaggedBatch.build([0], [0], [6]))
+        return formats, drafter.draft_hidden(cache, torch.randn(1, drafter.config.block_size, 64, generator=g), [0])
+
+    bf16_formats, bf16 = run("quantized")  # forced: the BF16 kernel wherever a weight has BF16 blocks
+    fp32_formats, fp32 = run("packed")
+    assert bf16_formats == {"BF16"} and fp32_formats == {"fp32"}
+    assert torch.equal(bf16, fp32)
+
+
 def test_batched_drafting_with_ragged_contexts():
     drafter = _drafter()
     b = drafter.config.block_size

@@ -43,8 +43,9 @@ class QuantFormat:
     packed_block_bytes: int  # one (panel, block): 16 outputs x 32 k
 
 
-# GGUF formats with a kernel here, by ggml type name.
-QUANT_FORMATS = {"Q4_1": QuantFormat(1, 20, 64 + BLOCK * 8), "Q8_0": QuantFormat(2, 34, 32 + BLOCK * 16)}
+# GGUF formats with a kernel here, by ggml type name (BF16: 32 bf16 a "block", widened exactly).
+QUANT_FORMATS = {"Q4_1": QuantFormat(1, 20, 64 + BLOCK * 8), "Q8_0": QuantFormat(2, 34, 32 + BLOCK * 16),
+                 "BF16": QuantFormat(3, 64, BLOCK * 32)}
 
 
 def _cpu_flags() -> set[str]:

@@ -12,6 +12,9 @@
 // a decode step. A panel's k-chunk is dequantized into an L1 scratch with exactly gguf's arithmetic (d * q rounded,
 // then + m rounded; never fused: built with -ffp-contract=off) and run through the same micro-kernel, so the output
 // is bitwise the fp32 kernel's on the dequantized weights - the same target, fewer bytes.
+//
+// BF16 weights (a drafter checkpoint saved in bf16, run in fp32): each weight widens exactly to fp32 (a 16-bit shift),
+// so the output is bitwise the fp32 kernel's on the same values, streaming half its bytes.
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
@@ -74,14 +77,27 @@ inline void chunk_rows(const float* x, int64_t m, int64_t k, const float* panel,
 // GGUF blocks hold 32 consecutive k of one output row. Packed per (panel, block): the 16 outputs' fp16 scales, then
 // per k the 16 outputs' quants side by side.
 constexpr int kBlock = 32;
-enum Format { kQ4_1 = 1, kQ8_0 = 2 };
+enum Format { kQ4_1 = 1, kQ8_0 = 2, kBF16 = 3 };
 // Q4_1 source block: d fp16, m fp16, 16 bytes (byte i: element i low nibble, element i + 16 high nibble).
 // Packed: d[16], m[16] fp16, then per k 8 bytes (byte j: output j low nibble, output j + 8 high nibble).
 constexpr int64_t kQ4_1Src = 20, kQ4_1Packed = 64 + kBlock * 8;
 // Q8_0 source block: d fp16, 32 int8. Packed: d[16] fp16, then per k 16 int8.
 constexpr int64_t kQ8_0Src = 34, kQ8_0Packed = 32 + kBlock * 16;
+// BF16 source "block": 32 bf16 (the row's k in order). Packed: per k the 16 outputs' bf16 side by side, no scales.
+constexpr int64_t kBF16Src = 64, kBF16Packed = kBlock * 32;
 
-inline int64_t packed_block_bytes(int format) { return format == kQ4_1 ? kQ4_1Packed : kQ8_0Packed; }
+constexpr int64_t packed_block_bytes(int format) {
+  return format == kQ4_1 ? kQ4_1Packed : format == kQ8_0 ? kQ8_0Packed : kBF16Packed;
+}
+constexpr int64_t source_block_bytes(int format) {
+  return format == kQ4_1 ? kQ4_1Src : format == kQ8_0 ? kQ8_0Src : kBF16Src;
+}
+
+// 8 bf16 -> 8 fp32, exactly (the bf16 bits are the fp32's high half).
+inline __m256 bf16x8(const uint8_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 
 inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
@@ -91,6 +107,13 @@ void dequant(int format, const uint8_t* panel, int64_t b0, int64_t b1, float* ou
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = panel + b * bytes;
     float* dst = out + (b - b0) * kBlock * kPanel;
+    if (format == kBF16) {
+      for (int kk = 0; kk < kBlock; ++kk) {
+        _mm256_storeu_ps(dst + kk * kPanel, bf16x8(blk + kk * 32));
+        _mm256_storeu_ps(dst + kk * kPanel + 8, bf16x8(blk + kk * 32 + 16));
+      }
+      continue;
+    }
     const __m256 d0 = half8(blk), d1 = half8(blk + 16);
     if (format == kQ4_1) {
       const __m256 m0 = half8(blk + 32), m1 = half8(blk + 48);
@@ -178,7 +201,10 @@ struct QuantBlock {
   const uint8_t* blk[NP];
   __m256 d[NP][2], m[NP][2];
   inline void load(int p, int64_t j, __m256& w0, __m256& w1) const {
-    if (Format == kQ4_1) {
+    if (Format == kBF16) {
+      w0 = bf16x8(blk[p] + j * 32);
+      w1 = bf16x8(blk[p] + j * 32 + 16);
+    } else if (Format == kQ4_1) {
       const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk[p] + 64 + j * 8)));
       w0 = _mm256_add_ps(_mm256_mul_ps(d[p][0], _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)))), m[p][0]);
       w1 = _mm256_add_ps(_mm256_mul_ps(d[p][1], _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4))), m[p][1]);
@@ -195,10 +221,11 @@ struct QuantSource {
   const uint8_t* base;
   int64_t stride;  // bytes between panels
   QuantBlock<Format, NP> block(int64_t b) const {
-    constexpr int64_t bytes = Format == kQ4_1 ? kQ4_1Packed : kQ8_0Packed;
+    constexpr int64_t bytes = packed_block_bytes(Format);
     QuantBlock<Format, NP> out;
     for (int p = 0; p < NP; ++p) {
       out.blk[p] = base + p * stride + b * bytes;
+      if (Format == kBF16) continue;  // no scales
       out.d[p][0] = half8(out.blk[p]), out.d[p][1] = half8(out.blk[p] + 16);
       if (Format == kQ4_1) out.m[p][0] = half8(out.blk[p] + 32), out.m[p][1] = half8(out.blk[p] + 48);
     }
@@ -276,7 +303,7 @@ void adaflash_packed_linear(const float* x, int64_t m, int64_t k, const float* p
 
 // src: GGUF blocks of n rows, [n][k / 32][block] -> packed: [n / 16][k / 32][packed block]. k % 32 == 0.
 void adaflash_pack_quantized(const uint8_t* src, int64_t n, int64_t k, int format, uint8_t* packed, int threads) {
-  const int64_t nb = k / kBlock, src_bytes = format == kQ4_1 ? kQ4_1Src : kQ8_0Src, bytes = packed_block_bytes(format);
+  const int64_t nb = k / kBlock, src_bytes = source_block_bytes(format), bytes = packed_block_bytes(format);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < n / kPanel; ++p) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -284,6 +311,10 @@ void adaflash_pack_quantized(const uint8_t* src, int64_t n, int64_t k, int forma
       std::memset(out, 0, bytes);
       for (int j = 0; j < kPanel; ++j) {
         const uint8_t* blk = src + ((p * kPanel + j) * nb + b) * src_bytes;
+        if (format == kBF16) {
+          for (int kk = 0; kk < kBlock; ++kk) std::memcpy(out + kk * 32 + 2 * j, blk + 2 * kk, 2);
+          continue;
+        }
         std::memcpy(out + 2 * j, blk, 2);  // d
         if (format == kQ4_1) {
           std::memcpy(out + 32 + 2 * j, blk + 2, 2);  // m
@@ -313,9 +344,13 @@ void adaflash_quantized_linear(const float* x, int64_t m, int64_t k, const uint8
                                     few_quant<kQ8_0, 4, 1>};
     static constexpr Few q8_one[] = {nullptr, few_quant<kQ8_0, 1, 1>, few_quant<kQ8_0, 2, 1>, few_quant<kQ8_0, 3, 1>,
                                      few_quant<kQ8_0, 4, 1>};
-    const bool q4 = format == kQ4_1;
-    run_few(q4 ? q4_np : q8_np, q4 ? q4_one : q8_one, static_cast<int>(m), x, k, packed, nb * bytes, nb * bytes, n,
-            bias, y, threads);
+    static constexpr Few bf_np[] = {nullptr, few_quant<kBF16, 1, 2>, few_quant<kBF16, 2, 2>, few_quant<kBF16, 3, 1>,
+                                    few_quant<kBF16, 4, 1>};
+    static constexpr Few bf_one[] = {nullptr, few_quant<kBF16, 1, 1>, few_quant<kBF16, 2, 1>, few_quant<kBF16, 3, 1>,
+                                     few_quant<kBF16, 4, 1>};
+    const Few* np = format == kQ4_1 ? q4_np : format == kQ8_0 ? q8_np : bf_np;
+    const Few* one = format == kQ4_1 ? q4_one : format == kQ8_0 ? q8_one : bf_one;
+    run_few(np, one, static_cast<int>(m), x, k, packed, nb * bytes, nb * bytes, n, bias, y, threads);
     return;
   }
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -110,7 +110,10 @@ class KernelChoice:
         with _CACHE_LOCK:
             times = _read_cache(self._file).get(key)
             if times is None or any(str(r) not in times or not set(kernels) <= set(times[str(r)]) for r in ROW_BUCKETS):
-                times = time_shape(weight, kernels)
+                # Merged with what other weights of this shape measured (a target's Q4_1, a drafter's BF16), so
+                # neither re-times at every load.
+                new = time_shape(weight, kernels)
+                times = {r: {**(times or {}).get(r, {}), **new[r]} for r in new}
                 self._save(key, times)
         return tuple(min([STOCK, *kernels], key=lambda name: times[str(r)][name]) for r in ROW_BUCKETS)
 

@@ -120,6 +120,34 @@ def test_quantized_kernel_is_bitwise_the_fp32_kernel_on_the_dequantized_weights(
         assert torch.equal(quantized(x), together)
 
 
+@pytest.mark.parametrize("n,k", [(16, 32), (80, 64), (576, 1536), (112, 288)])
+def test_bf16_kernel_is_bitwise_the_fp32_kernel_on_bf16_valued_weights(n, k):
+    """A drafter saved in bf16 and run in fp32: the BF16 kernel widens each weight exactly, so every row count gives
+    the fp32 kernel's outputs bit for bit, from half the bytes."""
+    from adaflash.models.gguf_blocks import exact_bf16_blocks
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16).float()
+    blocks = exact_bf16_blocks(w)
+    assert blocks is not None and blocks.fmt == "BF16" and blocks.blocks.shape == (n, 2 * k)
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        bf16, fp32 = packed.QuantizedLinear(blocks.blocks, "BF16", k, b), packed.PackedLinear(w, b)
+        for rows in (1, 2, 3, 4, 5, 8, 16, 70):
+            x = torch.randn(rows, k, generator=g)
+            assert torch.equal(bf16(x), fp32(x)), rows
+    assert bf16.packed.numel() == n * k * 2  # half the packed fp32 copy's bytes
+
+
+def test_only_exactly_bf16_weights_get_bf16_blocks():
+    from adaflash.models.gguf_blocks import exact_bf16_blocks
+
+    w = torch.randn(16, 64)
+    assert exact_bf16_blocks(w) is None  # fp32 values: a bf16 copy would change the weights
+    assert exact_bf16_blocks(w.to(torch.bfloat16).float()[:, :48]) is None  # k not a multiple of 32
+    assert exact_bf16_blocks(w.to(torch.bfloat16)) is None  # the kernel reads fp32 activations of fp32 weights
+
+
 def test_quantized_kernel_rejects_what_it_cannot_run():
     raw, _ = _gguf_blocks("Q4_1", 16, 64, seed=0)
     with pytest.raises(ValueError, match="no quantized kernel"):

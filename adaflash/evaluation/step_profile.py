@@ -1,0 +1,184 @@
+"""Where a speculative engine step's time goes at batch 1, beside a plain decode step.
+
+    python -m adaflash.evaluation.step_profile --dataset gsm8k --limit 4 --max-new-tokens 96 --lengths 1,2,3 \
+        --json docs/results/step_profile.json
+
+The engine `serve` runs (one slot) generates greedily for the same prompts under AR and under each fixed draft length
+k, alternating, in one process. Timers around the engine's parts split every decode step's wall time: the drafter's
+context feed (the target features of the last accepted tokens), the drafter's block pass, the draft LM head, the
+target's verify pass, and the rest (verification, commit, cache rollback, Python). From a step's cost and the tokens
+it commits follow tokens/s and the ratio to AR; the acceptance a draft needs to pay is the arithmetic below the
+table. Prefill steps are left out. Run with nothing else on the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from adaflash.cli_args import set_threads
+from adaflash.data import load_prompts
+from adaflash.evaluation.offline import command_line, cpu_label, machine_info, provenance, write_json
+from adaflash.serving.engine_factory import EngineConfig, build_engine
+from adaflash.serving.request import Request
+
+PARTS = ("context_feed", "draft_pass", "draft_head", "target_pass")
+
+
+class PartTimers:
+    """Wall time per named part, accumulated over one step at a time (`take` returns and clears it)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+
+    def timed(self, fn, part: str):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ms[part] = self.ms.get(part, 0.0) + 1e3 * (time.perf_counter() - start)
+        return wrapper
+
+    def take(self) -> dict[str, float]:
+        ms, self.ms = self.ms, {}
+        return ms
+
+
+@contextmanager
+def instrumented(engine, timers: PartTimers):
+    """Timers around the engine's parts, as instance attributes that shadow the methods (removed on exit)."""
+    patched = [(engine, "feed_context", "context_feed"), (engine.target, "forward", "target_pass")]
+    if engine.proposer is not None:
+        patched += [(engine.proposer, "draft_hidden", "draft_pass"), (engine.proposer, "draft_tokens", "draft_head")]
+    for obj, name, part in patched:
+        object.__setattr__(obj, name, timers.timed(getattr(obj, name), part))
+    try:
+        yield
+    finally:
+        for obj, name, _ in patched:
+            object.__delattr__(obj, name)
+
+
+def profile_generation(engine, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> tuple[list[dict], list[int]]:
+    """Generate one request; per decode step: wall ms, each part's ms and the tokens it committed."""
+    timers = PartTimers()
+    request = Request("profile", list(prompt_ids), max_new_tokens, stop_token_ids=stop_ids)
+    engine.add_request(request)
+    steps = []
+    with instrumented(engine, timers):
+        first = True
+        while engine.has_work():
+            before = len(request.output_ids)
+            start = time.perf_counter()
+            engine.step()
+            wall = 1e3 * (time.perf_counter() - start)
+            parts = timers.take()
+            if not first:  # the first step is the prefill
+                steps.append({"wall_ms": wall, "tokens": len(request.output_ids) - before, **parts})
+            first = False
+    return steps, request.output_ids
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Mean ms per step of each part (the rest = wall - parts), tokens per step, tokens/s."""
+    n = len(steps)
+    wall = sum(s["wall_ms"] for s in steps) / n
+    parts = {p: sum(s.get(p, 0.0) for s in steps) / n for p in PARTS}
+    parts["rest"] = wall - sum(parts.values())
+    tokens = sum(s["tokens"] for s in steps) / n
+    return {"steps": n, "step_ms": round(wall, 3), "tokens_per_step": round(tokens, 4),
+            "tokens_per_s": round(1e3 * tokens / wall, 2), "ms": {k: round(v, 3) for k, v in parts.items()}}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from adaflash.models.registry import resolve_drafter
+    from adaflash.pipeline import Pipeline
+
+    pipeline = Pipeline.load(args.model, resolve_drafter(args.model, args.drafter), args.dtype)
+    stop = list(pipeline.stop_token_ids)
+    prompts = [pipeline.encode(messages=p.messages) for p in load_prompts(args.dataset, "eval", limit=args.limit)]
+    max_len = max(map(len, prompts)) + args.max_new_tokens + pipeline.proposer.block_size + 1
+    methods = {"ar": EngineConfig("ar", max_batch=1, max_len=max_len)}
+    for k in args.lengths:
+        methods[f"fixed:{k}"] = EngineConfig("dflash", f"fixed:{k}", max_batch=1, max_len=max_len)
+    engines = {name: build_engine(config, pipeline.engine_models()) for name, config in methods.items()}
+    steps: dict[str, list[dict]] = {name: [] for name in engines}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    for ids in prompts[:1]:  # warm-up: kernel buffers, caches
+        for engine in engines.values():
+            profile_generation(engine, ids, 8, stop)
+    for _ in range(args.repeats):
+        for ids in prompts:
+            for name, engine in engines.items():  # alternating: drift falls on every method alike
+                s, out = profile_generation(engine, ids, args.max_new_tokens, stop)
+                steps[name] += s
+                outputs[name].append(out)
+    rows = {name: summarize(s) for name, s in steps.items()}
+    ar = rows["ar"]
+    for name, row in rows.items():
+        row["vs_ar"] = round(row["tokens_per_s"] / ar["tokens_per_s"], 3)
+        row["identical_to_ar"] = outputs[name] == outputs["ar"]
+    return {"rows": rows, "dataset": args.dataset, "prompts": len(prompts), "repeats": args.repeats,
+            "max_new_tokens": args.max_new_tokens, "dtype": str(pipeline.target.dtype).removeprefix("torch."),
+            "machine": machine_info()}
+
+
+def to_markdown(report: dict) -> str:
+    rows, ar = report["rows"], report["rows"]["ar"]
+    lines = [
+        f"# Where a speculative engine step's time goes (batch 1, {report['dataset']})", "",
+        f"Command: `{report['command']}`  ",
+        f"Machine: {cpu_label(report['machine'])}, {report['dtype']}, nothing else running. "
+        f"{report['prompts']} eval prompts x {report['repeats']}, up to {report['max_new_tokens']} new tokens, "
+        "greedy; mean ms per decode step (prefill left out).", "",
+        "| method | steps | step ms | " + " | ".join(PARTS) + " | rest | tokens / step | tok/s | vs AR | identical to AR |",
+        "|---|---|---|" + "---|" * len(PARTS) + "---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        parts = " | ".join(f"{r['ms'][p]:.2f}" for p in (*PARTS, "rest"))
+        lines.append(f"| {name} | {r['steps']} | {r['step_ms']:.2f} | {parts} | {r['tokens_per_step']:.3f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | {'yes' if r['identical_to_ar'] else 'NO'} |")
+    lines += ["", "Break-even: a fixed:k step pays when its tokens per step exceed its step ms / AR's step ms "
+              f"(AR: {ar['step_ms']:.2f} ms for 1 token):", ""]
+    for name, r in rows.items():
+        if name != "ar":
+            lines.append(f"- {name}: needs {r['step_ms'] / ar['step_ms']:.3f} tokens per step, commits "
+                         f"{r['tokens_per_step']:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--drafter", default=None, help="drafter dir (default: the model's shipped DFlash drafter)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dataset", default="gsm8k")
+    p.add_argument("--limit", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--lengths", type=lambda s: [int(k) for k in s.split(",")], default=[1, 2, 3])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    set_threads(args.threads)
+    report = run(args)
+    report.update(provenance(command_line(
+        ["python", "-m", "adaflash.evaluation.step_profile"],
+        [("--dataset", args.dataset), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),
+         ("--lengths", ",".join(map(str, args.lengths))), ("--repeats", args.repeats), ("--threads", args.threads),
+         ("--json", args.json)])))
+    text = to_markdown(report)
+    print(text)
+    if args.json:
+        write_json(report, args.json)
+        Path(args.json).with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
