@@ -12,7 +12,8 @@ def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = "the
     p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir (default: the shipped one, if any)")
     p.add_argument("--draft-vocab", default=None, metavar="K|full",
                    help="use only the K most frequent ids of the drafter's trimmed vocabulary, or 'full' to ignore it")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16, else fp32), bf16, fp32")
+    p.add_argument("--dtype", default="auto", help="auto (on a CPU: fp32 where our kernels run, else bf16 if native; "
+                   "bf16 on accelerators), bf16, fp32")
     p.add_argument(
         "--length-policy", default=None,
         help="draft length per step: fixed:K, heuristic, throughput (profiled cost model), adaflash (cost model + the "
