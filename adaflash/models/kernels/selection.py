@@ -90,6 +90,20 @@ def _read_cache(path: Path) -> dict[str, dict]:
         return {}  # absent or damaged: measured again
 
 
+NEAR_TIE = 1.1
+
+
+def _bytes(kernel, weight: torch.Tensor) -> int:
+    tensor = kernel.packed if kernel is not None else weight
+    return tensor.numel() * tensor.element_size()
+
+
+def _pick(by_bytes: list[str], ms: dict[str, float]) -> str:
+    """The first of `by_bytes` (fewest bytes first) whose time is within NEAR_TIE of the fastest."""
+    best = min(ms[name] for name in by_bytes)
+    return next(name for name in by_bytes if ms[name] <= NEAR_TIE * best)
+
+
 class KernelChoice:
     """Per (n, k) shape, the kernel for each row bucket."""
 
@@ -115,7 +129,11 @@ class KernelChoice:
                 new = time_shape(weight, kernels)
                 times = {r: {**(times or {}).get(r, {}), **new[r]} for r in new}
                 self._save(key, times)
-        return tuple(min([STOCK, *kernels], key=lambda name: times[str(r)][name]) for r in ROW_BUCKETS)
+        # Fewest bytes first: a kernel within NEAR_TIE of the fastest wins over one streaming more bytes (timings on a
+        # shared machine wobble by ~10%, and a real step shares the memory bus with the other cores).
+        # (torch's last among equals: ours give a row the same result at every row count)
+        by_bytes = sorted([STOCK, *kernels], key=lambda name: (_bytes(kernels.get(name), weight), name == STOCK))
+        return tuple(_pick(by_bytes, times[str(r)]) for r in ROW_BUCKETS)
 
     def _save(self, key: str, times: dict) -> None:
         """Merge into what is on disk now (another process may have added shapes), then replace atomically."""
