@@ -20,7 +20,8 @@ def engine_config(args: argparse.Namespace):
 
 
 def build_runner(args: argparse.Namespace):
-    """(pipeline, runner, watcher) from the parsed `serve` arguments: models loaded, engine built, nothing started."""
+    """(pipeline, runner, watcher) from the parsed `serve` arguments: models loaded and the engine built on the engine
+    thread, which is running (EngineRunner.launch: one thread does all the compute); the watcher not started."""
     from adaflash.models.drafter_checkpoint import latest_version
     from adaflash.models.registry import resolve_drafter
     from adaflash.pipeline import Pipeline
@@ -32,13 +33,16 @@ def build_runner(args: argparse.Namespace):
     # With --watch-versions the newest published version, if any, is what serves first.
     published = latest_version(args.watch_versions) if args.watch_versions and speculative else None
     drafter = (str(published) if published else resolve_drafter(args.model, args.drafter, args.method)) if speculative else None
-    pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab)
-    models = pipeline.engine_models(drafter_version=Path(drafter).name if drafter else "")
-    if config.needs_cost_model:
-        print("adaflash serve: loading or profiling the cost model (once per machine)", file=sys.stderr, flush=True)
-    policies = length_policy_factory(config, models)  # also what each hot-swapped drafter's policy comes from
-    engine = build_engine(config, models, policies(models.length_head) if policies else None)
-    runner = EngineRunner(engine)
+
+    def build():
+        pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab)
+        models = pipeline.engine_models(drafter_version=Path(drafter).name if drafter else "")
+        if config.needs_cost_model:
+            print("adaflash serve: loading or profiling the cost model (once per machine)", file=sys.stderr, flush=True)
+        policies = length_policy_factory(config, models)  # also what each hot-swapped drafter's policy comes from
+        return build_engine(config, models, policies(models.length_head) if policies else None), (pipeline, policies)
+
+    runner, (pipeline, policies) = EngineRunner.launch(build)
     watcher = None
     if args.watch_versions and speculative:
         from adaflash.serving.hot_swap import VersionWatcher

@@ -1,9 +1,9 @@
 """Hot-swap published drafter versions into a running engine (`adaflash serve --watch-versions DIR`).
 
 A trainer (`adaflash online`, or anything calling `publish_version`) writes `DIR/vNNNN` and points
-`DIR/LATEST` at it atomically; the watcher notices, checks and loads the drafter and its length head off
-the engine thread, and hands them to the engine between two steps. Running requests continue (their drafter
-context is rebuilt) and stay lossless.
+`DIR/LATEST` at it atomically; the watcher notices it, has the engine thread load the drafter and its length
+head between two steps (all compute stays on that one thread: runner.EngineRunner.launch says why), and swaps them
+in between the next two. Running requests continue (their drafter context is rebuilt) and stay lossless.
 
 A version that fails to load (a corrupt or truncated file) or does not fit the target (another hidden size,
 layer count, vocabulary, capture layers or block size) is refused: the incumbent keeps serving, the refusal
@@ -46,7 +46,7 @@ class VersionWatcher:
         self._thread: threading.Thread | None = None
 
     def _prepare(self, version: Path):
-        """The new proposer and policy, or VersionRefused; nothing touches the engine yet."""
+        """The new proposer and policy, or VersionRefused; run on the engine thread, nothing touches the engine yet."""
         serving = self.runner.snapshot  # never the engine itself: it belongs to the engine thread
         target = serving.target
         try:
@@ -77,7 +77,9 @@ class VersionWatcher:
         if latest is None or latest == self.loaded or latest in self.refused:
             return None
         try:
-            proposer, policy = self._prepare(latest)
+            # Loaded on the engine thread, between two steps (~a second of load): packing the weights on this
+            # thread would give OpenMP a second worker pool, which slows every later step (EngineRunner.launch).
+            proposer, policy = self.runner.call(lambda engine: self._prepare(latest)).result()
             self.runner.call(lambda engine: engine.swap_proposer(proposer, policy, latest.name)).result()
         except RunnerStoppedError:
             return None  # shutting down: not the version's fault

@@ -14,13 +14,14 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 from adaflash.models.target import TargetModel
 from adaflash.serving.engine import Engine
 from adaflash.serving.request import Request, StepOutput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RunnerStoppedError(RuntimeError):
@@ -123,6 +124,32 @@ class EngineRunner:
         return self.snapshot.max_len - self.snapshot.max_draft - 1
 
     # ---- lifecycle ---------------------------------------------------------------------------------
+
+    @classmethod
+    def launch(cls, build: Callable[[], tuple[Engine, T]],
+               observer: Callable[[StepStats], None] | None = None) -> tuple["EngineRunner", T]:
+        """Build the engine on the thread that then runs it (started): (runner, what `build` returned beside it).
+
+        Why a server should: OpenMP (torch's and our kernels') keeps one worker pool per thread that opens parallel
+        regions, and once two threads have pools libgomp counts more threads than cores and stops its workers
+        spinning, so every region pays a futex wake-up (~40 us). Loading on the main thread and stepping on this one
+        made served decoding ~1.6x slower than the same engine on one thread (2-core EPYC); loading, packing and
+        stepping on one thread keep one pool. `build`'s exception is raised here."""
+        booted: concurrent.futures.Future = concurrent.futures.Future()
+
+        def boot() -> None:
+            try:
+                engine, extra = build()
+                runner = cls(engine, observer)
+                runner._thread = threading.current_thread()
+            except BaseException as exc:  # the caller sees it; nothing is left running
+                booted.set_exception(exc)
+                return
+            booted.set_result((runner, extra))
+            runner._loop()
+
+        threading.Thread(target=boot, name="adaflash-engine", daemon=True).start()
+        return booted.result()
 
     def start(self) -> "EngineRunner":
         if self._thread is None:

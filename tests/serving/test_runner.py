@@ -120,3 +120,28 @@ def test_abort_ends_a_running_stream(target):
         reasons = asyncio.run(main())
     assert reasons[-1] in ("abort", "length")  # aborted unless it had already finished its 250 tokens
     assert reasons[-1] == "abort" or len(reasons) > 1
+
+
+def test_launch_builds_and_steps_on_one_thread(tiny_checkpoints):
+    """`launch` loads on the engine thread (one OpenMP pool for all the compute), starts it, returns build's extra."""
+    threads: dict[str, int] = {}
+
+    def build():
+        threads["build"] = threading.get_ident()
+        return Engine(load_target(tiny_checkpoints["qwen2"], dtype=torch.float32), None, max_batch=1, max_len=32), "x"
+
+    runner, extra = EngineRunner.launch(build, observer=lambda stats: threads.setdefault("step", threading.get_ident()))
+    with runner:
+        assert extra == "x" and runner.alive
+        got = asyncio.run(_collect(runner, Request("a", PROMPTS[0], 5)))
+        assert got == (autoregressive_generate(runner.engine.target, PROMPTS[0], 5).token_ids, "length")
+    assert threads["build"] == threads["step"] != threading.get_ident()
+    assert not runner.alive
+
+
+def test_launch_raises_what_build_raised():
+    def build():
+        raise FileNotFoundError("no model at /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        EngineRunner.launch(build)
