@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> dict:
     prompts = [pipeline.encode(messages=p.messages) for p in load_prompts(args.dataset, "eval", limit=args.limit)]
     max_len = max(map(len, prompts)) + args.max_new_tokens + pipeline.proposer.block_size + 1
     methods = {"ar": EngineConfig("ar", max_batch=1, max_len=max_len)}
-    for k in args.lengths:
-        methods[f"fixed:{k}"] = EngineConfig("dflash", f"fixed:{k}", max_batch=1, max_len=max_len)
+    for spec in [f"fixed:{k}" for k in args.lengths] + args.policies:
+        methods[spec] = EngineConfig("dflash", spec, max_batch=1, max_len=max_len)
     engines = {name: build_engine(config, pipeline.engine_models()) for name, config in methods.items()}
     steps: dict[str, list[dict]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
@@ -144,7 +144,7 @@ def to_markdown(report: dict) -> str:
         parts = " | ".join(f"{r['ms'][p]:.2f}" for p in (*PARTS, "rest"))
         lines.append(f"| {name} | {r['steps']} | {r['step_ms']:.2f} | {parts} | {r['tokens_per_step']:.3f} | "
                      f"{r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | {'yes' if r['identical_to_ar'] else 'NO'} |")
-    lines += ["", "Break-even: a fixed:k step pays when its tokens per step exceed its step ms / AR's step ms "
+    lines += ["", "Break-even: a speculative step pays when its tokens per step exceed its step ms / AR's step ms "
               f"(AR: {ar['step_ms']:.2f} ms for 1 token):", ""]
     for name, r in rows.items():
         if name != "ar":
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--lengths", type=lambda s: [int(k) for k in s.split(",")], default=[1, 2, 3])
+    p.add_argument("--policies", type=lambda s: s.split(",") if s else [], default=[],
+                   help="other length policies of --method dflash to profile beside fixed:K (e.g. throughput)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None)
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     report.update(provenance(command_line(
         ["python", "-m", "adaflash.evaluation.step_profile"],
         [("--dataset", args.dataset), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),
-         ("--lengths", ",".join(map(str, args.lengths))), ("--repeats", args.repeats), ("--threads", args.threads),
+         ("--lengths", ",".join(map(str, args.lengths))), ("--policies", ",".join(args.policies) or None),
+         ("--repeats", args.repeats), ("--threads", args.threads),
          ("--json", args.json)])))
     text = to_markdown(report)
     print(text)
