@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> dict:
     from adaflash.models.registry import resolve_drafter
     from adaflash.pipeline import Pipeline
 
-    pipeline = Pipeline.load(args.model, resolve_drafter(args.model, args.drafter), args.dtype)
+    pipeline = Pipeline.load(args.model, resolve_drafter(args.model, args.drafter), args.dtype,
+                             draft_vocab=args.draft_vocab)
     stop = list(pipeline.stop_token_ids)
     prompts = [pipeline.encode(messages=p.messages) for p in load_prompts(args.dataset, "eval", limit=args.limit)]
     max_len = max(map(len, prompts)) + args.max_new_tokens + pipeline.proposer.block_size + 1
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--drafter", default=None, help="drafter dir (default: the model's shipped DFlash drafter)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--draft-vocab", default=None, metavar="K|full", help="cut the drafter's trimmed vocabulary to K")
     p.add_argument("--dataset", default="gsm8k")
     p.add_argument("--limit", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -172,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     report = run(args)
     report.update(provenance(command_line(
         ["python", "-m", "adaflash.evaluation.step_profile"],
-        [("--dataset", args.dataset), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),
+        [("--dtype", args.dtype), ("--draft-vocab", args.draft_vocab), ("--dataset", args.dataset),
+         ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),
          ("--lengths", ",".join(map(str, args.lengths))), ("--policies", ",".join(args.policies) or None),
          ("--repeats", args.repeats), ("--threads", args.threads),
          ("--json", args.json)])))
