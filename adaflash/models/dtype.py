@@ -29,8 +29,8 @@ def own_cpu_kernels_available() -> bool:
 
 def resolve_dtype(name: str = "auto", device: str = "cpu") -> torch.dtype:
     """auto: bf16 on accelerators; on a CPU fp32 wherever our kernels run - they need fp32, stream the GGUF's own
-    blocks and ran batch-1 decoding ~4x faster than torch's bf16 even on a CPU with native bf16 (AMD EPYC with
-    AVX512-BF16, 2 threads: 100 vs 25 tok/s; at batch 64 bf16 led by 12%, docs/runtime.md) - else bf16 only where
+    blocks and ran batch-1 decoding ~3.5x faster than torch's bf16 even on a CPU with native bf16 (AMD EPYC with
+    AVX512-BF16, 2 threads: 95 vs 28 tok/s; at batch 64 bf16 led by 12%, docs/runtime.md) - else bf16 only where
     the CPU has it natively (without it PyTorch emulates bf16 matmuls, several times slower than fp32)."""
     if name == "auto":
         if device != "cpu":
