@@ -1,7 +1,8 @@
 """`adaflash online`: serve -> collect trajectories -> distill + refit the head -> publish -> hot-swap, in rounds.
 
 One process runs the serving engine (continuous batching, on its own thread, exactly as `serve` does) and,
-between rounds, the trainer. Each round serves fresh GSM-Symbolic problems with the current drafter while a
+between rounds, the trainer - on that same thread, between two engine steps, so that all the compute shares one
+OpenMP pool (a second pool slows every parallel region: serving/runner.py, EngineRunner.launch). Each round serves fresh GSM-Symbolic problems with the current drafter while a
 recorder writes the on-policy buffer; then the drafter is distilled on the buffer (reverse KL by default),
 its candidate-length head is refitted on the new drafter's own block outcomes, and the candidate is scored
 on a held-out slice (full-block greedy accept length along target trajectories). Only a candidate that
@@ -91,12 +92,16 @@ class OnlineAdaptation:
         if latest_version(self.versions) is None:
             publish_version(cfg.drafter, self.versions)
         self.current = latest_version(self.versions)
-        self.pipeline = Pipeline.load(cfg.model, self.current, cfg.dtype)
+
+        def build():
+            pipeline = Pipeline.load(cfg.model, self.current, cfg.dtype)
+            models = pipeline.engine_models(drafter_version=self.current.name)
+            config = EngineConfig(self._method(models.length_head), max_batch=cfg.max_batch, max_len=1024)
+            policies = length_policy_factory(config, models)  # its cost model serves every round's policy
+            return build_engine(config, models, policies(models.length_head)), (pipeline, policies)
+
+        self.runner, (self.pipeline, self.policies) = EngineRunner.launch(build)
         self.target = self.pipeline.target
-        models = self.pipeline.engine_models(drafter_version=self.current.name)
-        config = EngineConfig(self._method(models.length_head), max_batch=cfg.max_batch, max_len=1024)
-        self.policies = length_policy_factory(config, models)  # its cost model serves every round's policy
-        self.runner = EngineRunner(build_engine(config, models, self.policies(models.length_head)))
         self.log_file = self.out / "online.json"
         self.rounds: list[dict] = json.loads(self.log_file.read_text())["rounds"] if self.log_file.is_file() else []
 
@@ -120,8 +125,13 @@ class OnlineAdaptation:
             append_trajectories(path, [Trajectory(tuple(r.prompt_ids), tuple(r.output_ids), source=name) for r in requests])
         return read_trajectories(path)
 
+    def _on_engine(self, fn):
+        """fn() on the engine thread between two steps (the trainer's and scorer's compute), its result here."""
+        return self.runner.call(lambda engine: fn()).result()
+
     def _score(self, drafter_dir: Path, trajectories) -> float:
-        return score_blocks(self.target, load_drafter(drafter_dir, dtype=torch.float32), trajectories, seed=self.cfg.seed).accept_length
+        return self._on_engine(lambda: score_blocks(self.target, load_drafter(drafter_dir, dtype=torch.float32),
+                                                    trajectories, seed=self.cfg.seed).accept_length)
 
     def run(self) -> list[dict]:
         cfg = self.cfg
@@ -148,33 +158,43 @@ class OnlineAdaptation:
         served = {"served_tokens_per_s": sum(len(q.output_ids) for q in requests) / wall,
                   "served_accept_len": sum(passes) / max(1, len(passes))}
 
-        # Distill on the whole buffer so far (replay), from the current version.
+        # Distill on the whole buffer so far (replay), from the current version; then refit the head.
+        candidate = self._on_engine(lambda: self._distill(r))
+        report = self._on_engine(lambda: self._refit_head(r, candidate))
+
+        now, new = self.rounds[-1]["held_out_accept_len"] if self.rounds else 0.0, self._score(candidate, held_out)
+        promoted = new > now
+        if promoted:
+            self.current = publish_version(candidate, self.versions)
+            proposer, policy = self._on_engine(lambda: (
+                DFlashProposer(load_drafter(self.current, dtype=self.target.dtype), self.target),
+                self._policy(load_length_head(self.current))))
+            self.runner.call(lambda e: e.swap_proposer(proposer, policy, self.current.name)).result()
+        self._write({"round": r, "version": self.current.name, "candidate_held_out_accept_len": new,
+                     "held_out_accept_len": new if promoted else now, "promoted": promoted,
+                     "gsm8k_accept_len": self._score(self.current, gsm8k), "trajectories": len(requests),
+                     "head_ece": report.get("ece_after", report.get("ece")), **served})
+
+    def _distill(self, r: int) -> Path:
+        cfg = self.cfg
         run_dir = self.out / "train" / f"round-{r:03d}"
-        candidate = train(TrainConfig(
+        return train(TrainConfig(
             data_dir=str(self.out / "buffer"), out_dir=str(run_dir), model=cfg.model, init_from=str(self.current),
             loss=cfg.loss, alpha=cfg.alpha, tau=cfg.tau, gamma=cfg.gamma, lr=cfg.lr, max_steps=cfg.distill_steps,
             sequences_per_step=cfg.sequences_per_step, anchors_per_sequence=cfg.anchors_per_sequence,
             warmup_frac=0.1, seed=cfg.seed + r, save_every=max(10, cfg.distill_steps // 2),
         ), progress=False)
-        # Refit the head on the candidate's own outcomes: the old drafter's hidden states are not its inputs.
+
+    def _refit_head(self, r: int, candidate: Path) -> dict:
+        """The head refitted on the candidate's own outcomes (the old drafter's hidden states are not its inputs)."""
+        cfg = self.cfg
         scores = score_blocks(self.target, load_drafter(candidate, dtype=torch.float32), read_trajectories(self.out / "buffer"),
                               anchors_per_sequence=cfg.anchors_per_sequence, seed=cfg.seed + r)
         d = load_drafter(candidate).config
         head, report = train_length_head(scores.outcomes, LengthHeadTrainConfig(
             kind=cfg.head_kind, epochs=cfg.head_epochs, lr=cfg.head_lr, seed=cfg.seed + r), d.hidden_size, d.block_size)
         save_length_head(head, candidate)
-
-        now, new = self.rounds[-1]["held_out_accept_len"] if self.rounds else 0.0, self._score(candidate, held_out)
-        promoted = new > now
-        if promoted:
-            self.current = publish_version(candidate, self.versions)
-            proposer = DFlashProposer(load_drafter(self.current, dtype=self.target.dtype), self.target)
-            policy = self._policy(load_length_head(self.current))
-            self.runner.call(lambda e: e.swap_proposer(proposer, policy, self.current.name)).result()
-        self._write({"round": r, "version": self.current.name, "candidate_held_out_accept_len": new,
-                     "held_out_accept_len": new if promoted else now, "promoted": promoted,
-                     "gsm8k_accept_len": self._score(self.current, gsm8k), "trajectories": len(requests),
-                     "head_ece": report.get("ece_after", report.get("ece")), **served})
+        return report
 
     def _write(self, record: dict) -> None:
         self.rounds.append(record)
