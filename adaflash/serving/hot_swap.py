@@ -1,9 +1,9 @@
 """Hot-swap published drafter versions into a running engine (`adaflash serve --watch-versions DIR`).
 
 A trainer (`adaflash online`, or anything calling `publish_version`) writes `DIR/vNNNN` and points
-`DIR/LATEST` at it atomically; the watcher notices it, has the engine thread load the drafter and its length
-head between two steps (all compute stays on that one thread: runner.EngineRunner.launch says why), and swaps them
-in between the next two. Running requests continue (their drafter context is rebuilt) and stay lossless.
+`DIR/LATEST` at it atomically; the watcher notices it and has the engine thread, between two steps, load the
+drafter and its length head and swap them in (all compute stays on that one thread: runner.EngineRunner.launch says
+why). Running requests continue (their drafter context is rebuilt) and stay lossless.
 
 A version that fails to load (a corrupt or truncated file) or does not fit the target (another hidden size,
 layer count, vocabulary, capture layers or block size) is refused: the incumbent keeps serving, the refusal
@@ -66,6 +66,12 @@ class VersionWatcher:
             raise VersionRefused(str(exc)) from exc
         return proposer, policy
 
+    def _swap_in(self, engine, version: Path):
+        """On the engine thread: load `version` and swap it in; its policy (VersionRefused before any change)."""
+        proposer, policy = self._prepare(version)
+        engine.swap_proposer(proposer, policy, version.name)
+        return policy
+
     def check_once(self) -> Path | None:
         """Swap in LATEST if it changed and can be served; returns the version swapped in, else None."""
         try:
@@ -79,8 +85,7 @@ class VersionWatcher:
         try:
             # Loaded on the engine thread, between two steps (~a second of load): packing the weights on this
             # thread would give OpenMP a second worker pool, which slows every later step (EngineRunner.launch).
-            proposer, policy = self.runner.call(lambda engine: self._prepare(latest)).result()
-            self.runner.call(lambda engine: engine.swap_proposer(proposer, policy, latest.name)).result()
+            policy = self.runner.call(lambda engine: self._swap_in(engine, latest)).result()
         except RunnerStoppedError:
             return None  # shutting down: not the version's fault
         except ValueError as exc:  # VersionRefused, or the engine's own check (raised before it changes anything)

@@ -2,12 +2,12 @@
 
 One process runs the serving engine (continuous batching, on its own thread, exactly as `serve` does) and,
 between rounds, the trainer - on that same thread, between two engine steps, so that all the compute shares one
-OpenMP pool (a second pool slows every parallel region: serving/runner.py, EngineRunner.launch). Each round serves fresh GSM-Symbolic problems with the current drafter while a
-recorder writes the on-policy buffer; then the drafter is distilled on the buffer (reverse KL by default),
-its candidate-length head is refitted on the new drafter's own block outcomes, and the candidate is scored
-on a held-out slice (full-block greedy accept length along target trajectories). Only a candidate that
-scores better is published (`versions/vNNNN`, atomic) and hot-swapped into the running engine between two
-steps; a worse one is rolled back (not promoted). A killed run resumes at its last finished round.
+OpenMP pool (a second pool slows every parallel region: serving/runner.py, EngineRunner.launch). Each round serves
+fresh GSM-Symbolic problems with the current drafter while a recorder writes the on-policy buffer; then the
+drafter is distilled on the buffer (reverse KL by default), its candidate-length head is refitted on the new
+drafter's own block outcomes, and the candidate is scored on a held-out slice (full-block greedy accept length
+along target trajectories). Only a candidate that scores better is published (`versions/vNNNN`, atomic) and
+hot-swapped into the running engine between two steps; a worse one is rolled back (not promoted). A killed run resumes at its last finished round.
 """
 
 from __future__ import annotations
@@ -166,10 +166,9 @@ class OnlineAdaptation:
         promoted = new > now
         if promoted:
             self.current = publish_version(candidate, self.versions)
-            proposer, policy = self._on_engine(lambda: (
+            self.runner.call(lambda e: e.swap_proposer(
                 DFlashProposer(load_drafter(self.current, dtype=self.target.dtype), self.target),
-                self._policy(load_length_head(self.current))))
-            self.runner.call(lambda e: e.swap_proposer(proposer, policy, self.current.name)).result()
+                self._policy(load_length_head(self.current)), self.current.name)).result()
         self._write({"round": r, "version": self.current.name, "candidate_held_out_accept_len": new,
                      "held_out_accept_len": new if promoted else now, "promoted": promoted,
                      "gsm8k_accept_len": self._score(self.current, gsm8k), "trajectories": len(requests),
