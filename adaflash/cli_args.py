@@ -13,7 +13,8 @@ def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = "the
     p.add_argument("--draft-vocab", default=None, metavar="K|full",
                    help="use only the K most frequent ids of the drafter's trimmed vocabulary, or 'full' to ignore it")
     p.add_argument("--dtype", default="auto", help="auto (on a CPU: fp32 where our kernels run, else bf16 if native; "
-                   "bf16 on accelerators), bf16, fp32")
+                   "bf16 on accelerators), bf16, fp32, or int8 (fp32, but the GGUF target's Q4_1/Q8_0 linears take "
+                   "int8-rounded inputs, llama.cpp's arithmetic: a faster, slightly different model)")
     p.add_argument(
         "--length-policy", default=None,
         help="draft length per step: fixed:K, heuristic, throughput (profiled cost model), adaflash (cost model + the "

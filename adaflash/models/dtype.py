@@ -8,6 +8,9 @@ from pathlib import Path
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+# Not a torch dtype: fp32 everywhere, except that the target's GGUF-blocked linears round their inputs to int8
+# (llama.cpp's arithmetic; load_target's int8_activations). Another model than fp32, chosen only when asked.
+INT8 = "int8"
 
 
 @lru_cache(maxsize=1)
@@ -36,6 +39,13 @@ def resolve_dtype(name: str = "auto", device: str = "cpu") -> torch.dtype:
         if device != "cpu":
             return torch.bfloat16
         return torch.float32 if own_cpu_kernels_available() or not cpu_has_native_bf16() else torch.bfloat16
+    if name == INT8:
+        return torch.float32
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected auto, {', '.join(DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}; expected auto, {', '.join(DTYPES)}, {INT8}")
     return DTYPES[name]
+
+
+def int8_activations(name: str) -> bool:
+    """Whether dtype `name` asks for the target's int8-activation linears (--dtype int8)."""
+    return name == INT8

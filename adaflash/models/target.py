@@ -71,18 +71,23 @@ class TargetModel(nn.Module):
         self.fast_lm_head: FastLinear | None = None
         self.lm_head_blocks: QuantizedWeight | None = None
         self.layer_steps: LayerSteps | None = None  # one kernel call per layer, where use_fast_linears made it possible
+        self.int8_activations = False  # --dtype int8: the GGUF-blocked linears round their inputs to int8 (another model)
 
-    def use_fast_linears(self, quantized: dict[str, QuantizedWeight] | None = None) -> bool:
+    def use_fast_linears(self, quantized: dict[str, QuantizedWeight] | None = None,
+                         int8_activations: bool = False) -> bool:
         """Run every linear with the kernel that measured fastest here at each row count (kernels/selection.py).
 
         Packs a second copy of the weights (the originals stay: training, the drafter's head and export read
         them); `quantized` (our weight name -> the GGUF's blocks of exactly its values) adds the quantized kernel.
         False, changing nothing, where the kernels cannot run (not fp32 on CPU, no AVX2, ADAFLASH_KERNELS=stock).
+        `int8_activations`: every linear with Q4_1 / Q8_0 blocks runs the int8-activation kernel at every row count
+        instead (llama.cpp's arithmetic; not the fp32 target).
         """
         if not fast_linears_available(self.lm_head):
             return False
         quantized = quantized or {}
-        choice = KernelChoice()
+        choice = KernelChoice(int8_activations)
+        self.int8_activations = int8_activations
         for i, layer in enumerate(self.layers):
             layer.fast = {name: FastLinear(getattr(layer, name), getattr(layer, f"{name}_bias", None), choice,
                                            quantized.get(f"layers.{i}.{name}"))
@@ -229,8 +234,13 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> TargetModel:
-    """Load a Llama / Qwen2 / Qwen3 HF checkpoint directory (config.json + safetensors) into our runtime."""
+def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                int8_activations: bool = False) -> TargetModel:
+    """Load a Llama / Qwen2 / Qwen3 HF checkpoint directory (config.json + safetensors) into our runtime.
+
+    `int8_activations` (`--dtype int8`): fp32, but every linear the GGUF stores as Q4_1 / Q8_0 blocks runs with its
+    inputs rounded to int8 per 32 values (int8_linear.cpp) - a faster, slightly different model than the fp32 one,
+    the same in every pass, so speculative decoding stays lossless against it."""
     path = Path(path)
     cfg = TransformerConfig.from_dir(path)
     tensors: dict[str, torch.Tensor] = {}
@@ -259,5 +269,9 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: s
     if fast_linears_available(model.lm_head):
         linears = {ours: [(n, tensors[n]) for n in theirs] for ours, theirs in _hf_weight_map(cfg).items()
                    if ours.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down", "embed_tokens", "lm_head")}
-        model.use_fast_linears(quantized_weights(path, linears))
+        blocks = quantized_weights(path, linears)
+        model.use_fast_linears(blocks, int8_activations)
+    if int8_activations and not any(f.choices[0].endswith("xint8") for layer in model.layers for f in layer.fast.values()):
+        raise ValueError(f"--dtype int8 needs our CPU kernels and a GGUF target with Q4_1 / Q8_0 blocks; {path} runs "
+                         "none here (use fp32)")
     return model.eval()

@@ -49,7 +49,8 @@ class DFlashProposer:
             self._head_linear = target.fast_lm_head
         else:
             blocks = target.lm_head_blocks.rows(self.head.ids) if target.lm_head_blocks is not None else None
-            self._head_linear = (FastLinear(w, None, KernelChoice(), blocks)
+            # An int8 target's head rows run int8 too (a draft's numerics never touch what verification keeps).
+            self._head_linear = (FastLinear(w, None, KernelChoice(target.int8_activations), blocks)
                                  if fast_linears_available(w) and packable(w) else None)
 
     @property

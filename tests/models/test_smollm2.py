@@ -107,3 +107,47 @@ def test_quantized_kernels_run_the_ggufs_blocks_and_compute_the_same_target(smol
         outs.append((prefill, verify, step))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_int8_target_is_one_model_in_every_pass_and_speculation_is_lossless_against_it(smollm2_dir, pipeline):
+    """--dtype int8: every GGUF-blocked linear runs with int8-rounded inputs at every row count. Another model than
+    the fp32 target (close: most argmaxes agree), but one model: a position's logits are bitwise the same from a
+    verification or a decode step (a long prefill's attention runs SDPA, whose last bits - amplified by the int8
+    rounding - may differ; AR and speculation prefill alike), and speculative decoding with the shipped drafter - the
+    reference loop and the engine - reproduces its own AR output."""
+    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.kernels.selection import fast_linears_available
+    from adaflash.models.registry import shipped_drafter
+    from adaflash.speculative.proposer import DFlashProposer
+
+    if not fast_linears_available(pipeline.target.lm_head):
+        pytest.skip("our CPU kernels are unavailable here")
+    int8 = load_target(smollm2_dir, dtype=torch.float32, int8_activations=True)
+    assert int8.int8_activations and int8.fast_lm_head.choices[0] == "Q8_0xint8"
+    assert all(f.choices[0] == "Q4_1xint8" and f.kernel_for(4096) is not None
+               for layer in int8.layers for f in layer.fast.values())
+    ids = pipeline.encode(messages=[{"role": "user", "content": "Name three prime numbers."}])
+    n = len(ids)
+    whole = int8(torch.tensor(ids), RaggedBatch.build([0], [0], [n]), int8.new_cache(1, n)).logits
+    cache = int8.new_cache(1, n)
+    int8(torch.tensor(ids[:-4]), RaggedBatch.build([0], [0], [n - 4]), cache)
+    verify = int8(torch.tensor(ids[-4:]), RaggedBatch.build([0], [n - 4], [4]), cache).logits
+    cache.rollback(0, n - 4)
+    steps = torch.stack([int8(torch.tensor([ids[i]]), RaggedBatch.build([0], [i], [1]), cache).logits[0]
+                         for i in range(n - 4, n)])
+    assert torch.equal(verify, steps)
+    fp32 = pipeline.target(torch.tensor(ids), RaggedBatch.build([0], [0], [n]), pipeline.target.new_cache(1, n)).logits
+    assert not torch.equal(whole, fp32)
+    assert (whole.argmax(-1) == fp32.argmax(-1)).float().mean() > 0.9
+    spec = Pipeline(int8, pipeline.tokenizer, DFlashProposer(load_drafter(shipped_drafter("smollm2-135m"),
+                                                                        dtype=torch.float32), int8), "smollm2-135m")
+    prompt = pipeline.encode(messages=[{"role": "user", "content": "Tom has 3 apples and buys 5 more. How many?"}])
+    ar = spec.generate_ids(prompt, "ar", max_new_tokens=32)
+    for length in (2, 15):
+        assert spec.generate_ids(prompt, "dflash", max_new_tokens=32, draft_length=length).token_ids == ar.token_ids
+    assert spec.with_length_policy("fixed:3").generate_ids(prompt, "dflash", max_new_tokens=32).token_ids == ar.token_ids
+
+
+def test_int8_needs_a_gguf_target_with_blocks(tiny_chat_checkpoint):
+    with pytest.raises(ValueError, match="--dtype int8 needs"):
+        load_target(tiny_chat_checkpoint, dtype=torch.float32, int8_activations=True)

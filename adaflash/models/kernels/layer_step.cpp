@@ -21,6 +21,8 @@ void adaflash_packed_linear(const float* x, int64_t m, int64_t k, const float* p
                             float* y, int threads);
 void adaflash_quantized_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int format, int64_t n,
                                const float* bias, float* y, int threads);
+void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int format, int64_t n,
+                          const float* bias, float* y, int threads);
 }
 
 namespace {
@@ -28,7 +30,7 @@ namespace {
 // Mirrors of the ctypes structures in layer_step.py (same field order and types).
 struct Linear {
   const void* packed;  // the kernel's packed weights
-  int64_t format;      // 0: packed fp32, else the quantized kernel's format code
+  int64_t format;      // 0: packed fp32, 1..15 the quantized kernel's format code, 16 + it the int8 kernel's
   const float* bias;   // [n] or null
   int64_t n, k;
 };
@@ -62,6 +64,9 @@ struct Batch {
 void run_linear(const Linear& l, const float* x, int64_t m, float* y, int threads) {
   if (l.format == 0)
     adaflash_packed_linear(x, m, l.k, static_cast<const float*>(l.packed), l.n, l.bias, y, threads);
+  else if (l.format >= 16)
+    adaflash_int8_linear(x, m, l.k, static_cast<const uint8_t*>(l.packed), static_cast<int>(l.format - 16), l.n,
+                         l.bias, y, threads);
   else
     adaflash_quantized_linear(x, m, l.k, static_cast<const uint8_t*>(l.packed), static_cast<int>(l.format), l.n,
                               l.bias, y, threads);

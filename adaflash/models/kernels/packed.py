@@ -1,5 +1,5 @@
 """Our CPU kernel library and its linears: the packed fp32 linear and the quantized linear over GGUF blocks
-(packed_linear.cpp); the library also holds the ragged attention (attention.cpp, wrapped in attention.py), the
+(packed_linear.cpp), the int8-activation linear over GGUF blocks (int8_linear.cpp, `--dtype int8`); the library also holds the ragged attention (attention.cpp, wrapped in attention.py), the
 fused steps (fused.cpp, used by layers.py and kv_cache.py) and the whole-layer step (layer_step.cpp / .py).
 
 Built with the system C++ compiler on first use, once per sources/flags, into $ADAFLASH_CACHE/kernels (a second or
@@ -28,8 +28,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
-SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("attention.cpp", "fused.cpp", "layer_step.cpp")))  # one library
-HEADERS = (Path(__file__).with_name("simd_math.h"),)
+SOURCES = (SOURCE, *(Path(__file__).with_name(f)
+                     for f in ("attention.cpp", "fused.cpp", "layer_step.cpp", "int8_linear.cpp")))  # one library
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_tiles.inc"))
 # -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
@@ -116,6 +117,16 @@ def _load() -> ctypes.CDLL | None:
     lib.adaflash_pack_quantized.restype = None
     lib.adaflash_quantized_linear.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, ptr, i32]
     lib.adaflash_quantized_linear.restype = None
+    lib.adaflash_int8_block_bytes.argtypes = [i32]
+    lib.adaflash_int8_block_bytes.restype = i64
+    lib.adaflash_pack_int8.argtypes = [ptr, i64, i64, i32, ptr, i32]
+    lib.adaflash_pack_int8.restype = None
+    lib.adaflash_int8_linear.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, ptr, i32]
+    lib.adaflash_int8_linear.restype = None
+    lib.adaflash_int8_uses_vnni.argtypes = []
+    lib.adaflash_int8_uses_vnni.restype = i32
+    lib.adaflash_int8_allow_vnni.argtypes = [i32]
+    lib.adaflash_int8_allow_vnni.restype = None
     lib.adaflash_ragged_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float,
                                               ptr, i32]
     lib.adaflash_ragged_attention.restype = None
@@ -207,13 +218,8 @@ class QuantizedLinear(_Packed):
         lib = library()
         if lib is None:
             raise RuntimeError("the packed kernels are unavailable on this machine")
-        if fmt not in QUANT_FORMATS:
-            raise ValueError(f"no quantized kernel for {fmt!r} (have {sorted(QUANT_FORMATS)})")
+        n = _check_blocks(blocks, fmt, k, QUANT_FORMATS)
         spec = QUANT_FORMATS[fmt]
-        n = blocks.shape[0]
-        if k < BLOCK or k % BLOCK or n % PANEL or blocks.dtype != torch.uint8 or blocks.shape != (n, k // BLOCK * spec.block_bytes):
-            raise ValueError(f"{fmt} blocks for {n} x {k} must be uint8 [{n}, {k // BLOCK * spec.block_bytes}] with "
-                             f"n % {PANEL} == 0 and k % {BLOCK} == 0, got {blocks.dtype} {tuple(blocks.shape)}")
         self._lib, self.n, self.k, self.fmt, self.format_code = lib, n, k, fmt, spec.code
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}]"  # runtime_profile buckets by this prefix
         src = blocks.detach().contiguous()
@@ -225,3 +231,49 @@ class QuantizedLinear(_Packed):
         self._lib.adaflash_quantized_linear(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.format_code,
                                             self.n, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                                             torch.get_num_threads())
+
+
+# The int8-activation kernel's formats, and the offset of its codes in layer_step.cpp's Linear.format.
+INT8_FORMATS = ("Q4_1", "Q8_0")
+INT8_CODE_OFFSET = 16
+
+
+def _check_blocks(blocks: torch.Tensor, fmt: str, k: int, formats) -> int:
+    if fmt not in formats:
+        raise ValueError(f"no kernel for {fmt!r} here (have {sorted(formats)})")
+    n, spec = blocks.shape[0], QUANT_FORMATS[fmt]
+    if k < BLOCK or k % BLOCK or n % PANEL or blocks.dtype != torch.uint8 or blocks.shape != (n, k // BLOCK * spec.block_bytes):
+        raise ValueError(f"{fmt} blocks for {n} x {k} must be uint8 [{n}, {k // BLOCK * spec.block_bytes}] with "
+                         f"n % {PANEL} == 0 and k % {BLOCK} == 0, got {blocks.dtype} {tuple(blocks.shape)}")
+    return n
+
+
+class Int8Linear(_Packed):
+    """GGUF Q4_1 / Q8_0 blocks of an [n, k] weight with 8-bit activations (int8_linear.cpp: llama.cpp's arithmetic).
+    NOT the fp32 target: each row's activations are rounded to int8 per 32 k. A row's result is the same at every
+    row count and row subset, so decode, verification and prefill agree (lossless against the target as it runs)."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: str, k: int, bias: torch.Tensor | None = None) -> None:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the int8 kernels are unavailable on this machine")
+        n = _check_blocks(blocks, fmt, k, INT8_FORMATS)
+        code = QUANT_FORMATS[fmt].code
+        self._lib, self.n, self.k, self.fmt = lib, n, k, fmt
+        self.format_code, self._code = INT8_CODE_OFFSET + code, code
+        self.label = f"adaflash::packed_linear[{n}x{k} {fmt}xint8]"
+        src = blocks.detach().contiguous()
+        self.packed = torch.empty(n // PANEL * (k // BLOCK) * lib.adaflash_int8_block_bytes(code), dtype=torch.uint8)
+        lib.adaflash_pack_int8(src.data_ptr(), n, k, code, self.packed.data_ptr(), torch.get_num_threads())
+        self.bias = _check_bias(bias, n)
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self._lib.adaflash_int8_linear(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self._code, self.n,
+                                       None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                                       torch.get_num_threads())
+
+
+def int8_uses_vnni() -> bool:
+    """Whether the int8 kernel's integer dot runs as AVX512-VNNI here (else AVX2; the same results)."""
+    lib = library()
+    return bool(lib is not None and lib.adaflash_int8_uses_vnni())

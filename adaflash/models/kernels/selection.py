@@ -8,6 +8,10 @@ up); past the largest bucket (prefill, training teacher passes) the stock kernel
 model, the thread count and the kernel source, so a different machine or --threads measures again (a second or two
 per shape). ADAFLASH_KERNELS=stock, =packed or =quantized forces one kernel for every bucket without timing
 (quantized: where the weight has blocks, else packed).
+
+`int8_activations` (the target's `--dtype int8`) is another numeric definition, not a kernel choice: a weight with
+Q4_1 / Q8_0 blocks runs the int8-activation kernel at every row count, prefill included (one model for every pass);
+weights without such blocks choose as above.
 """
 
 from __future__ import annotations
@@ -107,7 +111,8 @@ def _pick(by_bytes: list[str], ms: dict[str, float]) -> str:
 class KernelChoice:
     """Per (n, k) shape, the kernel for each row bucket."""
 
-    def __init__(self) -> None:
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
         self.mode = os.environ.get("ADAFLASH_KERNELS", "auto")
         if self.mode not in ("auto", STOCK, PACKED, QUANTIZED):
             raise ValueError(f"ADAFLASH_KERNELS must be auto, stock, packed or quantized, got {self.mode!r}")
@@ -155,6 +160,13 @@ class FastLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice,
                  quantized: QuantizedWeight | None = None) -> None:
         self.weight, self.bias = weight, bias
+        self._all_rows = None  # the int8 kernel, which runs every row count
+        if choice.int8_activations and quantized is not None and quantized.fmt in packed.INT8_FORMATS:
+            self._all_rows = packed.Int8Linear(quantized.blocks, quantized.fmt, weight.shape[1], bias)
+            self.choices = (f"{quantized.fmt}xint8",) * len(ROW_BUCKETS)
+            self._bucket_kernels = (self._all_rows,) * len(ROW_BUCKETS)
+            self._packed_from = self._source()
+            return
         kernels: dict[str, object] = {PACKED: packed.PackedLinear(weight, bias)}
         if quantized is not None:
             if quantized.blocks.shape[0] != weight.shape[0]:
@@ -167,6 +179,8 @@ class FastLinear:
 
     def _kernel_at(self, rows: int):
         """The kernel chosen for `rows` rows' bucket; None (torch's) past the largest bucket."""
+        if self._all_rows is not None:
+            return self._all_rows
         bucket = bisect.bisect_left(ROW_BUCKETS, rows)
         return self._bucket_kernels[bucket] if bucket < len(ROW_BUCKETS) else None
 

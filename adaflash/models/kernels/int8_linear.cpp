@@ -1,0 +1,178 @@
+// y[m, n] = x[m, k] . W[n, k]^T over a GGUF's own Q4_1 / Q8_0 blocks with 8-bit activations: llama.cpp's arithmetic,
+// an opt-in numeric definition of the target (`--compute int8`), never mixed with the fp32 one.
+//
+// Each row of x is rounded per 32 k (d = max|x| / 127, q = round-half-even(x / d)); a block's 32 products per output
+// are an exact integer sum, scaled once per block (int8_tiles.inc). Why: the fp32 quantized kernel dequantizes every
+// weight to a float and runs fp32 FMAs - bound by that arithmetic at one row (~30% of the bandwidth limit) and by
+// the fp32 peak at 16 (a verification costs ~4.5 decode steps). The integer dot does 4 multiply-adds per byte lane
+// (AVX512-VNNI dpbusd, or AVX2 maddubs + madd where the CPU lacks it - the same integers): fewer instructions per
+// weight streamed at one row, ~4x the multiply-adds per instruction at many rows.
+//
+// Packed per (panel of 16 outputs, block of 32 k), so one 32-byte load feeds 8 outputs' lanes:
+//   Q4_1: d[16] fp16, m[16] fp16, then [half h][l = 0..3][output j = 0..7][t = 0..3]: low nibble = w[8h + j][4l + t],
+//         high nibble = w[8h + j][16 + 4l + t]                                                   (320 bytes)
+//   Q8_0: d[16] fp16, then [half h][s = 0..7][output j][t]: int8 w[8h + j][4s + t]                (544 bytes)
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kPanel = 16, kBlock = 32, kMaxRows = 4, kMaxPanels = 4;
+enum Format { kQ4_1 = 1, kQ8_0 = 2 };  // the codes of packed_linear.cpp
+constexpr int64_t kQ4_1Src = 20, kQ4_1Packed = 64 + 256, kQ8_0Src = 34, kQ8_0Packed = 32 + 512;
+
+// A batch of rows rounded to 8 bits: q [m][k], and per (row, block) d, d * sum(q) (Q4_1's offset term), sum(q).
+struct Activations {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int32_t* qsum;
+};
+
+using Group = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, int64_t, const float*, float*, int64_t);
+
+namespace avx2 {
+#define ADAFLASH_INT8_VNNI 0
+#include "int8_tiles.inc"
+#undef ADAFLASH_INT8_VNNI
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni")
+namespace vnni {
+#define ADAFLASH_INT8_VNNI 1
+#include "int8_tiles.inc"
+#undef ADAFLASH_INT8_VNNI
+}  // namespace vnni
+#pragma GCC pop_options
+
+bool cpu_has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+
+bool allow_vnni = true;  // tests turn it off to run the AVX2 path on a VNNI CPU
+bool has_vnni() { return allow_vnni && cpu_has_vnni(); }
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// One block of 32 floats -> 32 int8 (round half to even: the default MXCSR mode of cvtps) and its scalars.
+inline void quantize_block(const float* v, int8_t* q, float& d, float& s, int32_t& qsum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 x[4];
+  for (int i = 0; i < 4; ++i) x[i] = _mm256_loadu_ps(v + 8 * i);
+  const float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x[0], abs_mask), _mm256_and_ps(x[1], abs_mask)),
+                                        _mm256_max_ps(_mm256_and_ps(x[2], abs_mask), _mm256_and_ps(x[3], abs_mask))));
+  d = amax / 127.f;
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
+  qsum = hsum(_mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3])));
+  s = d * static_cast<float>(qsum);
+  // packs interleave the 128-bit lanes; the permute puts the 32 bytes back in k order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// Per-thread scratch for the rounded activations (a layer step calls this ~120 times: no allocation each time).
+struct Scratch {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> qsum;
+};
+
+Activations quantize(const float* x, int64_t m, int64_t k, int threads, Scratch& buf) {
+  const int64_t nb = k / kBlock;
+  if (static_cast<int64_t>(buf.q.size()) < m * k) buf.q.resize(m * k);
+  if (static_cast<int64_t>(buf.d.size()) < m * nb) buf.d.resize(m * nb), buf.s.resize(m * nb), buf.qsum.resize(m * nb);
+  int8_t* q = buf.q.data();
+  float *d = buf.d.data(), *s = buf.s.data();
+  int32_t* qsum = buf.qsum.data();
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * k >= (1 << 16))
+  for (int64_t i = 0; i < m * nb; ++i) quantize_block(x + i * kBlock, q + i * kBlock, d[i], s[i], qsum[i]);
+  return {q, d, s, qsum};
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 where the integer dot runs as AVX512-VNNI here (else AVX2); for the record - the results are the same.
+int adaflash_int8_uses_vnni() { return has_vnni() ? 1 : 0; }
+
+// allow = 0 runs the AVX2 path even where VNNI exists (to test that both give the same bits); 1 restores the default.
+void adaflash_int8_allow_vnni(int allow) { allow_vnni = allow != 0; }
+
+// Bytes of one packed (panel, block), or 0 for a format without this kernel.
+int64_t adaflash_int8_block_bytes(int format) {
+  return format == kQ4_1 ? kQ4_1Packed : format == kQ8_0 ? kQ8_0Packed : 0;
+}
+
+// src: GGUF blocks of n rows, [n][k / 32][block] -> packed [n / 16][k / 32][packed block]. n % 16 == k % 32 == 0.
+void adaflash_pack_int8(const uint8_t* src, int64_t n, int64_t k, int format, uint8_t* packed, int threads) {
+  const int64_t nb = k / kBlock, src_bytes = format == kQ4_1 ? kQ4_1Src : kQ8_0Src;
+  const int64_t bytes = adaflash_int8_block_bytes(format);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t p = 0; p < n / kPanel; ++p) {
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* out = packed + (p * nb + b) * bytes;
+      std::memset(out, 0, bytes);
+      for (int j = 0; j < kPanel; ++j) {
+        const uint8_t* blk = src + ((p * kPanel + j) * nb + b) * src_bytes;
+        const int h = j / 8, lane = j % 8;
+        std::memcpy(out + 2 * j, blk, 2);  // d
+        if (format == kQ4_1) {
+          std::memcpy(out + 32 + 2 * j, blk + 2, 2);  // m
+          for (int kk = 0; kk < kBlock; ++kk) {  // GGUF: byte i holds element i (low nibble) and i + 16 (high)
+            const uint8_t q = kk < 16 ? blk[4 + kk] & 0x0F : blk[4 + kk - 16] >> 4;
+            const int l = (kk % 16) / 4, t = kk % 4;
+            out[64 + h * 128 + l * 32 + lane * 4 + t] |= kk < 16 ? q : static_cast<uint8_t>(q << 4);
+          }
+        } else {
+          for (int kk = 0; kk < kBlock; ++kk) out[32 + h * 256 + (kk / 4) * 32 + lane * 4 + kk % 4] = blk[2 + kk];
+        }
+      }
+    }
+  }
+}
+
+// x [m, k] fp32 row-major, packed from adaflash_pack_int8, y [m, n], bias [n] or null.
+void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int format, int64_t n,
+                          const float* bias, float* y, int threads) {
+  if (m < 1) return;
+  static thread_local Scratch scratch;
+  const Activations a = quantize(x, m, k, threads, scratch);
+  const int64_t nb = k / kBlock, stride = nb * adaflash_int8_block_bytes(format), panels = n / kPanel;
+  // More panels per tile where there are few rows (independent chains to hide the dot's latency); a remainder of
+  // panels runs one at a time. The tile shape never changes a result.
+  const int np = m == 1 ? 4 : m == 2 ? 2 : 1;
+  const Group* groups = (has_vnni() ? vnni::kGroups : avx2::kGroups)[format == kQ4_1 ? 0 : 1];
+  const int64_t tasks = (panels + np - 1) / np;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t p0 = t * np, count = panels - p0 < np ? panels - p0 : np;
+    const float* b = bias ? bias + p0 * kPanel : nullptr;
+    if (count == np) {
+      groups[np](a, m, packed + p0 * stride, stride, nb, b, y + p0 * kPanel, n);
+    } else {
+      for (int64_t p = 0; p < count; ++p)
+        groups[1](a, m, packed + (p0 + p) * stride, stride, nb, b ? b + p * kPanel : nullptr, y + (p0 + p) * kPanel, n);
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,99 @@
+"""The int8-activation linear (`--dtype int8`): llama.cpp's arithmetic over a GGUF's Q4_1 / Q8_0 blocks, checked
+against a float64 reference of that arithmetic, row-independent (decode = verify), the same bits on its AVX2 and
+AVX512-VNNI paths, and what the kernel choice runs with it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from adaflash.models.gguf_blocks import QuantizedWeight
+from adaflash.models.kernels import packed, selection
+
+pytestmark = pytest.mark.skipif(packed.library() is None, reason="our CPU kernels are unavailable (no AVX2 or compiler)")
+
+
+def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    qtype = getattr(GGMLQuantizationType, fmt)
+    raw = quants.quantize(w, qtype)
+    return torch.from_numpy(raw.copy()), torch.from_numpy(quants.dequantize(raw, qtype).copy())
+
+
+def _reference(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
+    """The kernel's arithmetic in float64: each 32-value activation block rounded to int8 (d = max|x| / 127 and
+    q = rint(x * (1 / d)) in fp32), each block's integer dot scaled by d_w d_x (+ m_w d_x sum(q_x) for Q4_1)."""
+    m, k = x.shape
+    n = raw.shape[0]
+    xb = x.reshape(m, k // 32, 32).astype(np.float32)
+    d_x = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d_x > 0, np.float32(1) / np.where(d_x > 0, d_x, 1), 0).astype(np.float32)
+    q_x = np.rint(xb * inv[..., None]).astype(np.int64)
+    blocks = raw.reshape(n, k // 32, -1)
+    d_w = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if fmt == "Q4_1":
+        m_w = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        qs = blocks[..., 4:]
+        q_w = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
+    else:
+        q_w = blocks[..., 2:].view(np.int8).astype(np.int64)
+    y = (np.einsum("rbi,nbi->rnb", q_x, q_w) * d_w[None] * d_x[:, None, :].astype(np.float64)).sum(-1)
+    if fmt == "Q4_1":
+        y += (m_w[None] * (d_x * q_x.sum(-1))[:, None, :]).sum(-1)
+    return y
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", [(16, 32), (80, 64), (576, 1536), (112, 288)])
+def test_int8_kernel_is_the_int8_arithmetic_and_row_independent(fmt, n, k):
+    raw, deq = _gguf_blocks(fmt, n, k, seed=n + k + 1)
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(11, k, generator=g)
+    x[3, :32] = 0  # an all-zero activation block (d = 0)
+    x[5, 40 % k] = 50.0  # an outlier: its block's other values round to few levels
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        kernel = packed.Int8Linear(raw, fmt, k, b)
+        together = kernel(x)
+        want = _reference(x.numpy(), raw.numpy(), fmt) + (0 if b is None else b.double().numpy())
+        np.testing.assert_allclose(together.double().numpy(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+        exact = F.linear(x, deq, b)  # close to the fp32 linear on the same weights, never equal
+        assert (together - exact).abs().max() < 0.05 * exact.abs().max()
+        assert not torch.equal(together, exact)
+        for start in range(11):  # every tile shape (1..4 rows, 1 / 2 / 4 panels) gives a row the same bits
+            for stop in range(start + 1, 12):
+                assert torch.equal(kernel(x[start:stop]), together[start:stop]), (start, stop)
+
+
+@pytest.mark.skipif(not packed.int8_uses_vnni(), reason="the CPU has no AVX512-VNNI: only the AVX2 path runs here")
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_avx2_and_vnni_paths_give_the_same_bits(fmt):
+    raw, _ = _gguf_blocks(fmt, 96, 320, seed=7)
+    x = torch.randn(9, 320, generator=torch.Generator().manual_seed(3))
+    kernel = packed.Int8Linear(raw, fmt, 320)
+    vnni = kernel(x)
+    lib = packed.library()
+    lib.adaflash_int8_allow_vnni(0)
+    try:
+        assert not packed.int8_uses_vnni()
+        avx2 = kernel(x)
+    finally:
+        lib.adaflash_int8_allow_vnni(1)
+    assert torch.equal(avx2, vnni)
+
+
+def test_int8_runs_every_row_count_where_blocks_exist_and_nothing_else_changes():
+    raw, deq = _gguf_blocks("Q4_1", 32, 64, seed=5)
+    fast = selection.FastLinear(deq, None, selection.KernelChoice(int8_activations=True), QuantizedWeight("Q4_1", raw))
+    x = torch.randn(300, 64)  # past the largest row bucket too: prefill is the same model
+    assert torch.equal(fast(x), packed.Int8Linear(raw, "Q4_1", 64)(x))
+    assert fast.choices == ("Q4_1xint8",) * len(selection.ROW_BUCKETS)
+    assert fast.streamed_bytes(1) == 2 * 2 * 20 * 16  # 2 panels x 2 blocks x the Q4_1 packed block
+    bf16 = selection.FastLinear(deq.bfloat16().float(), None, selection.KernelChoice(int8_activations=True),
+                                QuantizedWeight("BF16", deq.bfloat16().view(torch.uint8)))
+    assert "xint8" not in bf16.choices[0]  # no int8 kernel for BF16 blocks: chosen as fp32 would be
+    with pytest.raises(ValueError, match="no kernel for 'BF16'"):
+        packed.Int8Linear(raw, "BF16", 64)
