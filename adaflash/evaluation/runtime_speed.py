@@ -8,7 +8,8 @@ decode step streams. Where the packed kernels are available ours runs four times
 choice (the default: the quantized kernel over the GGUF's blocks where it is faster, one kernel call per layer),
 the same with the layers run op by op from Python (ADAFLASH_LAYER_STEP=0), with the packed fp32 kernel only
 (ADAFLASH_KERNELS=packed) and with torch's stock kernels (=stock), so what each piece buys is measured in the same run.
-When llama.cpp is built (`make peer`), its `llama-bench` decode on the target's own GGUF is reported beside.
+In fp32 a fifth variant runs `--dtype int8` (the GGUF's blocks with int8-rounded activations: llama.cpp's
+arithmetic, another model than the fp32 target, so its tokens may part from the others'). When llama.cpp is built (`make peer`), its `llama-bench` decode on the target's own GGUF is reported beside.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
                 modes[variant] = {"ADAFLASH_KERNELS": mode}
                 with environment(modes[variant]):
                     ours[variant] = load_target(checkpoint, dtype=dtype)
+            if dtype == torch.float32:
+                modes[INT8_VARIANT] = modes["chosen"]
+                ours[INT8_VARIANT] = load_target(checkpoint, dtype=dtype, int8_activations=True)
         hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
         tps = {variant: [] for variant in ours}
         hf_tps, agree = [], []
@@ -187,9 +191,16 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
         del ours, chosen, hf
     results["llama_cpp"] = llama_bench_decode(model_name, max_new_tokens, torch.get_num_threads())
     if results["llama_cpp"]:
+        peer = results["llama_cpp"]["tokens_per_s"]
         for r in results["by_dtype"].values():
-            r["ours_over_llama_cpp"] = round(r["ours_tokens_per_s"] / results["llama_cpp"]["tokens_per_s"], 3)
+            r["ours_over_llama_cpp"] = round(r["ours_tokens_per_s"] / peer, 3)
+            if INT8_VARIANT in r["variants"]:
+                r["int8_over_llama_cpp"] = round(r["variants"][INT8_VARIANT]["tokens_per_s"] / peer, 3)
     return results
+
+
+# --dtype int8: another model (int8-rounded activations), measured beside the fp32 target, never its stand-in.
+INT8_VARIANT = "int8 activations (--dtype int8)"
 
 
 def to_markdown(results: dict) -> str:
@@ -220,14 +231,17 @@ def to_markdown(results: dict) -> str:
               "op-by-op layers = the same kernels called layer op by layer op from Python (bitwise the same); "
               "packed fp32 = the packed kernel on the "
               "dequantized fp32 weights (bitwise the quantized kernel's outputs); stock = torch's kernels (another summation "
-              "order: may part at float ties)."]
+              f"order: may part at float ties); {INT8_VARIANT} = the GGUF's blocks with activations rounded to int8 "
+              "per 32 values (int8_linear.cpp, llama.cpp's arithmetic): another model, so its tokens may part."]
     lines += ["Token agreement: the share of positions where our greedy tokens equal transformers', up to the first EOS "
               "ours chose (transformers' `min_new_tokens` masks EOS to decode a fixed length)."]
     peer = results.get("llama_cpp")
     if peer:
         lines += ["", f"llama.cpp (`{peer['command']}`, the same {peer['gguf']} our quantized kernels stream): "
                   f"{peer['tokens_per_s']} tok/s; ours / llama.cpp: "
-                  + ", ".join(f"{n} {r['ours_over_llama_cpp']:.2f}x" for n, r in results["by_dtype"].items())]
+                  + ", ".join(f"{n} {r['ours_over_llama_cpp']:.2f}x" for n, r in results["by_dtype"].items())
+                  + "".join(f", {n} {INT8_VARIANT} {r['int8_over_llama_cpp']:.2f}x"
+                            for n, r in results["by_dtype"].items() if "int8_over_llama_cpp" in r)]
     lines += ["", "Target forward cost (ms) appending q tokens to a 256-token context (the verify cost curve):", ""]
     first_variant = next(iter(next(iter(results["by_dtype"].values()))["variants"].values()))
     qs = list(first_variant["forward_ms_by_query_len_ctx256"])

@@ -1,14 +1,14 @@
 // y[m, n] = x[m, k] . W[n, k]^T over a GGUF's own Q4_1 / Q8_0 blocks with 8-bit activations: llama.cpp's arithmetic,
-// an opt-in numeric definition of the target (`--compute int8`), never mixed with the fp32 one.
+// an opt-in numeric definition of the target (`--dtype int8`), never mixed with the fp32 one.
 //
 // Each row of x is rounded per 32 k (d = max|x| / 127, q = round-half-even(x / d)); a block's 32 products per output
-// are an exact integer sum, scaled once per block (int8_tiles.inc). Why: the fp32 quantized kernel dequantizes every
+// are an exact integer sum, scaled once per block. Why: the fp32 quantized kernel dequantizes every
 // weight to a float and runs fp32 FMAs - bound by that arithmetic at one row (~30% of the bandwidth limit) and by
 // the fp32 peak at 16 (a verification costs ~4.5 decode steps). The integer dot does 4 multiply-adds per byte lane
 // (AVX512-VNNI dpbusd, or AVX2 maddubs + madd where the CPU lacks it - the same integers): fewer instructions per
 // weight streamed at one row, ~4x the multiply-adds per instruction at many rows.
 //
-// Packed per (panel of 16 outputs, block of 32 k), so one 32-byte load feeds 8 outputs' lanes:
+// Packed per (panel of 16 outputs, block of 32 k), so one 64-byte load feeds a panel's lanes (32 bytes: half of them):
 //   Q4_1: d[16] fp16, m[16] fp16, then [l = 0..3][half h][output j = 0..7][t = 0..3]: low nibble = w[8h + j][4l + t],
 //         high nibble = w[8h + j][16 + 4l + t]                                                   (320 bytes)
 //   Q8_0: d[16] fp16, then [s = 0..7][half h][output j][t]: int8 w[8h + j][4s + t]                (544 bytes)
@@ -19,7 +19,7 @@
 
 namespace {
 
-constexpr int kPanel = 16, kBlock = 32, kMaxRows = 4;
+constexpr int kPanel = 16, kBlock = 32;
 enum Format { kQ4_1 = 1, kQ8_0 = 2 };  // the codes of packed_linear.cpp
 constexpr int64_t kQ4_1Src = 20, kQ4_1Packed = 64 + 256, kQ8_0Src = 34, kQ8_0Packed = 32 + 512;
 
@@ -33,18 +33,186 @@ struct Activations {
 
 using PanelRows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
 
+// A tile: R rows x one panel of 16 outputs over all of k. Per GGUF block: each output's 32 products as an exact
+// integer sum (8 steps of 4 k: the row's 4 activation bytes broadcast, each output's 4 weight bytes in its int32
+// lane), then acc = fma(float(sum), d_w * d_x, acc) and, for Q4_1, acc = fma(m_w, d_x * sum(q_x), acc). Every (row,
+// output) runs that sequence over the blocks in order whatever the tile or instruction set, so a row's result is the
+// same in a 1-row decode step, a 16-row verification and on either path.
 namespace avx2 {
-#define ADAFLASH_INT8_VNNI 0
-#include "int8_tiles.inc"
-#undef ADAFLASH_INT8_VNNI
+// maddubs multiplies u8 by s8 into saturating int16 pairs: Q4_1's nibbles (<= 15 x 127 x 2) never saturate; Q8_0's
+// signs move onto the activations (|w| x sign(w) x <= 128 x 127 x 2 fits).
+template <int Format>
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (Format == kQ8_0) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                                                                         _mm256_sign_epi8(x, w)), ones));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int Format, int R>
+void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, const float* bias, float* y,
+          int64_t ldy) {
+  constexpr int64_t bytes = Format == kQ4_1 ? kQ4_1Packed : kQ8_0Packed;
+  const int64_t k = nb * kBlock;
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * bytes;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i sum[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+      if (Format == kQ4_1) {
+#pragma GCC unroll 4
+        for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + l * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
+            sum[r] = dot4<Format>(sum[r], lo, bcast4(x + 4 * l));
+            sum[r] = dot4<Format>(sum[r], hi, bcast4(x + 4 * l + 16));
+          }
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; ++s) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + s * 64 + h * 32));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) sum[r] = dot4<Format>(sum[r], v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + h * 16)));
+      const __m256 mw = Format == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + h * 16)))
+                                        : _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * nb + b;
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[i])), acc[r][h]);
+        if (Format == kQ4_1) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[r][h]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 out = acc[r][h];
+      if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + h * 8));
+      _mm256_storeu_ps(y + (r0 + r) * ldy + h * 8, out);
+    }
+}
+
+// One panel for every row: tiles of up to kRows rows (16 ymm registers: 4 rows' sums and 8 accumulators).
+constexpr int kRows = 4;
+
+template <int Format>
+void panel_rows(const Activations& a, int64_t m, const uint8_t* panel, int64_t nb, const float* bias, float* y,
+                int64_t n) {
+  using Tile = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
+  static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>, tile<Format, 4>};
+  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+    const int64_t rows = m - r0 < kRows ? m - r0 : kRows;
+    tiles[rows](a, r0, panel, nb, bias, y, n);
+  }
+}
+
+const PanelRows kPanelRows[2] = {panel_rows<kQ4_1>, panel_rows<kQ8_0>};
 }  // namespace avx2
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni")
 namespace vnni {
-#define ADAFLASH_INT8_VNNI 1
-#include "int8_tiles.inc"
-#undef ADAFLASH_INT8_VNNI
+// The same sequence per (row, output) as avx2::tile, a whole panel (16 int32 lanes) per zmm register: half the
+// instructions. u8 x s8 -> += int32 in one dpbusd; Q8_0's signed weights become u8 by + 128 (an xor), and the block
+// sum takes 128 * sum(q_x) back off - the same integers as maddubs.
+template <int Format, int R>
+void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, const float* bias, float* y,
+          int64_t ldy) {
+  constexpr int64_t bytes = Format == kQ4_1 ? kQ4_1Packed : kQ8_0Packed;
+  const int64_t k = nb * kBlock;
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * bytes;
+    __m512i sum[R], sum2[R];  // two chains per row (the dot's latency), added exactly at the end
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sum[r] = sum2[r] = _mm512_setzero_si512();
+    if (Format == kQ4_1) {
+#pragma GCC unroll 4
+      for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
+        const __m512i v = _mm512_loadu_si512(blk + 64 + l * 64);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
+          int32_t x_lo, x_hi;
+          std::memcpy(&x_lo, x + 4 * l, 4);
+          std::memcpy(&x_hi, x + 4 * l + 16, 4);
+          sum[r] = _mm512_dpbusd_epi32(sum[r], lo, _mm512_set1_epi32(x_lo));
+          sum2[r] = _mm512_dpbusd_epi32(sum2[r], hi, _mm512_set1_epi32(x_hi));
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) sum[r] = _mm512_add_epi32(sum[r], sum2[r]);
+    } else {
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(blk + 32 + s * 64), flip);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, a.q + (r0 + r) * k + b * kBlock + 4 * s, 4);
+          sum[r] = _mm512_dpbusd_epi32(sum[r], v, _mm512_set1_epi32(x4));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const __m512 mw = Format == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))
+                                      : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      __m512i s = sum[r];
+      if (Format == kQ8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.d[i])), acc[r]);
+      if (Format == kQ4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 out = bias ? _mm512_add_ps(acc[r], _mm512_loadu_ps(bias)) : acc[r];
+    _mm512_storeu_ps(y + (r0 + r) * ldy, out);
+  }
+}
+
+// One panel for every row: tiles of up to kRows rows (32 zmm registers: 8 rows' sums and accumulators).
+constexpr int kRows = 8;
+
+template <int Format>
+void panel_rows(const Activations& a, int64_t m, const uint8_t* panel, int64_t nb, const float* bias, float* y,
+                int64_t n) {
+  using Tile = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
+  static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>, tile<Format, 4>,
+                                            tile<Format, 5>, tile<Format, 6>, tile<Format, 7>, tile<Format, 8>};
+  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+    const int64_t rows = m - r0 < kRows ? m - r0 : kRows;
+    tiles[rows](a, r0, panel, nb, bias, y, n);
+  }
+}
+
+const PanelRows kPanelRows[2] = {panel_rows<kQ4_1>, panel_rows<kQ8_0>};
 }  // namespace vnni
 #pragma GCC pop_options
 

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f)
                      for f in ("attention.cpp", "fused.cpp", "layer_step.cpp", "int8_linear.cpp")))  # one library
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_tiles.inc"))
+HEADERS = (Path(__file__).with_name("simd_math.h"),)
 # -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
