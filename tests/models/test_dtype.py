@@ -26,3 +26,9 @@ def test_stock_kernels_switch_turns_ours_off(monkeypatch):
 def test_unknown_dtype_is_rejected():
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         dtype.resolve_dtype("fp8")
+
+
+def test_int8_is_fp32_with_the_targets_int8_linears():
+    """--dtype int8 is not a torch dtype: everything is fp32 except the target's GGUF-blocked linears."""
+    assert dtype.resolve_dtype("int8") == torch.float32
+    assert dtype.int8_activations("int8") and not dtype.int8_activations("fp32") and not dtype.int8_activations("auto")
