@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from adaflash.models.config import TransformerConfig, rope_theta_of
 from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
-from adaflash.models.gguf_blocks import exact_bf16_blocks
+from adaflash.models.gguf_blocks import exact_bf16_blocks, q8_0_blocks
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
 from adaflash.models.kernels.layer_step import LayerSteps, StepLayer
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable, version_of
@@ -259,20 +259,23 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab = vocab
         self.config = replace(self.config, draft_vocab_size=vocab.size if vocab is not None else None)
 
-    def use_fast_linears(self) -> bool:
+    def use_fast_linears(self, int8_activations: bool = False) -> bool:
         """Inference passes run our kernels at the row counts where they measured faster (kernels/selection.py);
         False, changing nothing, where they cannot run here. Weights saved in bf16 (every shipped checkpoint) also get
-        the BF16 kernel: bitwise the fp32 kernel's outputs from half the bytes."""
+        the BF16 kernel: bitwise the fp32 kernel's outputs from half the bytes. `int8_activations` (beside a
+        `--dtype int8` target): the weights rounded to Q8_0 blocks and run by the int8 kernel - other drafts, no
+        other outputs (verification keeps only the target's tokens)."""
         if not fast_linears_available(self.fc.weight):
             return False
-        choice = KernelChoice()
+        choice = KernelChoice(int8_activations)
+        blocks_of = q8_0_blocks if int8_activations else exact_bf16_blocks
         for module in self.modules():
             if isinstance(module, Projection) and packable(module.weight):
-                module.fast = FastLinear(module.weight, module.bias, choice, exact_bf16_blocks(module.weight))
-        self._layer_steps = self._build_layer_steps(choice)
+                module.fast = FastLinear(module.weight, module.bias, choice, blocks_of(module.weight))
+        self._layer_steps = self._build_layer_steps(choice, blocks_of)
         return True
 
-    def _build_layer_steps(self, choice: KernelChoice) -> LayerSteps | None:
+    def _build_layer_steps(self, choice: KernelChoice, blocks_of) -> LayerSteps | None:
         """q/k/v and gate/up stacked into one packed weight each (an inference copy: `_steps_current` notices when
         training changes or replaces the originals, and the loop runs instead)."""
         c, steps = self.config, []
@@ -282,7 +285,7 @@ class DFlashDrafter(nn.Module):
                        "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight])}
             if a.o_proj.fast is None or m.down_proj.fast is None or not all(map(packable, stacked.values())):
                 return None
-            linears = {name: FastLinear(w.detach(), None, choice, exact_bf16_blocks(w)) for name, w in stacked.items()}
+            linears = {name: FastLinear(w.detach(), None, choice, blocks_of(w)) for name, w in stacked.items()}
             linears.update(o=a.o_proj.fast, down=m.down_proj.fast)  # unstacked: the projections' own kernels
             steps.append(StepLayer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                                    linears, a.q_norm.weight.detach(), a.k_norm.weight.detach()))

@@ -56,6 +56,18 @@ def exact_bf16_blocks(weight: torch.Tensor) -> QuantizedWeight | None:
     return QuantizedWeight("BF16", half.contiguous().view(torch.uint8))
 
 
+def q8_0_blocks(weight: torch.Tensor) -> QuantizedWeight | None:
+    """A weight rounded to GGUF Q8_0 blocks (gguf's own quantizer), for the int8 kernel: a drafter beside an int8
+    target (`--dtype int8`). Not the weight's values - a draft's numerics never touch what verification keeps."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = weight.detach()
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % 32:
+        return None
+    raw = quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    return QuantizedWeight("Q8_0", torch.from_numpy(np.ascontiguousarray(raw)))
+
+
 def gguf_name(hf_name: str) -> str | None:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]

@@ -37,7 +37,7 @@ class DFlashProposer:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, whole_block: bool = False) -> None:
         drafter.config.check_compatible(target.config)
         self.whole_block = whole_block
-        drafter.use_fast_linears()
+        drafter.use_fast_linears(target.int8_activations)
         self.drafter = drafter
         self.target = target
         # The target's LM head, or its rows of the draft vocabulary (sliced once, contiguous).

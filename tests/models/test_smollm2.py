@@ -114,7 +114,7 @@ def test_int8_target_is_one_model_in_every_pass_and_speculation_is_lossless_agai
     the fp32 target (close: most argmaxes agree), but one model: a position's logits are bitwise the same from a
     verification or a decode step (a long prefill's attention runs SDPA, whose last bits - amplified by the int8
     rounding - may differ; AR and speculation prefill alike), and speculative decoding with the shipped drafter - the
-    reference loop and the engine - reproduces its own AR output."""
+    reference loop and the engine, its drafter rounded to Q8_0 - reproduces its own AR output."""
     from adaflash.models.drafter_checkpoint import load_drafter
     from adaflash.models.kernels.selection import fast_linears_available
     from adaflash.models.registry import shipped_drafter
@@ -139,8 +139,9 @@ def test_int8_target_is_one_model_in_every_pass_and_speculation_is_lossless_agai
     fp32 = pipeline.target(torch.tensor(ids), RaggedBatch.build([0], [0], [n]), pipeline.target.new_cache(1, n)).logits
     assert not torch.equal(whole, fp32)
     assert (whole.argmax(-1) == fp32.argmax(-1)).float().mean() > 0.9
-    spec = Pipeline(int8, pipeline.tokenizer, DFlashProposer(load_drafter(shipped_drafter("smollm2-135m"),
-                                                                        dtype=torch.float32), int8), "smollm2-135m")
+    proposer = DFlashProposer(load_drafter(shipped_drafter("smollm2-135m"), dtype=torch.float32), int8)
+    assert proposer.drafter.fc.fast.choices[0] == "Q8_0xint8"  # beside an int8 target the drafter runs int8 too
+    spec = Pipeline(int8, pipeline.tokenizer, proposer, "smollm2-135m")
     prompt = pipeline.encode(messages=[{"role": "user", "content": "Tom has 3 apples and buys 5 more. How many?"}])
     ar = spec.generate_ids(prompt, "ar", max_new_tokens=32)
     for length in (2, 15):
