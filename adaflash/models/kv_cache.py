@@ -241,13 +241,15 @@ class RaggedAttention:
             groups = heads // k.shape[0]
             if groups > 1:
                 k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-            qs = q[offset : offset + n].transpose(0, 1)
+            # 4-D: torch's CPU flash kernel takes only [batch, heads, len, d]; 3-D inputs fall back to the math path
+            # (a softmax over a materialised score matrix, ~20% of a batched prefill).
+            qs, k, v = q[offset : offset + n].transpose(0, 1)[None], k[None], v[None]
             if start == 0:
                 out = torch.nn.functional.scaled_dot_product_attention(qs, k, v, is_causal=True)
             else:  # queries at positions start.. see every earlier key (bottom-right aligned)
                 mask = torch.arange(start + n, device=q.device)[None, :] <= torch.arange(start, start + n, device=q.device)[:, None]
                 out = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask)
-            outs.append(out.transpose(0, 1).reshape(n, heads * d))
+            outs.append(out[0].transpose(0, 1).reshape(n, heads * d))
             offset += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
