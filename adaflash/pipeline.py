@@ -14,10 +14,10 @@ from typing import Any, Sequence
 
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, load_drafter
-from adaflash.models.dtype import int8_activations, resolve_dtype
+from adaflash.models.dtype import resolve_dtype
 from adaflash.models.length_head import load_length_head
 from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
-from adaflash.models.target import TargetModel, load_target
+from adaflash.models.target import TargetModel, load_target_as
 from adaflash.serving.engine_factory import (
     METHODS,
     EngineConfig,
@@ -134,7 +134,7 @@ class Pipeline:
             check_length_policy(length_policy)  # a bad spec fails before the (slow) load, not at the first generation
         checkpoint = resolve_target(model)
         torch_dtype = resolve_dtype(dtype)
-        target = load_target(checkpoint, dtype=torch_dtype, int8_activations=int8_activations(dtype))
+        target = load_target_as(checkpoint, dtype)
         proposer, head = None, None
         if drafter is not None:
             proposer = DFlashProposer(load_drafter(drafter, dtype=torch_dtype, draft_vocab=draft_vocab), target)

@@ -20,7 +20,7 @@ import torch
 from adaflash.data import load_prompts
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.registry import load_tokenizer, resolve_target
-from adaflash.models.target import load_target
+from adaflash.models.target import load_target_as
 from adaflash.serving.engine_factory import EngineConfig, EngineModels, build_engine
 from adaflash.serving.request import Request
 
@@ -74,7 +74,7 @@ def main() -> None:
     chats = [p.messages for p in load_prompts("mt-bench", "eval")] * 4
     prompts = [tokenizer.apply_chat_template(list(m), add_generation_prompt=True, tokenize=True, return_dict=False)
                for m in chats[: args.batch]]
-    ours = load_target(checkpoint, dtype=dtype)
+    ours = load_target_as(checkpoint, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
     engine_runs, hf_runs = [], []
     for _ in range(args.repeats):

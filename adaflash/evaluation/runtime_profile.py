@@ -21,10 +21,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from adaflash.cli_args import set_threads
 from adaflash.evaluation.offline import cpu_label, environment, machine_info, write_json
-from adaflash.models.dtype import resolve_dtype
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.registry import resolve_target
-from adaflash.models.target import load_target
+from adaflash.models.target import load_target_as
 
 LINEAR = ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "packed_linear")
 ATTENTION = ("scaled_dot_product", "index_copy", "aten::bmm", "_softmax", "ragged_attention")
@@ -114,7 +113,7 @@ def main() -> None:
     p.add_argument("--json", default="docs/results/runtime_profile.json")
     args = p.parse_args()
     set_threads(None)
-    target = load_target(resolve_target(args.model), dtype=resolve_dtype(args.dtype))
+    target = load_target_as(resolve_target(args.model), args.dtype)
     steps = {name: profile_step(target, b, q, args.context, args.repeats) for name, (b, q) in SHAPES.items()}
     report = {"command": f"python -m adaflash.evaluation.runtime_profile --model {args.model} --dtype {args.dtype} "
                          f"--context {args.context} --repeats {args.repeats} --json {args.json}", "machine": machine_info(),

@@ -123,12 +123,11 @@ def to_markdown(report: dict) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from adaflash.models.dtype import resolve_dtype
     from adaflash.models.registry import resolve_target
-    from adaflash.models.target import load_target
+    from adaflash.models.target import load_target_as
 
     sizes = sorted(int(s) for s in args.sizes.split(","))
-    target = load_target(resolve_target(args.model), dtype=resolve_dtype(args.dtype))
+    target = load_target_as(resolve_target(args.model), args.dtype)
     dataset = DraftDataset(args.data, tuple(int(x) for x in args.capture_layers.split(",")))
     report = coverage_by_domain(dataset, sizes, args.holdout, target.config.vocab_size)
     report["draft_step_ms"] = {str(b): draft_step_ms(target, sizes, b) for b in (1, 32)}

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from adaflash.models.config import TransformerConfig
+from adaflash.models.dtype import int8_activations, resolve_dtype
 from adaflash.models.gguf_blocks import QuantizedWeight, quantized_weights
 from adaflash.models.kernels.layer_step import LayerSteps, StepLayer
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
@@ -275,3 +276,8 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: s
         raise ValueError(f"--dtype int8 needs our CPU kernels and a GGUF target with Q4_1 / Q8_0 blocks; {path} runs "
                          "none here (use fp32)")
     return model.eval()
+
+
+def load_target_as(path: str | Path, dtype_name: str = "auto", device: str = "cpu") -> TargetModel:
+    """load_target from a `--dtype` name: auto, bf16, fp32, or int8 (fp32 with the int8-activation linears)."""
+    return load_target(path, resolve_dtype(dtype_name, device), device, int8_activations=int8_activations(dtype_name))
