@@ -87,14 +87,19 @@ def _cmd_data_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_mix(text: str) -> list[tuple[str, int]]:
-    """"gsm-symbolic:300,sharegpt-chat:200" -> [("gsm-symbolic", 300), ("sharegpt-chat", 200)]."""
+def _parse_mix(text: str) -> list[tuple[str, int, int]]:
+    """"gsm-symbolic:300,sharegpt-chat:2000-3500" -> [("gsm-symbolic", 0, 300), ("sharegpt-chat", 2000, 3500)]: the
+    first COUNT train prompts of a dataset, or those in [START, END) (new prompts beyond an earlier run's)."""
     mix = []
     for item in text.split(","):
-        name, _, count = item.partition(":")
-        if not count.isdigit():
-            raise ValueError(f"--mix items are NAME:COUNT, got {item!r}")
-        mix.append((name.strip(), int(count)))
+        name, _, span = item.partition(":")
+        start, dash, end = span.partition("-")
+        if not start.isdigit() or (dash and not end.isdigit()):
+            raise ValueError(f"--mix items are NAME:COUNT or NAME:START-END, got {item!r}")
+        first, stop = (int(start), int(end)) if dash else (0, int(start))
+        if stop <= first:
+            raise ValueError(f"--mix range {item!r} is empty")
+        mix.append((name.strip(), first, stop))
     return mix
 
 
@@ -110,7 +115,8 @@ def _cmd_data_generate(args: argparse.Namespace) -> int:
         if args.capture_layers
         else build_target_layer_ids(pipeline.target.config.num_layers, args.drafter_layers)
     )
-    per_dataset = [load_prompts(name, "train", limit=n, seed=args.seed) for name, n in _parse_mix(args.mix)]
+    per_dataset = [load_prompts(name, "train", limit=stop, seed=args.seed)[first:]
+                   for name, first, stop in _parse_mix(args.mix)]
     # Round-robin over the datasets, so a run stopped early still holds every domain.
     prompts = [p for group in itertools.zip_longest(*per_dataset) for p in group if p is not None]
     config = DataGenConfig(
@@ -163,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     dgen = data_sub.add_parser("generate", help="regenerate training responses with the target (resumable)")
     dgen.add_argument("--out", required=True, help="output directory (shards + manifest.json)")
     dgen.add_argument("--mix", default="gsm-symbolic:300,sharegpt-chat:250,sharegpt-code:150,champ:100",
-                      help="train-split prompts per dataset, NAME:COUNT,...")
+                      help="train-split prompts per dataset: NAME:COUNT (the first COUNT) or NAME:START-END, comma-separated")
     dgen.add_argument("--model", default=DEFAULT_TARGET)
     dgen.add_argument("--dtype", default="auto")
     dgen.add_argument("--drafter-layers", type=int, default=2, help="capture the layers a drafter of this depth reads")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from adaflash.cli import main
+from adaflash.cli import _parse_mix, main
 from adaflash.models.config import TransformerConfig
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
@@ -114,3 +114,13 @@ def test_demo_runs_all_variants_losslessly(tiny_chat_checkpoint, random_drafter,
     out = capsys.readouterr().out
     assert "outputs identical to AR: yes" in out and "dflash-adaptive: median speedup" in out
     assert all(domain in out for domain in ("chat", "code", "math"))
+
+def test_counts_and_ranges():
+    assert _parse_mix("gsm-symbolic:300,sharegpt-chat:2000-3500") == [("gsm-symbolic", 0, 300),
+                                                                       ("sharegpt-chat", 2000, 3500)]
+
+
+@pytest.mark.parametrize("bad", ["gsm-symbolic", "gsm-symbolic:", "champ:ten", "champ:5-", "champ:-5", "champ:9-3"])
+def test_bad_items_name_themselves(bad):
+    with pytest.raises(ValueError, match="--mix"):
+        _parse_mix(bad)
