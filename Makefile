@@ -37,6 +37,7 @@ bench: install
 # Rebuild the shipped SmolLM2 drafter from scratch: regenerate data with the target (responses, context features and
 # the target's top-32 log-probabilities), train with a 16K-row draft vocabulary and soft targets, export.
 # Hours on a CPU; both steps resume where they stopped if interrupted (rerun the same command).
+# The shipped v6 continued that (v5) checkpoint on new prompts in bf16: configs/smollm2-drafter-v6.toml has its two commands.
 DRAFTER_DATA := runs/data/smollm2-v2
 DRAFTER_MIX := gsm-symbolic:1500,mgsm-symbolic:1200,champ:174,sharegpt-chat:2000,sharegpt-code:1400
 drafter: install
