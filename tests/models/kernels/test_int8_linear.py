@@ -8,19 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
 
 from adaflash.models.gguf_blocks import QuantizedWeight
 from adaflash.models.kernels import packed, selection
+from tests.models.kernels.test_packed_linear import _gguf_blocks
 
 pytestmark = pytest.mark.skipif(packed.library() is None, reason="our CPU kernels are unavailable (no AVX2 or compiler)")
-
-
-def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    qtype = getattr(GGMLQuantizationType, fmt)
-    raw = quants.quantize(w, qtype)
-    return torch.from_numpy(raw.copy()), torch.from_numpy(quants.dequantize(raw, qtype).copy())
 
 
 def _reference(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
