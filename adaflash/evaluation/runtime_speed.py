@@ -9,7 +9,8 @@ choice (the default: the quantized kernel over the GGUF's blocks where it is fas
 the same with the layers run op by op from Python (ADAFLASH_LAYER_STEP=0), with the packed fp32 kernel only
 (ADAFLASH_KERNELS=packed) and with torch's stock kernels (=stock), so what each piece buys is measured in the same run.
 In fp32 a fifth variant runs `--dtype int8` (the GGUF's blocks with int8-rounded activations: llama.cpp's
-arithmetic, another model than the fp32 target, so its tokens may part from the others'). When llama.cpp is built (`make peer`), its `llama-bench` decode on the target's own GGUF is reported beside.
+arithmetic, another model than the fp32 target, so its tokens may part from the others'). When llama.cpp is built
+(`make peer`), its `llama-bench` decode on the target's own GGUF is reported beside.
 """
 
 from __future__ import annotations

@@ -32,6 +32,14 @@ struct Activations {
 };
 
 using PanelRows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
+// A tile of r rows from row r0 of one panel: (a, r0, panel, nb, bias, y, ldy).
+using Tile = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
+
+// One panel for all m rows, in tiles of up to max_rows rows (tiles[r] runs r rows).
+inline void run_tiles(const Tile* tiles, int64_t max_rows, const Activations& a, int64_t m, const uint8_t* panel,
+                      int64_t nb, const float* bias, float* y, int64_t n) {
+  for (int64_t r0 = 0; r0 < m; r0 += max_rows) tiles[m - r0 < max_rows ? m - r0 : max_rows](a, r0, panel, nb, bias, y, n);
+}
 
 // A tile: R rows x one panel of 16 outputs over all of k. Per GGUF block: each output's 32 products as an exact
 // integer sum (8 steps of 4 k: the row's 4 activation bytes broadcast, each output's 4 weight bytes in its int32
@@ -118,12 +126,8 @@ constexpr int kRows = 4;
 template <int Format>
 void panel_rows(const Activations& a, int64_t m, const uint8_t* panel, int64_t nb, const float* bias, float* y,
                 int64_t n) {
-  using Tile = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
   static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>, tile<Format, 4>};
-  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-    const int64_t rows = m - r0 < kRows ? m - r0 : kRows;
-    tiles[rows](a, r0, panel, nb, bias, y, n);
-  }
+  run_tiles(tiles, kRows, a, m, panel, nb, bias, y, n);
 }
 
 const PanelRows kPanelRows[2] = {panel_rows<kQ4_1>, panel_rows<kQ8_0>};
@@ -203,13 +207,9 @@ constexpr int kRows = 8;
 template <int Format>
 void panel_rows(const Activations& a, int64_t m, const uint8_t* panel, int64_t nb, const float* bias, float* y,
                 int64_t n) {
-  using Tile = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
   static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>, tile<Format, 4>,
                                             tile<Format, 5>, tile<Format, 6>, tile<Format, 7>, tile<Format, 8>};
-  for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-    const int64_t rows = m - r0 < kRows ? m - r0 : kRows;
-    tiles[rows](a, r0, panel, nb, bias, y, n);
-  }
+  run_tiles(tiles, kRows, a, m, panel, nb, bias, y, n);
 }
 
 const PanelRows kPanelRows[2] = {panel_rows<kQ4_1>, panel_rows<kQ8_0>};

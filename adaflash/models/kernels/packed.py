@@ -1,6 +1,6 @@
 """Our CPU kernel library and its linears: the packed fp32 linear and the quantized linear over GGUF blocks
-(packed_linear.cpp), the int8-activation linear over GGUF blocks (int8_linear.cpp, `--dtype int8`); the library also holds the ragged attention (attention.cpp, wrapped in attention.py), the
-fused steps (fused.cpp, used by layers.py and kv_cache.py) and the whole-layer step (layer_step.cpp / .py).
+(packed_linear.cpp), the int8-activation linear over GGUF blocks (int8_linear.cpp, `--dtype int8`); the library
+also holds the ragged attention (attention.cpp, wrapped in attention.py), the fused steps (fused.cpp, used by layers.py and kv_cache.py) and the whole-layer step (layer_step.cpp / .py).
 
 Built with the system C++ compiler on first use, once per sources/flags, into $ADAFLASH_CACHE/kernels (a second or
 two), loaded with ctypes and linked against the OpenMP runtime torch has already loaded (same soname), so both
@@ -163,6 +163,16 @@ def _check_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float().contiguous()
 
 
+def _check_blocks(blocks: torch.Tensor, fmt: str, k: int, formats) -> int:
+    if fmt not in formats:
+        raise ValueError(f"no kernel for {fmt!r} here (have {sorted(formats)})")
+    n, spec = blocks.shape[0], QUANT_FORMATS[fmt]
+    if k < BLOCK or k % BLOCK or n % PANEL or blocks.dtype != torch.uint8 or blocks.shape != (n, k // BLOCK * spec.block_bytes):
+        raise ValueError(f"{fmt} blocks for {n} x {k} must be uint8 [{n}, {k // BLOCK * spec.block_bytes}] with "
+                         f"n % {PANEL} == 0 and k % {BLOCK} == 0, got {blocks.dtype} {tuple(blocks.shape)}")
+    return n
+
+
 class _Packed:
     """Shared by both packings: input checks, the output buffer, the profiler label."""
 
@@ -236,16 +246,6 @@ class QuantizedLinear(_Packed):
 # The int8-activation kernel's formats, and the offset of its codes in layer_step.cpp's Linear.format.
 INT8_FORMATS = ("Q4_1", "Q8_0")
 INT8_CODE_OFFSET = 16
-
-
-def _check_blocks(blocks: torch.Tensor, fmt: str, k: int, formats) -> int:
-    if fmt not in formats:
-        raise ValueError(f"no kernel for {fmt!r} here (have {sorted(formats)})")
-    n, spec = blocks.shape[0], QUANT_FORMATS[fmt]
-    if k < BLOCK or k % BLOCK or n % PANEL or blocks.dtype != torch.uint8 or blocks.shape != (n, k // BLOCK * spec.block_bytes):
-        raise ValueError(f"{fmt} blocks for {n} x {k} must be uint8 [{n}, {k // BLOCK * spec.block_bytes}] with "
-                         f"n % {PANEL} == 0 and k % {BLOCK} == 0, got {blocks.dtype} {tuple(blocks.shape)}")
-    return n
 
 
 class Int8Linear(_Packed):
