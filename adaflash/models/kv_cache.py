@@ -191,7 +191,7 @@ class RaggedAttention:
         [T, (H + 2 KVH) * d], k and v written into the cache; returns q [T, H, d]. fp32 CPU, kernels available."""
         t = qkv.shape[0]
         _, _, kv_heads, max_len, d = cache.k.shape
-        token_slots = self._checked_token_slots(cache)
+        token_slots = self.token_slots(cache)
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         q = torch.empty(t, num_heads, d, dtype=torch.float32)
         k_layer, v_layer = cache.k[layer], cache.v[layer]
@@ -201,18 +201,21 @@ class RaggedAttention:
                 v_layer.data_ptr(), max_len, token_slots.data_ptr(), self.batch.positions.data_ptr(), q.data_ptr())
         return q
 
-    def _checked_token_slots(self, cache: KVCache) -> torch.Tensor:
+    def token_slots(self, cache: KVCache) -> torch.Tensor:
         """Each token's cache slot, once the batch is known to fit the cache (the kernels write unchecked)."""
         if self._token_slots is None:
-            if max(self.batch.slots) >= cache.num_slots or max(self.batch.ends) > cache.max_len:
-                raise ValueError(f"batch slots {self.batch.slots} / ends {self.batch.ends} exceed the cache's "
+            b = self.batch
+            if max(b.slots) >= cache.num_slots or max(b.ends) > cache.max_len:
+                raise ValueError(f"batch slots {b.slots} / ends {b.ends} exceed the cache's "
                                  f"{cache.num_slots} slots of {cache.max_len} positions")
-            self._token_slots = torch.repeat_interleave(torch.tensor(self.batch.slots), torch.tensor(self.batch.query_lens))
+            # (one sequence: a fill, several times cheaper than repeat_interleave at batch 1's few tokens)
+            self._token_slots = (torch.full((b.query_lens[0],), b.slots[0], dtype=torch.long) if self.single else
+                                 torch.repeat_interleave(torch.tensor(b.slots), torch.tensor(b.query_lens)))
         return self._token_slots
 
     def kernel_index(self, cache: KVCache) -> tuple[torch.Tensor, ...]:
         """What the whole-layer step (kernels/layer_step.py) reads: each token's slot, then _index()'s three."""
-        return (self._checked_token_slots(cache), *self._index())
+        return (self.token_slots(cache), *self._index())
 
     def _index(self) -> tuple[torch.Tensor, ...]:
         """For the ragged kernel: each sequence's first token, its slot, and each token's key count (causal: up to
@@ -223,6 +226,8 @@ class RaggedAttention:
             token_start = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
             if self.causal:
                 key_len = b.positions + 1
+            elif self.single:
+                key_len = torch.full((b.query_lens[0],), b.ends[0], dtype=torch.long)
             else:
                 key_len = torch.repeat_interleave(torch.tensor(b.ends), lens)
             self._kernel_index = (token_start, torch.tensor(b.slots), key_len.to(torch.long).contiguous())

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.layers import argmax_rows
 from adaflash.models.target import TargetModel
 from adaflash.serving.length_policy import FixedLength, LengthPolicy
 from adaflash.serving.request import Request, StepOutput
@@ -120,7 +121,7 @@ class Engine:
 
     def _pick(self, request: Request, logits: torch.Tensor) -> int:
         if request.sampling.greedy:
-            return int(logits.argmax(-1))
+            return int(argmax_rows(logits[None])[0])
         return int(sample_tokens(logits_to_probs(logits[None], request.sampling), request.generator)[0])
 
     def _prefill(self, requests: Sequence[Request]) -> list[StepOutput]:
@@ -226,7 +227,7 @@ class Engine:
         if greedy:
             res = verify_greedy(
                 torch.tensor([t for i in greedy for t in draft_tokens[i]], dtype=torch.long),
-                torch.cat([rows[i].argmax(-1) for i in greedy]),
+                torch.cat([argmax_rows(rows[i]) for i in greedy]),
                 [lengths[i] for i in greedy],
             )
             for j, i in enumerate(greedy):

@@ -18,7 +18,7 @@ from adaflash.models.draft_vocab import DraftHead
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedBatch
-from adaflash.models.layers import linear
+from adaflash.models.layers import argmax_rows, linear
 from adaflash.models.target import TargetModel
 from adaflash.speculative.sampling import SamplingParams, logits_to_probs, sample_tokens
 
@@ -105,7 +105,7 @@ class DFlashProposer:
             chunk = logits[offset : offset + k]
             offset += k
             if params.greedy:
-                tokens.append(self.head.ids_of(chunk.argmax(-1)))
+                tokens.append(self.head.ids_of(argmax_rows(chunk)))
                 probs.append(None)
             else:
                 p = logits_to_probs(chunk, params)

@@ -75,14 +75,25 @@ def verify_greedy(
     """Accept drafts while they equal the target's argmax; the target's argmax after them is the next token.
 
     draft_tokens [sum(K)], target_argmax [sum(K) + R] (row j of request r = argmax after its j-th block token).
+    A loop over host lists: a step verifies at most a few hundred tokens, where the ~25 small tensor ops of a
+    vectorised form cost more (~0.15 ms a step at batch 1) than comparing the integers.
     """
-    layout = _Layout.of(num_draft)
-    if target_argmax.numel() != layout.total + len(layout.counts):
+    counts = [int(k) for k in num_draft]
+    if not counts or min(counts) < 0:
+        raise ValueError(f"need one non-negative draft count per request, got {counts}")
+    drafts, targets = draft_tokens.tolist(), target_argmax.tolist()
+    if len(drafts) != sum(counts) or len(targets) != len(drafts) + len(counts):
         raise ValueError("target_argmax must have sum(num_draft) + len(num_draft) rows")
-    accept = draft_tokens == target_argmax[layout.target_row_of_draft]
-    num_accepted = layout.accepted_prefix_len(accept)
-    next_tokens = target_argmax[layout.target_offsets + num_accepted]
-    return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+    accepted, next_tokens, d, t = [], [], 0, 0
+    for k in counts:
+        n = 0
+        while n < k and drafts[d + n] == targets[t + n]:
+            n += 1
+        accepted.append(n)
+        next_tokens.append(targets[t + n])
+        d, t = d + k, t + k + 1
+    return VerifyResult(num_accepted=torch.tensor(accepted, dtype=torch.long),
+                        next_tokens=torch.tensor(next_tokens, dtype=torch.long))
 
 
 def verify_sampling(

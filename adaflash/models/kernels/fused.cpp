@@ -85,4 +85,37 @@ void adaflash_silu_mul(const float* gate_up, int64_t rows, int64_t inter, float*
   }
 }
 
+// Greedy decoding's argmax over each fp32 row of logits [rows, cols]: the index of the first largest value, as
+// torch.argmax returns it (a NaN counts as the largest: the first NaN's index). torch's CPU argmax takes ~40 us for
+// one 49152-column row here, a vectorised max and one compare pass ~3 us - paid per decoded and per verified row.
+void adaflash_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t* out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 8)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * cols;
+    __m256 best8 = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= cols; i += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + i);
+      best8 = _mm256_max_ps(best8, v);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, best8);
+    float best = lanes[0];
+    for (int u = 1; u < 8; ++u) best = lanes[u] > best ? lanes[u] : best;
+    bool has_nan = _mm256_movemask_ps(unordered) != 0;
+    for (; i < cols; ++i) {
+      has_nan = has_nan || std::isnan(xr[i]);
+      best = xr[i] > best ? xr[i] : best;
+    }
+    int64_t at = 0;
+    if (has_nan) {
+      while (!std::isnan(xr[at])) ++at;
+    } else {
+      while (at < cols - 1 && !(xr[at] == best)) ++at;  // (-0 == +0: the first zero of either sign, as torch)
+    }
+    out[r] = at;
+  }
+}
+
 }  // extern "C"

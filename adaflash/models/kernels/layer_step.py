@@ -1,5 +1,5 @@
 """Decoder layers run one ctypes call each (layer_step.cpp) instead of ~13 torch / ctypes calls: the target's, and
-the DFlash drafter's block pass.
+the DFlash drafter's block pass; the drafter's context feed is one call too (`ContextStep`).
 
 Only where every piece of the layer has our kernel: fp32 on CPU, at most attention.MAX_QUERIES new tokens per
 sequence, and each linear's chosen kernel at this row count packed (not torch's). Elsewhere the caller runs its
@@ -34,6 +34,10 @@ class _Layer(ctypes.Structure):
                 *((name, _Linear) for name in LINEARS)]
 
 
+class _ContextLayer(ctypes.Structure):
+    _fields_ = [("k_norm", _p), ("kv", _Linear)]
+
+
 class _Shape(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
                 ("eps", _f32), ("scale", _f32)]
@@ -63,6 +67,23 @@ class StepLayer:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _linear_struct(kernel) -> _Linear:
+    return _Linear(kernel.packed.data_ptr(), kernel.format_code, _ptr(kernel.bias), kernel.n, kernel.k)
+
+
+def _batch_struct(attention, cache, cos: torch.Tensor, sin: torch.Tensor, index: Sequence[torch.Tensor]) -> _Batch:
+    """`index`: the attention's kernel_index (token slots, then token starts, sequence slots, key lengths; the
+    context step passes the token slots only)."""
+    k, v = cache.k, cache.v
+    rest = [t.data_ptr() for t in index[1:]] + [None] * (4 - len(index))
+    return _Batch(cos.shape[0], len(attention.batch.slots), k.shape[3], k[0].numel(), k.data_ptr(), v.data_ptr(),
+                  cos.data_ptr(), sin.data_ptr(), index[0].data_ptr(), attention.batch.positions.data_ptr(), *rest)
+
+
+def _cache_ok(cache) -> bool:
+    return cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.dtype == cache.v.dtype == torch.float32
 
 
 class LayerSteps:
@@ -101,8 +122,7 @@ class LayerSteps:
             s.input_norm, s.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
             s.q_norm, s.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
             for name, kernel in zip(LINEARS, row):
-                setattr(s, name, _Linear(kernel.packed.data_ptr(), kernel.format_code, _ptr(kernel.bias),
-                                         kernel.n, kernel.k))
+                setattr(s, name, _linear_struct(kernel))
         sources = [(t, version_of(t)) for layer in self.layers for f in layer.linears.values()
                    for t in (f.weight, f.bias) if t is not None]
         self._by_bucket[bucket] = (structs, sources)
@@ -121,15 +141,10 @@ class LayerSteps:
         structs = self._layers_at(t)
         if structs is None:
             return None
-        token_slots, token_start, seq_slots, key_len = attention.kernel_index(cache)
-        cos, sin = cos.contiguous(), sin.contiguous()
-        positions = attention.batch.positions.contiguous()
-        k, v = cache.k, cache.v
-        if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32):
+        if not _cache_ok(cache):
             return None
-        batch = _Batch(t, len(attention.batch.slots), k.shape[3], k[0].numel(), k.data_ptr(), v.data_ptr(),
-                       cos.data_ptr(), sin.data_ptr(), token_slots.data_ptr(), positions.data_ptr(),
-                       token_start.data_ptr(), seq_slots.data_ptr(), key_len.data_ptr())
+        cos, sin = cos.contiguous(), sin.contiguous()
+        batch = _batch_struct(attention, cache, cos, sin, attention.kernel_index(cache))
         lib = packed.library()
         scratch = torch.empty(lib.adaflash_layer_scratch_floats(ctypes.byref(self.shape), t), dtype=torch.float32)
         h = h.clone()  # updated in place, layer by layer
@@ -142,3 +157,41 @@ class LayerSteps:
             if i in capture:
                 captured.append(h.clone())
         return h, captured
+
+
+class ContextStep:
+    """The DFlash drafter's context feed in one call (layer_step.cpp's adaflash_drafter_context): target features ->
+    fc -> hidden norm -> each draft layer's k (k_norm, RoPE) and v into its cache. `layers`: per draft layer, its k and
+    v projections stacked ([2 kv_heads head_dim, hidden]) and its k_norm weight (or None)."""
+
+    def __init__(self, fc: FastLinear, hidden_norm: torch.Tensor, layers: Sequence[tuple[FastLinear, torch.Tensor | None]],
+                 hidden: int, kv_heads: int, head_dim: int, eps: float) -> None:
+        for t in (hidden_norm, *(k_norm for _, k_norm in layers)):
+            if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()):
+                raise ValueError("the context step reads contiguous fp32 norm weights")
+        self.fc, self.hidden_norm, self.layers = fc, hidden_norm, list(layers)
+        self.shape = _Shape(hidden, 0, kv_heads, head_dim, 0, eps, head_dim ** -0.5)
+        self.head_dim = head_dim
+
+    def run(self, features: torch.Tensor, attention, cache, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Write the context of `features` [T, n * hidden] (a RaggedAttention batch's tokens); False, writing nothing,
+        where the step cannot run here (the caller runs its Python loop)."""
+        t = features.shape[0]
+        if not enabled() or features.dtype != torch.float32 or features.device.type != "cpu" or not _cache_ok(cache):
+            return False
+        fc = self.fc.kernel_for(t)
+        kvs = [kv.kernel_for(t) for kv, _ in self.layers]
+        if fc is None or None in kvs:
+            return False
+        layers = (_ContextLayer * len(kvs))()
+        for s, kernel, (_, k_norm) in zip(layers, kvs, self.layers):
+            s.k_norm, s.kv = _ptr(k_norm), _linear_struct(kernel)
+        features, cos, sin = features.contiguous(), cos.contiguous(), sin.contiguous()
+        batch = _batch_struct(attention, cache, cos, sin, [attention.token_slots(cache)])
+        lib = packed.library()
+        scratch = torch.empty(lib.adaflash_context_scratch_floats(ctypes.byref(self.shape), t), dtype=torch.float32)
+        with packed.profiled("adaflash::drafter_context"):
+            lib.adaflash_drafter_context(features.data_ptr(), ctypes.byref(_linear_struct(fc)), self.hidden_norm.data_ptr(),
+                                         layers, len(kvs), ctypes.byref(self.shape), ctypes.byref(batch),
+                                         scratch.data_ptr(), torch.get_num_threads())
+        return True

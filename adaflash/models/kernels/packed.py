@@ -136,10 +136,16 @@ def _load() -> ctypes.CDLL | None:
     lib.adaflash_rope_qkv.restype = None
     lib.adaflash_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
     lib.adaflash_silu_mul.restype = None
+    lib.adaflash_argmax_rows.argtypes = [ptr, i64, i64, ptr, i32]
+    lib.adaflash_argmax_rows.restype = None
     lib.adaflash_layer_scratch_floats.argtypes = [ptr, i64]
     lib.adaflash_layer_scratch_floats.restype = i64
     lib.adaflash_decoder_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i32]
     lib.adaflash_decoder_layer.restype = None
+    lib.adaflash_context_scratch_floats.argtypes = [ptr, i64]
+    lib.adaflash_context_scratch_floats.restype = i64
+    lib.adaflash_drafter_context.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
+    lib.adaflash_drafter_context.restype = None
     return lib
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from adaflash.models.kernels import packed
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
-from adaflash.models.layers import apply_rope, fused_kernels_available, rms_norm, rope_cos_sin
+from adaflash.models.layers import apply_rope, argmax_rows, fused_kernels_available, rms_norm, rope_cos_sin
 
 pytestmark = pytest.mark.skipif(packed.library() is None, reason="kernels unavailable (no AVX2/FMA or compiler)")
 
@@ -23,6 +23,31 @@ def test_rms_norm_matches_torch(shape):
         ours = rms_norm(x, w, 1e-5)
     assert any(e.name == "adaflash::rms_norm" for e in prof.events())
     torch.testing.assert_close(ours, F.rms_norm(x, (shape[-1],), w, eps=1e-5), atol=1e-6, rtol=1e-6)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows,cols", [(1, 49152), (2, 16384), (9, 13), (3, 7), (20, 1)])
+def test_argmax_rows_is_torchs_argmax(rows, cols):
+    """Random rows, then ties (the first largest wins), a NaN (it wins, the first NaN), +-0, -inf rows and a largest
+    value in the scalar tail - each against torch.argmax."""
+    g = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols, generator=g)
+    cases = [x, x.round(), torch.zeros(rows, cols), torch.full((rows, cols), float("-inf"))]
+    signed_zero = torch.zeros(rows, cols)
+    signed_zero[:, ::2] = -0.0
+    cases.append(signed_zero - 1.0 * (torch.arange(cols) > cols // 2))
+    with_nan = x.clone()
+    with_nan[0, cols // 2] = float("nan")
+    with_nan[-1, cols - 1] = float("nan")
+    cases.append(with_nan)
+    tail = x.clone()
+    tail[:, -1] = 100.0
+    cases.append(tail)
+    for case in cases:
+        with torch.profiler.profile() as prof:
+            ours = argmax_rows(case)
+        assert any(e.name == "adaflash::argmax_rows" for e in prof.events())
+        assert torch.equal(ours, case.argmax(-1)), case
 
 
 def test_rms_norm_keeps_torchs_kernel_under_autograd():

@@ -87,19 +87,51 @@ def test_the_step_steps_aside_where_a_piece_has_no_kernel(tiny_checkpoints, monk
     assert load_target(tiny_checkpoints["llama"], dtype=torch.float32).layer_steps is None
 
 
+def _tiny_drafter():
+    from adaflash.models.drafter import DrafterConfig
+    from adaflash.models.drafter_checkpoint import init_drafter
+
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        vocab_size=96, block_size=8, mask_token_id=3, target_layer_ids=(1, 2), num_target_layers=4,
+                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512)
+    return init_drafter(cfg, seed=1).eval()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_drafters_context_feed_is_one_call_and_bitwise_its_loop(monkeypatch, int8):
+    """The same kernels in the same order (k and v stacked: each output row its own dot), so the caches are equal
+    bit for bit: a prefill past the block-step's 16 rows, a ragged pair, single tokens; fp32 and the int8 kernel."""
+    monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
+    drafter = _tiny_drafter()
+    assert drafter.use_fast_linears(int8_activations=int8)
+    features = torch.randn(40, 128, generator=torch.Generator().manual_seed(2))
+    ran, run = [], layer_step.ContextStep.run
+    monkeypatch.setattr(layer_step.ContextStep, "run", lambda self, *a: ran.append(run(self, *a)) or ran[-1])
+
+    def feed(flag):
+        monkeypatch.setenv("ADAFLASH_LAYER_STEP", flag)
+        cache = drafter.new_cache(3, 64)
+        for batch in (RaggedBatch.build([0], [0], [20]), RaggedBatch.build([2, 1], [0, 0], [3, 5]),
+                      RaggedBatch.build([0, 1, 2], [20, 5, 3], [1, 2, 9])):
+            drafter.extend_context(cache, features[: batch.num_tokens], batch)
+        return cache
+
+    loop, fused = feed("0"), feed("1")
+    assert ran == [False] * 3 + [True] * 3
+    assert torch.equal(loop.k, fused.k) and torch.equal(loop.v, fused.v) and loop.lengths == fused.lengths == [21, 7, 12]
+    with torch.no_grad():
+        drafter.fc.weight.mul_(2.0)  # in place: the packed copy is stale, the loop runs on the new values
+    assert not drafter._steps_current(drafter._context_step)
+    assert not torch.equal(feed("1").k, fused.k)
+
+
 def test_the_drafters_block_pass_runs_the_step_and_agrees_with_its_loop(monkeypatch):
     """The drafter's step stacks q/k/v and gate/up (an inference copy) and uses the SiLU kernel, so it is close to
     the loop rather than bitwise (drafts need not be exact: verification keeps the output the target's); after an
     in-place change to the weights the loop runs on the new values."""
-    from adaflash.models.drafter import DrafterConfig
-    from adaflash.models.drafter_checkpoint import init_drafter
-
     monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                        vocab_size=96, block_size=8, mask_token_id=3, target_layer_ids=(1, 2), num_target_layers=4,
-                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512)
-    drafter = init_drafter(cfg, seed=1).eval()
-    assert drafter.use_fast_linears() and drafter._steps_current()
+    drafter = _tiny_drafter()
+    assert drafter.use_fast_linears() and drafter._steps_current(drafter._layer_steps)
     cache = drafter.new_cache(2, 64)
     drafter.extend_context(cache, torch.randn(10, 128), RaggedBatch.build([0, 1], [0, 0], [6, 4]))
     block = torch.randn(2, 8, 64)
@@ -113,5 +145,5 @@ def test_the_drafters_block_pass_runs_the_step_and_agrees_with_its_loop(monkeypa
     assert ran == [True, False]
     with torch.no_grad():
         drafter.layers[0].mlp.down_proj.weight.mul_(3.0)
-    assert not drafter._steps_current()
+    assert not drafter._steps_current(drafter._layer_steps)
     torch.testing.assert_close(draft("1"), draft("0"))
