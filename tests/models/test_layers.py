@@ -21,7 +21,8 @@ def test_rope_table_rows_are_the_formulas_bits(head_dim, theta, dtype):
     for positions in (torch.tensor([0]), torch.arange(100, 102), torch.arange(5, 21),
                       torch.randint(0, 4000, (300,), generator=torch.Generator().manual_seed(0)),
                       torch.arange(4090, 4200)):
-        ours, formula = rope_cos_sin(positions, head_dim, theta, dtype), _rope_formula(positions, head_dim, theta, dtype)
+        ours = rope_cos_sin(positions, head_dim, theta, dtype)
+        formula = _rope_formula(positions, head_dim, theta, dtype)
         assert ours[0].shape == (len(positions), 1, head_dim)
         assert torch.equal(ours[0], formula[0]) and torch.equal(ours[1], formula[1])
 

@@ -164,14 +164,14 @@ class ContextStep:
     fc -> hidden norm -> each draft layer's k (k_norm, RoPE) and v into its cache. `layers`: per draft layer, its k and
     v projections stacked ([2 kv_heads head_dim, hidden]) and its k_norm weight (or None)."""
 
-    def __init__(self, fc: FastLinear, hidden_norm: torch.Tensor, layers: Sequence[tuple[FastLinear, torch.Tensor | None]],
-                 hidden: int, kv_heads: int, head_dim: int, eps: float) -> None:
+    def __init__(self, fc: FastLinear, hidden_norm: torch.Tensor,
+                 layers: Sequence[tuple[FastLinear, torch.Tensor | None]], hidden: int, kv_heads: int, head_dim: int,
+                 eps: float) -> None:
         for t in (hidden_norm, *(k_norm for _, k_norm in layers)):
             if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()):
                 raise ValueError("the context step reads contiguous fp32 norm weights")
         self.fc, self.hidden_norm, self.layers = fc, hidden_norm, list(layers)
         self.shape = _Shape(hidden, 0, kv_heads, head_dim, 0, eps, head_dim ** -0.5)
-        self.head_dim = head_dim
 
     def run(self, features: torch.Tensor, attention, cache, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Write the context of `features` [T, n * hidden] (a RaggedAttention batch's tokens); False, writing nothing,
@@ -191,7 +191,7 @@ class ContextStep:
         lib = packed.library()
         scratch = torch.empty(lib.adaflash_context_scratch_floats(ctypes.byref(self.shape), t), dtype=torch.float32)
         with packed.profiled("adaflash::drafter_context"):
-            lib.adaflash_drafter_context(features.data_ptr(), ctypes.byref(_linear_struct(fc)), self.hidden_norm.data_ptr(),
-                                         layers, len(kvs), ctypes.byref(self.shape), ctypes.byref(batch),
-                                         scratch.data_ptr(), torch.get_num_threads())
+            lib.adaflash_drafter_context(features.data_ptr(), ctypes.byref(_linear_struct(fc)),
+                                         self.hidden_norm.data_ptr(), layers, len(kvs), ctypes.byref(self.shape),
+                                         ctypes.byref(batch), scratch.data_ptr(), torch.get_num_threads())
         return True
