@@ -222,15 +222,16 @@ class RaggedAttention:
         its own position; non-causal: its sequence's end)."""
         if self._kernel_index is None:
             b = self.batch
-            lens = torch.tensor(b.query_lens)
-            token_start = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+            starts = [0]
+            for n in b.query_lens:
+                starts.append(starts[-1] + n)
             if self.causal:
                 key_len = b.positions + 1
             elif self.single:
                 key_len = torch.full((b.query_lens[0],), b.ends[0], dtype=torch.long)
             else:
-                key_len = torch.repeat_interleave(torch.tensor(b.ends), lens)
-            self._kernel_index = (token_start, torch.tensor(b.slots), key_len.to(torch.long).contiguous())
+                key_len = torch.repeat_interleave(torch.tensor(b.ends), torch.tensor(b.query_lens))
+            self._kernel_index = (torch.tensor(starts), torch.tensor(b.slots), key_len.to(torch.long).contiguous())
         return self._kernel_index
 
     def _attend_each(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:

@@ -83,9 +83,8 @@ class DFlashProposer:
         b, mask = width or self.block_size, self.drafter.config.mask_token_id
         if not 2 <= b <= self.block_size:
             raise ValueError(f"a draft block is 2..{self.block_size} positions wide, got {b}")
-        block_ids = torch.full((len(slots), b), mask, dtype=torch.long)
-        block_ids[:, 0] = torch.tensor(list(anchors))
-        return self.drafter.draft_hidden(cache, self.target.embed(block_ids.to(self.target.device)), slots)
+        block_ids = torch.tensor([[anchor] + [mask] * (b - 1) for anchor in anchors], device=self.target.device)
+        return self.drafter.draft_hidden(cache, self.target.embed(block_ids), slots)
 
     @torch.inference_mode()
     def draft_tokens(
@@ -98,7 +97,7 @@ class DFlashProposer:
         """Draft tokens from block hidden states [n, B, d]: the LM head runs only on the positions verified."""
         self._check_lengths(num_draft)
         rows = [hidden[r, 1 : 1 + k] for r, k in enumerate(num_draft)]
-        x = torch.cat(rows).to(self.target.dtype)
+        x = (rows[0] if len(rows) == 1 else torch.cat(rows)).to(self.target.dtype)
         logits = (self._head_linear(x) if self._head_linear is not None else linear(x, self.head.weight)).float()
         tokens, probs, offset = [], [], 0
         for k, params, gen in zip(num_draft, sampling, generators):
