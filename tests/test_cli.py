@@ -112,7 +112,8 @@ def test_demo_runs_all_variants_losslessly(tiny_chat_checkpoint, random_drafter,
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
     assert main(["demo", "--model", tiny_chat_checkpoint, "--drafter", random_drafter, "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
-    assert "outputs identical to AR: yes" in out and "dflash-adaptive: median speedup" in out
+    assert "outputs identical to AR: yes" in out
+    assert all(f"{v}: median speedup" in out for v in ("dflash-full", "dflash-2", "dflash-adaptive"))
     assert all(domain in out for domain in ("chat", "code", "math"))
 
 def test_counts_and_ranges():
