@@ -61,7 +61,8 @@ def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, d
             rows.append((domain, {name: r.stats for name, r in results.items()}, identical))
 
     speculative = {"dflash-full": "full-block", "dflash-2": "2 drafts", "dflash-adaptive": "adaptive"}
-    header = "".join(f"{label + ' tok/s':>{len(label) + 8}}{'accept':>8}{'speedup':>9}" for label in speculative.values())
+    header = "".join(f"{label + ' tok/s':>{len(label) + 8}}{'accept':>8}{'speedup':>9}"
+                     for label in speculative.values())
     print(f"\n{'domain':<13}{'AR tok/s':>10}{header}  identical")
     for domain, stats, identical in rows:
         ar = stats["ar"]["tokens_per_s"]

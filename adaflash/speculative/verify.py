@@ -82,7 +82,9 @@ def verify_greedy(
     if not counts or min(counts) < 0:
         raise ValueError(f"need one non-negative draft count per request, got {counts}")
     drafts, targets = draft_tokens.tolist(), target_argmax.tolist()
-    if len(drafts) != sum(counts) or len(targets) != len(drafts) + len(counts):
+    if len(drafts) != sum(counts):
+        raise ValueError(f"draft_tokens has {len(drafts)} tokens, num_draft sums to {sum(counts)}")
+    if len(targets) != len(drafts) + len(counts):
         raise ValueError("target_argmax must have sum(num_draft) + len(num_draft) rows")
     accepted, next_tokens, d, t = [], [], 0, 0
     for k in counts:

@@ -35,6 +35,8 @@ def test_greedy_rejects_bad_shapes():
         verify_greedy(T([1, 2]), T([1, 2]), [2])
     with pytest.raises(ValueError):
         verify_greedy(T([1]), T([1, 2]), [-1])
+    with pytest.raises(ValueError, match="draft_tokens has 3 tokens"):
+        verify_greedy(T([1, 2, 3]), T([1, 2, 3]), [2])
 
 
 def _onehot(i, v=4):
