@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -222,9 +223,7 @@ class RaggedAttention:
         its own position; non-causal: its sequence's end)."""
         if self._kernel_index is None:
             b = self.batch
-            starts = [0]
-            for n in b.query_lens:
-                starts.append(starts[-1] + n)
+            starts = list(accumulate(b.query_lens, initial=0))  # host ints: one tensor, not cumsum + cat
             if self.causal:
                 key_len = b.positions + 1
             elif self.single:

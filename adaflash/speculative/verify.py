@@ -33,6 +33,13 @@ class VerifyResult:
         return out
 
 
+def _checked_counts(num_draft: Sequence[int]) -> list[int]:
+    counts = [int(k) for k in num_draft]
+    if not counts or min(counts) < 0:
+        raise ValueError(f"need one non-negative draft count per request, got {counts}")
+    return counts
+
+
 @dataclass(frozen=True)
 class _Layout:
     counts: torch.Tensor  # [R] drafts per request
@@ -42,9 +49,7 @@ class _Layout:
 
     @classmethod
     def of(cls, num_draft: Sequence[int]) -> "_Layout":
-        counts = torch.tensor(list(num_draft), dtype=torch.long)
-        if counts.numel() == 0 or int(counts.min()) < 0:
-            raise ValueError(f"need one non-negative draft count per request, got {list(num_draft)}")
+        counts = torch.tensor(_checked_counts(num_draft), dtype=torch.long)
         draft_offsets = counts.cumsum(0) - counts
         request_of_draft = torch.repeat_interleave(torch.arange(len(counts)), counts)
         return cls(
@@ -78,9 +83,7 @@ def verify_greedy(
     A loop over host lists: a step verifies at most a few hundred tokens, where the ~25 small tensor ops of a
     vectorised form cost more (~0.15 ms a step at batch 1) than comparing the integers.
     """
-    counts = [int(k) for k in num_draft]
-    if not counts or min(counts) < 0:
-        raise ValueError(f"need one non-negative draft count per request, got {counts}")
+    counts = _checked_counts(num_draft)
     drafts, targets = draft_tokens.tolist(), target_argmax.tolist()
     if len(drafts) != sum(counts):
         raise ValueError(f"draft_tokens has {len(drafts)} tokens, num_draft sums to {sum(counts)}")
