@@ -50,11 +50,14 @@ namespace avx2 {
 // maddubs multiplies u8 by s8 into saturating int16 pairs: Q4_1's nibbles (<= 15 x 127 x 2) never saturate; Q8_0's
 // signs move onto the activations (|w| x sign(w) x <= 128 x 127 x 2 fits).
 template <int Format>
-inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if (Format == kQ8_0) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
-                                                                                         _mm256_sign_epi8(x, w)), ones));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+inline __m256i pairs(__m256i w, __m256i x) {
+  if (Format == kQ8_0) return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_maddubs_epi16(w, x);
+}
+
+// int16 pairs -> += their int32 lane sums.
+inline __m256i widen_add(__m256i acc, __m256i pairs16) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs16, _mm256_set1_epi16(1)));
 }
 
 inline __m256i bcast4(const int8_t* p) {
@@ -80,6 +83,11 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
       if (Format == kQ4_1) {
+        // The block's 8 steps add their int16 pairs in int16 (an int16 lane then holds 16 products, |sum| <= 16 x 15
+        // x 127 = 30480: no overflow) and widen once: one madd where there were eight, the same integers.
+        __m256i pairs16[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) pairs16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + l * 64 + h * 32));
@@ -87,16 +95,19 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
-            sum[r] = dot4<Format>(sum[r], lo, bcast4(x + 4 * l));
-            sum[r] = dot4<Format>(sum[r], hi, bcast4(x + 4 * l + 16));
+            pairs16[r] = _mm256_add_epi16(pairs16[r], pairs<Format>(lo, bcast4(x + 4 * l)));
+            pairs16[r] = _mm256_add_epi16(pairs16[r], pairs<Format>(hi, bcast4(x + 4 * l + 16)));
           }
         }
-      } else {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) sum[r] = widen_add(sum[r], pairs16[r]);
+      } else {  // Q8_0's pairs reach 32512: each step widens on its own
 #pragma GCC unroll 8
         for (int s = 0; s < 8; ++s) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + s * 64 + h * 32));
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) sum[r] = dot4<Format>(sum[r], v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s));
+          for (int r = 0; r < R; ++r)
+            sum[r] = widen_add(sum[r], pairs<Format>(v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s)));
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + h * 16)));
