@@ -95,7 +95,7 @@ def test_a_learning_policy_starts_fresh_per_generation_unless_told_to_carry(pipe
     carried = pipeline.with_length_policy("throughput", carry_policy_state=True)
     carried.generate_ids(prompts[0], "dflash", max_new_tokens=10)
     learned = carried._policy
-    learned.shared_alpha = 0.05  # as if the first prompt had taught it that this drafter is poor...
+    learned.shared_successes, learned.shared_trials = 1.0, 20.0  # as if the first prompt had taught it that this drafter is poor...
     carried.generate_ids(prompts[1], "dflash", max_new_tokens=10)
     assert carried._policy is learned  # ...the next prompt starts from it
     first = fresh._policy

@@ -8,6 +8,7 @@ Each policy's name (`fixed:K`, `heuristic`, `throughput`, `adaflash`, `block-hea
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
@@ -95,34 +96,61 @@ def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel, max_dr
 
 @dataclass
 class ThroughputLength:
-    """Expected-throughput lengths (`allocate_drafts`) from a running per-request acceptance estimate.
+    """Expected-throughput lengths (`allocate_drafts`) from a per-request acceptance estimate.
 
-    Request r's draft position j is accepted with probability alpha_r^j, alpha_r a running estimate of its
-    per-position acceptance, learned from verification feedback.
+    Request r's draft position j is accepted with probability alpha_r^j. alpha_r is the posterior mean of r's own
+    per-position outcomes (successes / trials, fading by `forget` each step) under a prior centred on the shared
+    estimate (what earlier requests saw) worth `prior_trials` trials. The lengths come from that mean; a request the
+    mean leaves at zero drafts still drafts one token when its mean raised by `optimism` posterior standard deviations
+    says drafting may pay. That optimism is what keeps the estimate from absorbing: a request that starts below the
+    bar (other domains pulled the shared estimate down) or stopped drafting long ago has few recent trials, so its
+    bound sits high and it probes, one cheap token a step, until its own outcomes settle the question; a request whose
+    own outcomes are many and poor stays at zero drafts. Optimism only ever buys that one token: sizing longer drafts
+    on the bound measured slower than plain decoding (docs/results/throughput_policy_ab.md).
     """
 
     cost: CostModel
     prior: float = 0.6
-    decay: float = 0.9  # weight of history in the acceptance estimate
-    # Steps without drafts after which a request drafts one token to re-measure alpha. A probe costs a drafter
-    # pass plus feeding the context it skipped; at 16 that was ~15% of an AR step under load (docs/results/serve_sweep).
+    decay: float = 0.99  # per verified draft: how the shared estimate (the next request's prior) forgets
+    prior_trials: float = 2.0
+    forget: float = 0.99  # per step: a request's evidence ages (~100 steps), its bound reopens
+    optimism: float = 1.0
+    # Steps without drafts after which a request drafts one token anyway: a floor on exploration for a request whose
+    # optimistic bound stays below the bar. A probe costs a drafter pass plus feeding the context it skipped; at 16
+    # that was ~15% of an AR step under load (docs/results/serve_sweep).
     probe_every: int = 64
     name: str = "throughput"
 
     def __post_init__(self) -> None:
-        self.shared_alpha = self.prior  # across requests: where a new request's estimate starts
+        # Across requests: pooled (successes, trials), fading with `decay`; a new request's estimate is centred on
+        # their ratio. Pooled counts, not an average of per-step ratios: a ratio's average is biased low (a step
+        # that drafts 2 and keeps 1 says 1/2 where the per-position truth may be 0.47).
+        self.shared_successes, self.shared_trials = self.prior * self.prior_trials, self.prior_trials
 
-    def _alpha(self, request: Request) -> float:
-        return request.policy_state.get("alpha", self.shared_alpha)
+    @property
+    def shared_alpha(self) -> float:
+        return self.shared_successes / self.shared_trials
+
+    def alpha(self, request: Request, optimism: float = 0.0) -> float:
+        """`request`'s per-position acceptance estimate: the posterior mean, plus `optimism` standard deviations."""
+        trials = request.policy_state.get("trials", 0.0) + self.prior_trials
+        mean = (request.policy_state.get("successes", 0.0) + self.prior_trials * self.shared_alpha) / trials
+        return min(1.0, mean + optimism * math.sqrt(mean * (1.0 - mean) / (trials + 1.0)))
 
     def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
-        survival = [[self._alpha(r) ** j for j in range(1, max_draft + 1)] for r in requests]
-        lengths = allocate_drafts(survival, self.cost, max_draft)
-        # Exploration: an estimate that never gets feedback never recovers, so requests that went
-        # `probe_every` steps without drafting verify one draft (a cheap measurement).
+        for r in requests:
+            state = r.policy_state
+            state["trials"] = state.get("trials", 0.0) * self.forget
+            state["successes"] = state.get("successes", 0.0) * self.forget
+
+        def survival(optimism: float) -> list[list[float]]:
+            return [[self.alpha(r, optimism) ** j for j in range(1, max_draft + 1)] for r in requests]
+
+        lengths = allocate_drafts(survival(0.0), self.cost, max_draft)
+        hopeful = allocate_drafts(survival(self.optimism), self.cost, max_draft)
         for i, r in enumerate(requests):
             idle = r.policy_state.get("idle", 0)
-            if lengths[i] == 0 and idle >= self.probe_every and max_draft > 0:
+            if lengths[i] == 0 and (hopeful[i] > 0 or idle >= self.probe_every) and max_draft > 0:
                 lengths[i] = 1
             r.policy_state["idle"] = 0 if lengths[i] else idle + 1
         return lengths
@@ -132,9 +160,10 @@ class ThroughputLength:
             return
         # Positions 1..accepted succeeded; position accepted+1 (if drafted) failed: a per-position rate.
         trials = accepted + (1 if accepted < drafted else 0)
-        observed = accepted / trials
-        request.policy_state["alpha"] = self.decay * self._alpha(request) + (1 - self.decay) * observed
-        self.shared_alpha = self.decay * self.shared_alpha + (1 - self.decay) * observed
+        request.policy_state["trials"] = request.policy_state.get("trials", 0.0) + trials
+        request.policy_state["successes"] = request.policy_state.get("successes", 0.0) + accepted
+        self.shared_successes = self.decay * self.shared_successes + accepted
+        self.shared_trials = self.decay * self.shared_trials + trials
 
 
 @dataclass

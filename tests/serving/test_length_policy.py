@@ -63,13 +63,54 @@ def test_allocate_drafts_prices_the_draft_block_by_its_width():
     assert allocate_drafts(survival, by_width, 7) == [4]  # short blocks pay; past 4 the widening costs more
 
 
-def test_throughput_learns_alpha_from_feedback():
-    policy, (r,) = ThroughputLength(FREE_VERIFY, prior=0.6), _requests(1)
-    policy.feedback(r, drafted=4, accepted=4)
-    assert r.policy_state["alpha"] == pytest.approx(0.9 * 0.6 + 0.1 * 1.0)
+def test_throughput_counts_per_position_outcomes_and_pools_them_across_requests():
+    policy, (r,) = ThroughputLength(FREE_VERIFY, prior=0.6, prior_trials=2.0, decay=1.0, optimism=0.0), _requests(1)
+    assert policy.alpha(r) == pytest.approx(0.6)  # no evidence: the prior
+    policy.feedback(r, drafted=4, accepted=4)  # 4 successes in 4 trials
     policy.feedback(r, drafted=4, accepted=1)  # position 2 failed: 1 success in 2 trials
-    assert r.policy_state["alpha"] == pytest.approx(0.9 * 0.64 + 0.1 * 0.5)
-    assert policy.shared_alpha == pytest.approx(r.policy_state["alpha"])  # the prior of the next request
+    assert r.policy_state["successes"] == 5 and r.policy_state["trials"] == 6
+    # Pooled counts, not an average of per-step ratios: (1.2 + 5) / (2 + 6).
+    assert policy.shared_alpha == pytest.approx(6.2 / 8)
+    assert policy.alpha(r) == pytest.approx((5 + 2 * policy.shared_alpha) / 8)
+    fresh = _requests(1)[0]
+    assert policy.alpha(fresh) == pytest.approx(policy.shared_alpha)  # the prior of the next request
+
+
+def test_throughput_bound_is_optimistic_while_unsure_and_reopens_as_evidence_ages():
+    policy, (r,) = ThroughputLength(FREE_VERIFY, prior=0.4, forget=0.9), _requests(1)
+    assert policy.alpha(r, policy.optimism) > policy.alpha(r) == pytest.approx(0.4)  # few trials: bound above mean
+    for _ in range(20):
+        policy.feedback(r, drafted=1, accepted=0)
+    closed = policy.alpha(r, policy.optimism)
+    assert closed < 0.1
+    for _ in range(40):  # steps without new outcomes: the old ones fade
+        policy.decide([r], 7)
+    assert policy.alpha(r, policy.optimism) > closed + 0.1
+
+
+def test_throughput_optimism_buys_one_probe_token_not_a_longer_draft():
+    cost = CostModel(total_tokens=(1, 2, 3, 4), verify_s=(0.0048, 0.0058, 0.0069, 0.0081), draft_s=0.0009)
+    policy, (r,) = ThroughputLength(cost, prior=0.3), _requests(1)
+    assert allocate_drafts([[0.3 ** j for j in range(1, 8)]], cost, 7) == [0]  # the mean says: do not draft
+    assert allocate_drafts([[policy.alpha(r, policy.optimism) ** j for j in range(1, 8)]], cost, 7)[0] > 1
+    assert policy.decide([r], 7) == [1]
+
+
+def test_throughput_does_not_absorb_a_request_whose_prior_other_domains_pulled_down():
+    """The served failure this replaces: chat requests drag the shared estimate under the bar, and a math request
+    that would gain from drafting never drafts, so never learns that it should."""
+    cost = CostModel(total_tokens=(1, 2, 3, 4), verify_s=(0.0048, 0.0058, 0.0069, 0.0081), draft_s=0.0009)
+    policy = ThroughputLength(cost)
+    for i in range(200):  # earlier requests whose first draft was kept 30% of the time: below this machine's bar
+        policy.feedback(_requests(1)[0], drafted=1, accepted=int(i % 10 < 3))
+    assert policy.shared_alpha == pytest.approx(0.3, abs=0.02)
+    assert allocate_drafts([[policy.shared_alpha]], cost, 1) == [0]
+    math_request, drafted = _requests(1)[0], 0
+    for step in range(60):
+        (k,) = policy.decide([math_request], 15)
+        policy.feedback(math_request, k, k)  # this request's drafts are always right
+        drafted += k
+    assert drafted > 60  # it learned to draft, within a 60-token request
 
 
 def test_throughput_probes_an_idle_request():
