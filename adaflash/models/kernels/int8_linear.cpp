@@ -77,46 +77,58 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * bytes;
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256i sum[R];
+    __m256i sum[R][2];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
-      if (Format == kQ4_1) {
-        // The block's 8 steps add their int16 pairs in int16 (an int16 lane then holds 16 products, |sum| <= 16 x 15
-        // x 127 = 30480: no overflow) and widen once: one madd where there were eight, the same integers.
-        __m256i pairs16[R];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    if (Format == kQ4_1) {
+      // Both halves of the panel in one pass over the block, so each broadcast of 4 activation bytes feeds both.
+      // The block's 8 steps add their int16 pairs in int16 (an int16 lane then holds 16 products, |sum| <= 16 x 15
+      // x 127 = 30480: no overflow) and widen once: one madd where there were eight, the same integers.
+      __m256i pairs16[R][2];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) pairs16[r] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) pairs16[r][0] = pairs16[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-        for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
+      for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
+        __m256i lo[2], hi[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + l * 64 + h * 32));
-          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
-            pairs16[r] = _mm256_add_epi16(pairs16[r], pairs<Format>(lo, bcast4(x + 4 * l)));
-            pairs16[r] = _mm256_add_epi16(pairs16[r], pairs<Format>(hi, bcast4(x + 4 * l + 16)));
-          }
+          lo[h] = _mm256_and_si256(v, low4);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) sum[r] = widen_add(sum[r], pairs16[r]);
-      } else {  // Q8_0's pairs reach 32512: each step widens on its own
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
+          const __m256i x_lo = bcast4(x + 4 * l), x_hi = bcast4(x + 4 * l + 16);
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h)
+            pairs16[r][h] = _mm256_add_epi16(pairs16[r][h], _mm256_add_epi16(pairs<Format>(lo[h], x_lo),
+                                                                               pairs<Format>(hi[h], x_hi)));
+        }
+      }
 #pragma GCC unroll 8
-        for (int s = 0; s < 8; ++s) {
+      for (int r = 0; r < R; ++r) sum[r][0] = widen_add(sum[r][0], pairs16[r][0]), sum[r][1] = widen_add(sum[r][1], pairs16[r][1]);
+    } else {  // Q8_0's pairs reach 32512: each step widens on its own
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + s * 64 + h * 32));
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r)
-            sum[r] = widen_add(sum[r], pairs<Format>(v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s)));
+            sum[r][h] = widen_add(sum[r][h], pairs<Format>(v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s)));
         }
       }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + h * 16)));
       const __m256 mw = Format == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + h * 16)))
                                         : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * nb + b;
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[i])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[i])), acc[r][h]);
         if (Format == kQ4_1) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[r][h]);
       }
     }
