@@ -107,7 +107,9 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
         }
       }
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) sum[r][0] = widen_add(sum[r][0], pairs16[r][0]), sum[r][1] = widen_add(sum[r][1], pairs16[r][1]);
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) sum[r][h] = widen_add(sum[r][h], pairs16[r][h]);
     } else {  // Q8_0's pairs reach 32512: each step widens on its own
 #pragma GCC unroll 8
       for (int s = 0; s < 8; ++s) {
@@ -143,7 +145,8 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
     }
 }
 
-// One panel for every row: tiles of up to kRows rows (16 ymm registers: 4 rows' sums and 8 accumulators).
+// One panel for every row: tiles of up to kRows rows (16 ymm registers: 4 rows x 2 halves of int16 pair sums, and
+// as many accumulators).
 constexpr int kRows = 4;
 
 template <int Format>
