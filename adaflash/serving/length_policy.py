@@ -147,7 +147,8 @@ class ThroughputLength:
             return [[self.alpha(r, optimism) ** j for j in range(1, max_draft + 1)] for r in requests]
 
         lengths = allocate_drafts(survival(0.0), self.cost, max_draft)
-        hopeful = allocate_drafts(survival(self.optimism), self.cost, max_draft)
+        # The optimistic allocation matters only for requests the mean leaves at zero drafts.
+        hopeful = allocate_drafts(survival(self.optimism), self.cost, max_draft) if 0 in lengths else lengths
         for i, r in enumerate(requests):
             idle = r.policy_state.get("idle", 0)
             if lengths[i] == 0 and (hopeful[i] > 0 or idle >= self.probe_every) and max_draft > 0:
