@@ -1,6 +1,7 @@
 """What a step costs on this machine: the target's verify time against the batch's total tokens and the drafter's
 time per drafting request, profiled once (`profile_cost_model`) and cached on disk per target, drafter, size and
-thread count (`cost_model_for`). The expected-throughput length policies (`length_policy.py`) read it.
+thread count (`cost_model_for`), then corrected online from the engine's measured step times (`CalibratedCost`).
+The expected-throughput length policies (`length_policy.py`) read it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -49,6 +51,59 @@ class CostModel:
         d = json.loads(text)
         return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]),
                    tuple(d.get("draft_widths", ())), tuple(d.get("draft_width_s", ())))
+
+
+class CalibratedCost:
+    """A profiled `CostModel` corrected online by the engine's measured step times (`observe`).
+
+    The profile times the target's forward and the drafter's block alone. A real speculative step also pays the
+    engine's own work per drafting request - feeding it the kept features, verifying, rolling caches back, host
+    lists - which the profile never sees (2-4 ms a step on a Zen 1 EPYC in fp32, docs/results/throughput_policy_ab.md),
+    and the machine's speed drifts after the profile. Two running estimates fix both:
+    `scale`, measured / predicted over steps where nobody drafted (the drift), and `per_draft_s`, the seconds each
+    drafting request adds beyond the scaled prediction. Both are exponentially weighted means that forget by
+    `forget` per observed step, starting from the profile (scale 1, 0 s) worth `prior_steps` steps. While no plain
+    step is seen the scale stays at its prior and the correction absorbs any drift, which errs towards drafting less;
+    the plain steps that follow restore the split.
+    """
+
+    def __init__(self, profile: CostModel, forget: float = 0.98, prior_steps: float = 4.0) -> None:
+        self.profile, self.forget = profile, forget
+        self._scale_sum, self._scale_weight = prior_steps, prior_steps  # sum of measured/predicted, of weights
+        self._extra_sum, self._extra_weight = 0.0, prior_steps  # sum of extra seconds per drafting request, weights
+
+    @property
+    def scale(self) -> float:
+        return self._scale_sum / self._scale_weight
+
+    @property
+    def per_draft_s(self) -> float:
+        return self._extra_sum / self._extra_weight
+
+    def predicted(self, lengths: Sequence[int]) -> float:
+        """The profile's seconds for a step that verifies these draft lengths (one per request, 0: plain)."""
+        return self.profile.verify(sum(k + 1 for k in lengths)) + sum(self.profile.draft(k) for k in lengths)
+
+    def observe(self, lengths: Sequence[int], seconds: float) -> None:
+        """One engine step (its requests' draft lengths) took `seconds` of wall time."""
+        if not lengths:
+            return
+        predicted, drafting = self.predicted(lengths), sum(1 for k in lengths if k > 0)
+        if drafting == 0:
+            self._scale_sum = self.forget * self._scale_sum + seconds / predicted
+            self._scale_weight = self.forget * self._scale_weight + 1.0
+        else:
+            self._extra_sum = self.forget * self._extra_sum + (seconds - self.scale * predicted) / drafting
+            self._extra_weight = self.forget * self._extra_weight + 1.0
+
+    def verify(self, tokens: int) -> float:
+        return self.scale * self.profile.verify(tokens)
+
+    def draft(self, num_draft: int) -> float:
+        if num_draft <= 0:
+            return 0.0
+        # A correction below zero says the profile over-priced drafting; it cannot make drafting free.
+        return max(0.0, self.scale * self.profile.draft(num_draft) + self.per_draft_s)
 
 
 def _interpolate(xs: tuple, ys: tuple, x: float, through_zero: bool = True) -> float:

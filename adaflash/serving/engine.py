@@ -9,6 +9,7 @@ The scheduler (slots, queue) knows nothing of drafting; the proposer nothing of 
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -162,6 +163,7 @@ class Engine:
         self.proposer.add_context(self.draft_cache, torch.cat(chunks), batch)
 
     def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
+        start = time.perf_counter()  # the whole step, policy included: what the length policy's costs must predict
         slots, anchors = [r.slot for r in requests], [r.output_ids[-1] for r in requests]
         drafted_hidden: dict[int, torch.Tensor] = {}
 
@@ -217,6 +219,7 @@ class Engine:
             self.policy.feedback(r, k, accepted)
             committed = r.commit(d[:accepted] + [next_token])  # a stop token or the budget may cut it short
             outputs.append(self._output(r, committed, row, f[: len(committed)]))
+        self.policy.observe_step(lengths, time.perf_counter() - start)
         return outputs
 
     def _verify(self, requests, lengths, draft_tokens, draft_probs, rows) -> list[tuple[int, int]]:

@@ -1,7 +1,8 @@
 """Draft-length policies: how many drafted tokens each running request sends to verification this step.
 
-The engine calls `decide` once per step with every running request, and `feedback` after verification.
-Each policy's name (`fixed:K`, `heuristic`, `throughput`, `adaflash`, `block-head`) is what logs and metrics show;
+The engine calls `decide` once per step with every running request, `feedback` after verification, and `observe_step`
+with the step's wall time. Each policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`,
+`block-head`) is what logs and metrics show;
 `build_length_policy` makes one from its name. The cost model the throughput policies read is in `cost_model.py`.
 """
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
-from adaflash.serving.cost_model import CostModel
+from adaflash.serving.cost_model import CalibratedCost, CostModel
 from adaflash.serving.request import Request
 
 if TYPE_CHECKING:  # the heads import torch.nn modules the rule-based policies never need
@@ -33,6 +34,9 @@ class LengthPolicy(Protocol):
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None: ...
 
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+        """The step that verified these draft lengths (one per request) took `seconds` of wall time."""
+
 
 @dataclass
 class FixedLength:
@@ -46,6 +50,9 @@ class FixedLength:
         return [min(self.length, max_draft)] * len(requests)
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
+        pass
+
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
         pass
 
 
@@ -65,8 +72,11 @@ class HeuristicLength:
         length = request.policy_state.get("length", self.initial)
         request.policy_state["length"] = length + 2 if accepted == drafted else max(1, length - 1)
 
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+        pass
 
-def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel, max_draft: int) -> list[int]:
+
+def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | CalibratedCost, max_draft: int) -> list[int]:
     """Draft lengths maximising expected committed tokens per second over the batch.
 
     survival[r][j-1] = P(request r's drafts 1..j all accepted), non-increasing in j: the expected gain of
@@ -107,6 +117,9 @@ class ThroughputLength:
     bound sits high and it probes, one cheap token a step, until its own outcomes settle the question; a request whose
     own outcomes are many and poor stays at zero drafts. Optimism only ever buys that one token: sizing longer drafts
     on the bound measured slower than plain decoding (docs/results/throughput_policy_ab.md).
+
+    The costs are the start-up profile corrected by the measured step times (`CalibratedCost`); `calibrate=False`
+    (`throughput-profiled`) reads the profile alone.
     """
 
     cost: CostModel
@@ -119,9 +132,11 @@ class ThroughputLength:
     # optimistic bound stays below the bar. A probe costs a drafter pass plus feeding the context it skipped; at 16
     # that was ~15% of an AR step under load (docs/results/serve_sweep).
     probe_every: int = 64
+    calibrate: bool = True
     name: str = "throughput"
 
     def __post_init__(self) -> None:
+        self.step_cost = CalibratedCost(self.cost) if self.calibrate else self.cost
         # Across requests: pooled (successes, trials), fading with `decay`; a new request's estimate is centred on
         # their ratio. Pooled counts, not an average of per-step ratios: a ratio's average is biased low (a step
         # that drafts 2 and keeps 1 says 1/2 where the per-position truth may be 0.47).
@@ -146,9 +161,9 @@ class ThroughputLength:
         def survival(optimism: float) -> list[list[float]]:
             return [[self.alpha(r, optimism) ** j for j in range(1, max_draft + 1)] for r in requests]
 
-        lengths = allocate_drafts(survival(0.0), self.cost, max_draft)
+        lengths = allocate_drafts(survival(0.0), self.step_cost, max_draft)
         # The optimistic allocation matters only for requests the mean leaves at zero drafts.
-        hopeful = allocate_drafts(survival(self.optimism), self.cost, max_draft) if 0 in lengths else lengths
+        hopeful = allocate_drafts(survival(self.optimism), self.step_cost, max_draft) if 0 in lengths else lengths
         for i, r in enumerate(requests):
             idle = r.policy_state.get("idle", 0)
             if lengths[i] == 0 and (hopeful[i] > 0 or idle >= self.probe_every) and max_draft > 0:
@@ -165,6 +180,10 @@ class ThroughputLength:
         request.policy_state["successes"] = request.policy_state.get("successes", 0.0) + accepted
         self.shared_successes = self.decay * self.shared_successes + accepted
         self.shared_trials = self.decay * self.shared_trials + trials
+
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+        if isinstance(self.step_cost, CalibratedCost):
+            self.step_cost.observe(lengths, seconds)
 
 
 @dataclass
@@ -193,10 +212,13 @@ class LearnedThroughputLength:
         if look:
             for i, row in zip(look, self.head.survival(hidden_of(look))[:, :max_draft].tolist()):
                 survival[i] = row
-        return allocate_drafts(survival, self.cost, max_draft)
+        return allocate_drafts(survival, self.screen.step_cost, max_draft)
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
         self.screen.feedback(request, drafted, accepted)
+
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+        self.screen.observe_step(lengths, seconds)
 
 
 @dataclass
@@ -214,9 +236,12 @@ class BlockHeadLength:
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
         pass
 
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+        pass
+
 
 # The specs that need the profiled cost model, and those that need the drafter's learned length head.
-COST_MODEL_POLICIES = ("throughput", "adaflash")
+COST_MODEL_POLICIES = ("throughput", "throughput-profiled", "adaflash")
 LENGTH_HEAD_POLICIES = ("adaflash", "block-head")
 
 
@@ -232,8 +257,9 @@ def check_length_policy(spec: str) -> None:
 
 
 def build_length_policy(spec: str, cost: CostModel | None = None, head=None) -> LengthPolicy:
-    """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model), `adaflash` (cost model + a
-    per-position acceptance head) or `block-head` (the paper's block-level head)."""
+    """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model, corrected by measured step times),
+    `throughput-profiled` (the profile alone: the calibration's ablation), `adaflash` (cost model + a per-position
+    acceptance head) or `block-head` (the paper's block-level head)."""
     if spec.startswith("fixed:"):
         k = int(spec.split(":", 1)[1])
         if k < 0:
@@ -245,6 +271,8 @@ def build_length_policy(spec: str, cost: CostModel | None = None, head=None) -> 
         raise ValueError(f"the {spec} policy needs a cost model")
     if spec == "throughput":
         return ThroughputLength(cost)
+    if spec == "throughput-profiled":
+        return ThroughputLength(cost, calibrate=False, name=spec)
     if spec in LENGTH_HEAD_POLICIES:
         from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
 
@@ -253,4 +281,5 @@ def build_length_policy(spec: str, cost: CostModel | None = None, head=None) -> 
             raise ValueError(f"the {spec} policy needs a drafter checkpoint carrying a {want.__name__} "
                              "(train one with `adaflash train length-head`)")
         return LearnedThroughputLength(cost, head) if spec == "adaflash" else BlockHeadLength(head)
-    raise ValueError(f"unknown length policy {spec!r}; expected fixed:K, heuristic, throughput, adaflash or block-head")
+    raise ValueError(f"unknown length policy {spec!r}; expected fixed:K, heuristic, throughput, "
+                     "throughput-profiled, adaflash or block-head")

@@ -276,6 +276,17 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     metrics_file = out_dir / "metrics.jsonl"
     bar = tqdm(total=total, initial=step, desc="train drafter", unit="step", disable=not progress or rank != 0)
     window: dict = {}
+
+    def holdout() -> dict:
+        return holdout_accept_lengths(
+            lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss_fn,
+                                        g, teachers, cfg.holdout_anchors),
+            drafter, holdout_ids, [dataset.samples[i].domain for i in holdout_ids], dataset.keys)
+
+    if rank == 0 and holdout_ids and step == 0 and cfg.init_from:
+        # Where a continued run starts (init_from's drafter on this data's held-out samples): the curve's first point.
+        with metrics_file.open("a") as f:
+            f.write(json.dumps({"step": 0, "train_tokens_seen": 0.0, "holdout": holdout()}) + "\n")
     started = time.perf_counter()
     while step < total:
         epoch, in_epoch = divmod(step, steps_per_epoch)
@@ -305,10 +316,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
                       if due_log else {"step": step})
             record["train_tokens_seen"] = step * cfg.sequences_per_step * mean_response
             if due_holdout:
-                record["holdout"] = holdout_accept_lengths(
-                    lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss_fn,
-                                                g, teachers, cfg.holdout_anchors),
-                    drafter, holdout_ids, [dataset.samples[i].domain for i in holdout_ids], dataset.keys)
+                record["holdout"] = holdout()
             with metrics_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             if due_log:

@@ -8,7 +8,7 @@ import torch
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
-from adaflash.serving.cost_model import CostModel, cost_model_file, cost_model_for, load_or_profile_cost_model
+from adaflash.serving.cost_model import CalibratedCost, CostModel, cost_model_file, cost_model_for, load_or_profile_cost_model
 from adaflash.speculative.proposer import DFlashProposer
 
 COST = CostModel(total_tokens=(4, 8, 16), verify_s=(0.02, 0.03, 0.07), draft_s=0.005)
@@ -34,6 +34,35 @@ def test_json_round_trip():
     assert CostModel.from_json(COST.to_json()) == COST
     by_width = CostModel((4,), (0.02,), draft_s=0.009, draft_widths=(2, 16), draft_width_s=(0.002, 0.009))
     assert CostModel.from_json(by_width.to_json()) == by_width
+
+
+def test_calibration_starts_at_the_profile():
+    calibrated = CalibratedCost(COST)
+    assert calibrated.scale == 1.0 and calibrated.per_draft_s == 0.0
+    assert calibrated.verify(12) == COST.verify(12) and calibrated.draft(3) == COST.draft(3) and calibrated.draft(0) == 0.0
+    assert calibrated.predicted([0, 3]) == pytest.approx(COST.verify(5) + COST.draft(3))
+
+
+def test_calibration_learns_the_drift_and_the_engine_work_per_drafting_request():
+    """Steps on a machine 1.5x slower than its profile, each drafting request adding 3 ms the profile never timed:
+    the plain steps give the scale, the drafting ones the extra seconds, within a few steps' noise."""
+    calibrated, rng = CalibratedCost(COST, forget=0.98), torch.Generator().manual_seed(0)
+    for step in range(300):
+        lengths = [0, 0] if step % 3 == 0 else [int(k) for k in torch.randint(0, 8, (2,), generator=rng)]
+        true = 1.5 * calibrated.predicted(lengths) + 0.003 * sum(k > 0 for k in lengths)
+        calibrated.observe(lengths, true * (1.0 + 0.02 * float(torch.randn(1, generator=rng))))
+    assert calibrated.scale == pytest.approx(1.5, rel=0.03)
+    assert calibrated.per_draft_s == pytest.approx(0.003, abs=0.0015)
+    assert calibrated.draft(2) == pytest.approx(calibrated.scale * COST.draft(2) + calibrated.per_draft_s)
+    calibrated.observe([], 1.0)  # an empty step teaches nothing
+    assert calibrated.scale == pytest.approx(1.5, rel=0.03)
+
+
+def test_calibration_never_makes_drafting_free():
+    calibrated = CalibratedCost(COST)
+    for _ in range(50):  # drafting steps far cheaper than profiled
+        calibrated.observe([4], 0.25 * calibrated.predicted([4]))
+    assert calibrated.per_draft_s < 0 and calibrated.draft(4) >= 0.0
 
 
 def test_a_cached_file_is_read_not_profiled(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -71,6 +73,31 @@ def test_greedy_engine_equals_reference_with_staggered_arrivals(target, proposer
     assert got == expected
     assert all(r.finish_reason in ("stop", "length") for r in reqs)
     assert sorted(engine.scheduler.free_slots) == [0, 1]  # every slot released
+
+
+@dataclass
+class StepTimesSeen(FixedLength):
+    """A fixed length that keeps what the engine reports of each step."""
+
+    steps: list[tuple[list[int], float]] = field(default_factory=list)
+
+    def observe_step(self, lengths, seconds) -> None:
+        self.steps.append((list(lengths), seconds))
+
+
+def test_engine_reports_each_decode_steps_draft_lengths_and_wall_time(target, proposer):
+    policy = StepTimesSeen(3)
+    engine = Engine(target, proposer, policy, max_batch=2, max_queue=8, max_len=128)
+    engine.add_request(Request("a", [3, 14, 15], 9))
+    engine.add_request(Request("b", [65, 35], 3))
+    engine.step()  # both prefilled: no decode step, nothing to report
+    assert policy.steps == []
+    engine.step()
+    (lengths, seconds), = policy.steps
+    assert lengths == [3, 1] and seconds > 0  # b has 2 tokens left: one draft at most (its last token is the target's)
+    while engine.has_work():
+        engine.step()
+    assert [len(lengths) for lengths, _ in policy.steps][-1] == 1 and all(t > 0 for _, t in policy.steps)  # a alone
 
 
 def test_scripted_drafts_exercise_acceptance(target):

@@ -113,6 +113,27 @@ def test_throughput_does_not_absorb_a_request_whose_prior_other_domains_pulled_d
     assert drafted > 60  # it learned to draft, within a 60-token request
 
 
+def test_throughput_stops_drafting_long_once_measured_steps_say_drafting_costs_more():
+    """The profile prices a one-draft step at +1 ms over decode; this machine's engine adds 6 ms per drafting request
+    (its feed, verifier, rollback). The calibrated policy learns that from the step times and drafts longer only
+    where the gain pays for it; the profile-only policy keeps drafting at the profile's length."""
+    cost = CostModel(total_tokens=(1, 2, 4, 8), verify_s=(0.010, 0.011, 0.012, 0.014), draft_s=0.001)
+    calibrated, profiled = build_length_policy("throughput", cost), build_length_policy("throughput-profiled", cost)
+    assert profiled.name == "throughput-profiled" and calibrated.name == "throughput"
+    lengths = {}
+    for policy in (calibrated, profiled):
+        for _ in range(100):
+            r = _requests(1)[0]
+            (k,) = policy.decide([r], 7)
+            policy.feedback(r, k, min(k, 1))  # the first draft is always kept, the second never: alpha ~ 0.5
+            seconds = cost.verify(k + 1) + cost.draft(k) + (0.006 if k else 0.0)
+            policy.observe_step([k], seconds)
+        lengths[policy.name] = policy.decide(_requests(1), 7)[0]
+    assert lengths["throughput-profiled"] >= 2  # the profile alone says drafting pays
+    assert lengths["throughput"] <= 1  # at most the one-token probe: 6 ms a draft does not pay for ~0.5 token
+    assert calibrated.step_cost.per_draft_s == pytest.approx(0.006, abs=0.001)
+
+
 def test_throughput_probes_an_idle_request():
     policy, (r,) = ThroughputLength(LINEAR, probe_every=3), _requests(1)
     assert [policy.decide([r], 7)[0] for _ in range(5)] == [0, 0, 0, 1, 0]
@@ -122,6 +143,7 @@ def test_throughput_probes_an_idle_request():
     ("bogus", "unknown length policy"),
     ("fixed:-1", "must be >= 0"),
     ("throughput", "needs a cost model"),
+    ("throughput-profiled", "needs a cost model"),
     ("adaflash", "needs a cost model"),
     ("block-head", "BlockLengthHead"),
 ])
@@ -131,9 +153,9 @@ def test_build_length_policy_rejects(spec, message):
 
 
 def test_check_length_policy_parses_without_models():
-    for spec in ("fixed:3", "heuristic", "throughput", "adaflash", "block-head"):
+    for spec in ("fixed:3", "heuristic", "throughput", "throughput-profiled", "adaflash", "block-head"):
         check_length_policy(spec)
     with pytest.raises(ValueError, match="unknown length policy"):
         check_length_policy("fastest")
-    assert needs_cost_model("throughput") and needs_cost_model("adaflash")
+    assert needs_cost_model("throughput") and needs_cost_model("throughput-profiled") and needs_cost_model("adaflash")
     assert not needs_cost_model("fixed:3") and not needs_cost_model("block-head")

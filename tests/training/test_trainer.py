@@ -99,6 +99,14 @@ def test_trimmed_vocabulary_with_soft_targets_learns_resumes_and_ships(tiny_chec
     summary = summarise(tmp_path / "a")
     assert [r["step"] for r in summary["holdout_curve"]] == [6, 12] and "training tokens seen" in to_markdown(summary)
     assert plot_scaling_curve(summary["holdout_curve"], tmp_path / "curve.png", "t").stat().st_size > 0
+    # A run continued from that drafter logs where it starts: its held-out accept length at step 0 (the same samples and
+    # anchors; the shipped weights are bf16, so close to, not bitwise, the last in-memory measurement).
+    train(_config(tiny_checkpoints, tiny_soft_data, tmp_path / "c", **{**kw, "max_steps": 6}, init_from=str(straight)),
+          progress=False)
+    start = json.loads((tmp_path / "c" / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["step"] == 0 and "loss" not in start
+    assert start["holdout"]["all"] == pytest.approx(records[-1]["holdout"]["all"], abs=0.25)
+    assert [r["step"] for r in summarise(tmp_path / "c")["holdout_curve"]] == [0, 6]
 
 
 def test_soft_target_loss_needs_soft_target_data(tiny_checkpoints, tiny_data, tmp_path):
