@@ -17,7 +17,8 @@ def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = "the
                    "int8-rounded inputs, llama.cpp's arithmetic: a faster, slightly different model)")
     p.add_argument(
         "--length-policy", default=None,
-        help="draft length per step: fixed:K, heuristic, throughput (profiled cost model), adaflash (cost model + the "
+        help="draft length per step: fixed:K, heuristic, throughput (profiled cost model, corrected by measured step "
+        "times), throughput-profiled (the profile alone), adaflash (cost model + the "
         f"drafter's per-position acceptance head) or block-head (the paper's block-level head); default: {length_policy_default}",
     )
 

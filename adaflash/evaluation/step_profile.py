@@ -24,6 +24,7 @@ import torch
 from adaflash.cli_args import set_threads
 from adaflash.data import load_prompts
 from adaflash.evaluation.offline import command_line, cpu_label, machine_info, provenance, write_json
+from adaflash.serving.cost_model import CalibratedCost
 from adaflash.serving.engine_factory import EngineConfig, build_engine
 from adaflash.serving.request import Request
 
@@ -80,7 +81,8 @@ def profile_generation(engine, prompt_ids: list[int], max_new_tokens: int, stop_
             wall = 1e3 * (time.perf_counter() - start)
             parts = timers.take()
             if not first:  # the first step is the prefill
-                steps.append({"wall_ms": wall, "tokens": len(request.output_ids) - before, **parts})
+                steps.append({"wall_ms": wall, "tokens": len(request.output_ids) - before,
+                              "drafts": request.draft_lengths[-1], **parts})
             first = False
     return steps, request.output_ids
 
@@ -93,6 +95,7 @@ def summarize(steps: list[dict]) -> dict:
     parts["rest"] = wall - sum(parts.values())
     tokens = sum(s["tokens"] for s in steps) / n
     return {"steps": n, "step_ms": round(wall, 3), "tokens_per_step": round(tokens, 4),
+            "drafts_per_step": round(sum(s["drafts"] for s in steps) / n, 3),
             "tokens_per_s": round(1e3 * tokens / wall, 2), "ms": {k: round(v, 3) for k, v in parts.items()}}
 
 
@@ -121,6 +124,10 @@ def run(args: argparse.Namespace) -> dict:
                 steps[name] += s
                 outputs[name].append(out)
     rows = {name: summarize(s) for name, s in steps.items()}
+    for name, engine in engines.items():
+        cost = getattr(engine.policy, "step_cost", None)
+        if isinstance(cost, CalibratedCost):  # what the policy learned of this machine's step times
+            rows[name]["calibration"] = {"scale": round(cost.scale, 3), "per_draft_ms": round(1e3 * cost.per_draft_s, 3)}
     ar = rows["ar"]
     for name, row in rows.items():
         row["vs_ar"] = round(row["tokens_per_s"] / ar["tokens_per_s"], 3)
@@ -138,12 +145,14 @@ def to_markdown(report: dict) -> str:
         f"Machine: {cpu_label(report['machine'])}, {report['dtype']}, nothing else running. "
         f"{report['prompts']} eval prompts x {report['repeats']}, up to {report['max_new_tokens']} new tokens, "
         "greedy; mean ms per decode step (prefill left out).", "",
-        "| method | steps | step ms | " + " | ".join(PARTS) + " | rest | tokens / step | tok/s | vs AR | identical to AR |",
-        "|---|---|---|" + "---|" * len(PARTS) + "---|---|---|---|---|",
+        "| method | steps | step ms | " + " | ".join(PARTS) + " | rest | drafts / step | tokens / step | tok/s | vs AR "
+        "| identical to AR |",
+        "|---|---|---|" + "---|" * len(PARTS) + "---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         parts = " | ".join(f"{r['ms'][p]:.2f}" for p in (*PARTS, "rest"))
-        lines.append(f"| {name} | {r['steps']} | {r['step_ms']:.2f} | {parts} | {r['tokens_per_step']:.3f} | "
+        lines.append(f"| {name} | {r['steps']} | {r['step_ms']:.2f} | {parts} | {r['drafts_per_step']:.2f} | "
+                     f"{r['tokens_per_step']:.3f} | "
                      f"{r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | {'yes' if r['identical_to_ar'] else 'NO'} |")
     lines += ["", "Break-even: a speculative step pays when its tokens per step exceed its step ms / AR's step ms "
               f"(AR: {ar['step_ms']:.2f} ms for 1 token):", ""]
@@ -151,6 +160,11 @@ def to_markdown(report: dict) -> str:
         if name != "ar":
             lines.append(f"- {name}: needs {r['step_ms'] / ar['step_ms']:.3f} tokens per step, commits "
                          f"{r['tokens_per_step']:.3f}")
+    calibrated = {name: r["calibration"] for name, r in rows.items() if "calibration" in r}
+    if calibrated:
+        lines += ["", "What the calibrated policies learned of this machine's steps (`CalibratedCost`): "
+                  + "; ".join(f"{name}: the profile x {c['scale']:.3f}, +{c['per_draft_ms']:.2f} ms per drafting request"
+                              for name, c in calibrated.items())]
     return "\n".join(lines) + "\n"
 
 

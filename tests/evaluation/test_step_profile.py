@@ -31,13 +31,14 @@ def test_parts_are_timed_and_tokens_are_the_targets(tiny_checkpoints):
         assert "feed_context" not in vars(engine) and "forward" not in vars(target)
     ar, spec = rows["ar"], rows["fixed:2"]
     assert ar["ms"]["target_pass"] > 0 and ar["ms"]["draft_pass"] == 0 and ar["tokens_per_step"] == 1
+    assert ar["drafts_per_step"] == 0 and 0 < spec["drafts_per_step"] <= 2
     assert all(spec["ms"][p] > 0 for p in PARTS)
     assert abs(sum(spec["ms"].values()) - spec["step_ms"]) < 1e-2  # the parts and the rest add up to the step
     ar.update(vs_ar=1.0, identical_to_ar=True)
-    spec.update(vs_ar=0.5, identical_to_ar=True)
+    spec.update(vs_ar=0.5, identical_to_ar=True, calibration={"scale": 1.1, "per_draft_ms": 2.5})
     md = to_markdown({"rows": rows, "dataset": "x", "prompts": 1, "repeats": 1, "max_new_tokens": n, "dtype": "float32",
                       "command": "c", "machine": {"cpu": "cpu", "threads": 1}})
-    assert "| fixed:2 |" in md and "needs" in md
+    assert "| fixed:2 |" in md and "needs" in md and "fixed:2: the profile x 1.100, +2.50 ms per drafting request" in md
 
 
 def test_timers_accumulate_per_step():
