@@ -19,7 +19,8 @@ def plot_scaling_curve(curve: list[dict], path: str | Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     domains = sorted({k for r in curve for k in r} - {"step", "train_tokens_seen"})
     for domain in domains:
-        points = [(r["train_tokens_seen"], r[domain]) for r in curve if domain in r and r.get("train_tokens_seen")]
+        points = [(r["train_tokens_seen"], r[domain]) for r in curve
+                  if domain in r and r.get("train_tokens_seen") is not None]  # 0: where a continued run starts
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", label=domain, linewidth=2.5 if domain == "all" else 1.2)

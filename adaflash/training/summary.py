@@ -63,6 +63,6 @@ def _holdout_table(curve: list[dict]) -> list[str]:
     lines = ["Held-out teacher-forced full-block accept length (greedy, incl. bonus) per domain, by training tokens seen:",
              "", "| step | training tokens seen | " + " | ".join(domains) + " |", "|---" * (len(domains) + 2) + "|"]
     for r in curve:
-        seen = f"{r['train_tokens_seen'] / 1e3:.0f}K" if r.get("train_tokens_seen") else "-"
+        seen = f"{r['train_tokens_seen'] / 1e3:.0f}K" if r.get("train_tokens_seen") is not None else "-"
         lines.append(f"| {r['step']} | {seen} | " + " | ".join(f"{r[d]:.3f}" if d in r else "-" for d in domains) + " |")
     return lines + [""]
