@@ -119,9 +119,10 @@ class Pipeline:
         self.length_policy = length_policy
         # A learning policy (throughput's shared acceptance estimate) adapts across requests. By default every
         # generation starts from a fresh policy, so a benchmark's numbers do not depend on its prompt order;
-        # carry_policy_state keeps one policy across generations, as a server's engine does.
+        # carry_policy_state keeps one policy across generations, as a server's engine does. What the step times
+        # taught of this machine (the policies' shared `CalibratedCost`, in the factory) is kept either way.
         self.carry_policy_state = carry_policy_state
-        self._policy, self._policy_spec = None, None
+        self._policy, self._policy_factory = None, None
         self.codec = TextCodec(tokenizer, target.config.eos_token_ids)
         self.stop_token_ids = self.codec.stop_token_ids
 
@@ -198,8 +199,10 @@ class Pipeline:
         config = EngineConfig(method, self.length_policy, max_batch=1,
                               max_len=len(prompt_ids) + max_new_tokens + self.proposer.block_size)
         models = self.engine_models()
-        if not self.carry_policy_state or self._policy is None or self._policy_spec != config.policy_spec:
-            self._policy, self._policy_spec = length_policy_factory(config, models)(self.length_head), config.policy_spec
+        if self._policy_factory is None or self._policy_factory.spec != config.policy_spec:
+            self._policy_factory, self._policy = length_policy_factory(config, models), None
+        if not self.carry_policy_state or self._policy is None:
+            self._policy = self._policy_factory(self.length_head)
         engine = build_engine(config, models, self._policy)
         request = Request("generate", list(prompt_ids), max_new_tokens, sampling, self.stop_token_ids, seed)
         start = time.perf_counter()

@@ -89,15 +89,20 @@ def test_a_learning_policy_starts_fresh_per_generation_unless_told_to_carry(pipe
     def lengths(p, order):
         return {i: p.generate_ids(prompts[i], "dflash", max_new_tokens=10).stats.draft_lengths for i in order}
 
-    fresh = pipeline.with_length_policy("throughput", carry_policy_state=False)
-    forward, backward = lengths(fresh, [0, 1, 2]), lengths(fresh, [2, 1, 0])
+    # throughput-profiled: the same acceptance estimate on the profile alone. throughput's lengths also follow the
+    # measured step times (its calibration), which no two runs share exactly.
+    profiled = pipeline.with_length_policy("throughput-profiled", carry_policy_state=False)
+    forward, backward = lengths(profiled, [0, 1, 2]), lengths(profiled, [2, 1, 0])
     assert forward == backward
+    fresh = pipeline.with_length_policy("throughput", carry_policy_state=False)
     carried = pipeline.with_length_policy("throughput", carry_policy_state=True)
     carried.generate_ids(prompts[0], "dflash", max_new_tokens=10)
     learned = carried._policy
     learned.shared_successes, learned.shared_trials = 1.0, 20.0  # as if the first prompt had taught it that this drafter is poor...
     carried.generate_ids(prompts[1], "dflash", max_new_tokens=10)
     assert carried._policy is learned  # ...the next prompt starts from it
+    fresh.generate_ids(prompts[0], "dflash", max_new_tokens=10)
     first = fresh._policy
     fresh.generate_ids(prompts[1], "dflash", max_new_tokens=10)
-    assert fresh._policy is not first  # a fresh policy for every generation
+    assert fresh._policy is not first  # a fresh policy for every generation...
+    assert fresh._policy.step_cost is first.step_cost  # ...that keeps what the step times taught of this machine

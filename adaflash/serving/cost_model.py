@@ -62,12 +62,15 @@ class CalibratedCost:
     and the machine's speed drifts after the profile. Two running estimates fix both:
     `scale`, measured / predicted over steps where nobody drafted (the drift), and `per_draft_s`, the seconds each
     drafting request adds beyond the scaled prediction. Both are exponentially weighted means that forget by
-    `forget` per observed step, starting from the profile (scale 1, 0 s) worth `prior_steps` steps. While no plain
-    step is seen the scale stays at its prior and the correction absorbs any drift, which errs towards drafting less;
-    the plain steps that follow restore the split.
+    `forget` per observed step, starting from the profile (scale 1, 0 s) worth `prior_steps` steps; a step far off
+    the prediction (a garbage collection, a first-shape warm-up) counts as at most 4x or 1/4 of it. While no plain
+    step is seen the scale stays at its prior and the correction absorbs any drift; the plain steps that follow
+    restore the split. The engine reports only steps whose drafter work is what their lengths say (`Engine._speculate`).
     """
 
     def __init__(self, profile: CostModel, forget: float = 0.98, prior_steps: float = 4.0) -> None:
+        if not 0.0 < forget <= 1.0 or prior_steps <= 0:
+            raise ValueError(f"forget must be in (0, 1] and prior_steps > 0, got {forget} and {prior_steps}")
         self.profile, self.forget = profile, forget
         self._scale_sum, self._scale_weight = prior_steps, prior_steps  # sum of measured/predicted, of weights
         self._extra_sum, self._extra_weight = 0.0, prior_steps  # sum of extra seconds per drafting request, weights
@@ -89,6 +92,9 @@ class CalibratedCost:
         if not lengths:
             return
         predicted, drafting = self.predicted(lengths), sum(1 for k in lengths if k > 0)
+        if predicted <= 0:
+            return
+        seconds = min(max(seconds, predicted * self.scale / 4), predicted * self.scale * 4)
         if drafting == 0:
             self._scale_sum = self.forget * self._scale_sum + seconds / predicted
             self._scale_weight = self.forget * self._scale_weight + 1.0

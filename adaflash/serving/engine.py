@@ -41,7 +41,7 @@ class Engine:
         ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers."""
         self.target, self.proposer = target, proposer
         self.recorder = recorder  # optional: on-policy trajectories and verification outcomes (serving/recorder.py)
-        self.policy = policy or FixedLength(proposer.block_size - 1 if proposer else 0)
+        self.policy = _checked(policy or FixedLength(proposer.block_size - 1 if proposer else 0))
         self.scheduler = Scheduler(max_batch, max_queue)
         self.max_len = max_len
         self.target_cache = target.new_cache(max_batch, max_len)
@@ -118,7 +118,7 @@ class Engine:
             self.recorder.flush()
             self.recorder.drafter_version = version
         if policy is not None:
-            self.policy = policy
+            self.policy = _checked(policy)
 
     def _pick(self, request: Request, logits: torch.Tensor) -> int:
         if request.sampling.greedy:
@@ -152,26 +152,30 @@ class Engine:
             r.draft_lengths.append(0)
         return outputs
 
-    def feed_context(self, slots: Sequence[int]) -> None:
-        """One ragged drafter-context pass over the pending target features of these slots."""
+    def feed_context(self, slots: Sequence[int]) -> int:
+        """One ragged drafter-context pass over the pending target features of these slots; returns the most
+        positions one slot fed (a step's kept tokens, typically; a prompt or an idle stretch's backlog, more)."""
         todo = [s for s in slots if s in self._pending]
         if not todo:
-            return
+            return 0
         starts = [self._pending[s][0] for s in todo]
         chunks = [torch.cat(self._pending.pop(s)[1]) for s in todo]
         batch = RaggedBatch.build(todo, starts, [len(c) for c in chunks])
         self.proposer.add_context(self.draft_cache, torch.cat(chunks), batch)
+        return max(len(c) for c in chunks)
 
     def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
         start = time.perf_counter()  # the whole step, policy included: what the length policy's costs must predict
         slots, anchors = [r.slot for r in requests], [r.output_ids[-1] for r in requests]
         drafted_hidden: dict[int, torch.Tensor] = {}
+        fed = 0  # the most context positions one slot fed to the drafter this step
 
         def hidden_of(indices: Sequence[int]) -> torch.Tensor:
             """The drafter's block hidden states [len(indices), B, d], one pass for those not yet drafted this step."""
+            nonlocal fed
             todo = [i for i in indices if i not in drafted_hidden]
             if todo:
-                self.feed_context([slots[i] for i in todo])
+                fed = max(fed, self.feed_context([slots[i] for i in todo]))
                 h = self.proposer.draft_hidden(self.draft_cache, [slots[i] for i in todo], [anchors[i] for i in todo])
                 drafted_hidden.update(zip(todo, h))
             return torch.stack([drafted_hidden[i] for i in indices])
@@ -188,7 +192,7 @@ class Engine:
             if drafted_hidden or self.recorder is not None:
                 drafts = self.proposer.draft_tokens(hidden_of(drafting), *rest)
             else:
-                self.feed_context([slots[i] for i in drafting])
+                fed = max(fed, self.feed_context([slots[i] for i in drafting]))
                 drafts = self.proposer.propose(self.draft_cache, [slots[i] for i in drafting], [anchors[i] for i in drafting], *rest)
             for j, chunk in enumerate(drafts.tokens.split([lengths[i] for i in drafting])):
                 draft_tokens[drafting[j]] = chunk.tolist()
@@ -219,7 +223,11 @@ class Engine:
             self.policy.feedback(r, k, accepted)
             committed = r.commit(d[:accepted] + [next_token])  # a stop token or the budget may cut it short
             outputs.append(self._output(r, committed, row, f[: len(committed)]))
-        self.policy.observe_step(lengths, time.perf_counter() - start)
+        # The step's cost teaches the policy only when its drafter work is what its lengths say: not when the drafter
+        # also caught up on a backlog (a prompt, or a request drafting again after idle steps) or ran for a request
+        # that then drafted nothing (a learned head's look).
+        if fed <= self.max_draft + 1 and drafted_hidden.keys() <= set(drafting):
+            self.policy.observe_step(lengths, time.perf_counter() - start)
         return outputs
 
     def _verify(self, requests, lengths, draft_tokens, draft_probs, rows) -> list[tuple[int, int]]:
@@ -255,3 +263,11 @@ class Engine:
             top_logprobs, top_ids = torch.log_softmax(logits[: len(new_tokens)].float(), -1).topk(request.top_logprobs, -1)
         returned = features if request.return_features and features is not None else None
         return StepOutput(request.request_id, new_tokens, request.finish_reason, top_logprobs, top_ids, returned)
+
+
+def _checked(policy: LengthPolicy) -> LengthPolicy:
+    """A policy missing part of the protocol fails here, not after a step has committed its tokens."""
+    missing = [m for m in ("decide", "feedback", "observe_step") if not callable(getattr(policy, m, None))]
+    if missing:
+        raise TypeError(f"length policy {type(policy).__name__} lacks {', '.join(missing)} (serving/length_policy.py)")
+    return policy

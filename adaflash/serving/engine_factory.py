@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adaflash.models.target import TargetModel
-from adaflash.serving.cost_model import CostModel, cost_model_for
+from adaflash.serving.cost_model import CalibratedCost, CostModel, cost_model_for
 from adaflash.serving.engine import Engine
 from adaflash.serving.length_policy import (
     LENGTH_HEAD_POLICIES,
@@ -94,10 +94,11 @@ class EngineModels:
 
 @dataclass(frozen=True)
 class LengthPolicyFactory:
-    """A length policy for a drafter's head: the engine's first policy, and each hot-swapped drafter's."""
+    """A length policy for a drafter's head: the engine's first policy, and each hot-swapped drafter's. They share
+    one `CalibratedCost`: what the step times taught of this machine outlives a policy's acceptance estimates."""
 
     spec: str
-    cost: CostModel | None = None
+    cost: CalibratedCost | CostModel | None = None
 
     def __call__(self, head=None) -> LengthPolicy:
         return build_length_policy(self.spec, self.cost, head)
@@ -105,13 +106,14 @@ class LengthPolicyFactory:
 
 def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthPolicyFactory | None:
     """None for plain decoding. A policy that needs the cost model gets it here, profiled once per machine (cached
-    in the user cache) for the largest verify pass: every slot's anchor plus a full block of drafts."""
+    in the user cache) for the largest verify pass: every slot's anchor plus a full block of drafts, then corrected
+    by the policies' measured step times."""
     if config.policy_spec is None or models.proposer is None:
         return None
     cost = None
     if config.needs_cost_model:
-        cost = cost_model_for(models.target, models.proposer, models.model_name,
-                              max_tokens=config.max_batch * models.proposer.block_size)
+        cost = CalibratedCost(cost_model_for(models.target, models.proposer, models.model_name,
+                                             max_tokens=config.max_batch * models.proposer.block_size))
     return LengthPolicyFactory(config.policy_spec, cost)
 
 

@@ -118,11 +118,12 @@ class ThroughputLength:
     own outcomes are many and poor stays at zero drafts. Optimism only ever buys that one token: sizing longer drafts
     on the bound measured slower than plain decoding (docs/results/throughput_policy_ab.md).
 
-    The costs are the start-up profile corrected by the measured step times (`CalibratedCost`); `calibrate=False`
-    (`throughput-profiled`) reads the profile alone.
+    The costs are the start-up profile corrected by the measured step times (`CalibratedCost`; pass one to share what
+    it learned across policies, e.g. a hot-swapped drafter's); `calibrate=False` (`throughput-profiled`) reads the
+    profile alone.
     """
 
-    cost: CostModel
+    cost: CostModel | CalibratedCost
     prior: float = 0.6
     decay: float = 0.99  # per verified draft: how the shared estimate (the next request's prior) forgets
     prior_trials: float = 2.0
@@ -136,7 +137,9 @@ class ThroughputLength:
     name: str = "throughput"
 
     def __post_init__(self) -> None:
-        self.step_cost = CalibratedCost(self.cost) if self.calibrate else self.cost
+        shared = isinstance(self.cost, CalibratedCost)
+        profile = self.cost.profile if shared else self.cost
+        self.step_cost = (self.cost if shared else CalibratedCost(profile)) if self.calibrate else profile
         # Across requests: pooled (successes, trials), fading with `decay`; a new request's estimate is centred on
         # their ratio. Pooled counts, not an average of per-step ratios: a ratio's average is biased low (a step
         # that drafts 2 and keeps 1 says 1/2 where the per-position truth may be 0.47).
@@ -197,12 +200,16 @@ class LearnedThroughputLength:
     `throughput` policy's allocation, probes included); the others decode plainly at no drafter cost.
     """
 
-    cost: CostModel
+    cost: CostModel | CalibratedCost
     head: PositionAcceptanceHead
     name: str = "adaflash"
 
     def __post_init__(self) -> None:
         self.screen = ThroughputLength(self.cost)
+
+    @property
+    def step_cost(self) -> CalibratedCost | CostModel:
+        return self.screen.step_cost
 
     def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
         if hidden_of is None:
@@ -256,7 +263,7 @@ def check_length_policy(spec: str) -> None:
         build_length_policy(spec)
 
 
-def build_length_policy(spec: str, cost: CostModel | None = None, head=None) -> LengthPolicy:
+def build_length_policy(spec: str, cost: CostModel | CalibratedCost | None = None, head=None) -> LengthPolicy:
     """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model, corrected by measured step times),
     `throughput-profiled` (the profile alone: the calibration's ablation), `adaflash` (cost model + a per-position
     acceptance head) or `block-head` (the paper's block-level head)."""

@@ -100,6 +100,34 @@ def test_engine_reports_each_decode_steps_draft_lengths_and_wall_time(target, pr
     assert [len(lengths) for lengths, _ in policy.steps][-1] == 1 and all(t > 0 for _, t in policy.steps)  # a alone
 
 
+
+def test_a_step_whose_drafter_catches_up_on_a_backlog_teaches_no_step_cost(target, proposer):
+    """The first decode step after a 12-token prompt feeds all 12 positions to the drafter (block 8): not what a
+    drafting step costs, so the policy does not learn from it; the steps after it feed what the last one kept."""
+    policy = StepTimesSeen(3)
+    engine = Engine(target, proposer, policy, max_batch=1, max_queue=8, max_len=128)
+    engine.add_request(Request("long", list(range(3, 15)), 6))
+    engine.step()  # prefill
+    engine.step()  # the first draft: the whole prompt's features fed
+    assert policy.steps == []
+    engine.step()
+    assert len(policy.steps) == 1
+
+
+def test_a_policy_missing_part_of_the_protocol_is_refused_when_the_engine_is_made(target, proposer):
+    class DecidesOnly:
+        name = "partial"
+
+        def decide(self, requests, max_draft, hidden_of=None):
+            return [1] * len(requests)
+
+        def feedback(self, request, drafted, accepted):
+            pass
+
+    with pytest.raises(TypeError, match="DecidesOnly lacks observe_step"):
+        Engine(target, proposer, DecidesOnly(), max_batch=1, max_len=64)
+
+
 def test_scripted_drafts_exercise_acceptance(target):
     """A mostly-right drafter: many tokens per pass, and still exactly the reference output."""
     from tests.helpers import ScriptedProposer

@@ -17,6 +17,7 @@ from adaflash.serving.engine_factory import (
     length_policy_factory,
     method_of,
 )
+from adaflash.serving.length_policy import build_length_policy
 from adaflash.serving.request import Request
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
@@ -81,8 +82,10 @@ def test_cost_model_policies_profile_once_and_share_it(models, tmp_path, monkeyp
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
     config = EngineConfig("dflash", max_batch=2)
     policies = length_policy_factory(config, models)
-    assert policies.spec == "throughput" and policies.cost.total_tokens[-1] == 2 * models.proposer.block_size
-    assert policies().name == "throughput"
+    assert policies.spec == "throughput" and policies.cost.profile.total_tokens[-1] == 2 * models.proposer.block_size
+    first, second = policies(), policies()
+    assert first.name == "throughput" and first.step_cost is second.step_cost  # one calibration, e.g. across hot swaps
+    assert build_length_policy("throughput-profiled", policies.cost).step_cost is policies.cost.profile
     with pytest.raises(ValueError, match="PositionAcceptanceHead"):
         build_engine(EngineConfig("adaflash", max_batch=2), models)  # this drafter carries no head
     assert length_policy_factory(EngineConfig("ar"), models) is None
