@@ -24,7 +24,9 @@ import platform
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -62,15 +64,22 @@ def cache_file() -> Path:
     return cache_root() / "kernels" / f"choices-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def _min_ms(fn, evict: torch.Tensor, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        evict.sum()
-        start = time.perf_counter()
+def _min_ms_each(fns: dict[str, Callable[[], object]], evict: torch.Tensor, repeats: int = 5) -> dict[str, float]:
+    """The minimum ms per call of each candidate, timed round-robin: every repeat times each candidate once, so a slow
+    stretch of a shared machine (another process, a disk write-back) falls on all of them alike. Timed one candidate
+    after another, a stretch once fell on all five calls of the Q4_1 kernel at one row, and the decode step streamed an
+    fp32 copy seven times its size (a 1-token forward slower than a 2-token one). The minimum: robust to a preempted
+    call."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3  # the minimum: robust to a preempted run when other work shares the cores
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            evict.sum()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(t) * 1e3 for name, t in times.items()}
 
 
 def time_shape(weight: torch.Tensor, kernels: dict[str, object]) -> dict[str, dict[str, float]]:
@@ -79,8 +88,8 @@ def time_shape(weight: torch.Tensor, kernels: dict[str, object]) -> dict[str, di
     out = {}
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, weight.shape[1])
-        out[str(rows)] = {STOCK: _min_ms(lambda: stock_linear(x, weight), evict),
-                          **{name: _min_ms(lambda: kernel(x), evict) for name, kernel in kernels.items()}}
+        fns = {STOCK: lambda: stock_linear(x, weight), **{name: partial(kernel, x) for name, kernel in kernels.items()}}
+        out[str(rows)] = _min_ms_each(fns, evict)
     return out
 
 

@@ -203,3 +203,20 @@ def test_a_near_tie_goes_to_the_kernel_streaming_fewer_bytes():
     assert selection._pick(order, {"Q4_1": 0.200, "packed": 0.115, "stock": 0.3}) == "packed"
     assert selection._pick(order, {"Q4_1": 0.5, "packed": 0.105, "stock": 0.1}) == "packed"
     assert selection._pick(order, {"Q4_1": 0.5, "packed": 0.2, "stock": 0.1}) == "stock"
+
+
+def test_candidates_are_timed_round_robin_and_the_minimum_kept(monkeypatch):
+    """Each repeat times every candidate once, so a slow stretch of a shared machine falls on all of them alike."""
+    now, calls = [0.0], []
+    scripted = {"a": iter([0.0, 5e-3, 1e-3, 2e-3]), "b": iter([0.0, 3e-3, 6e-3, 4e-3])}  # warm-up, then 3 timed calls
+
+    def candidate(name):
+        def run():
+            calls.append(name)
+            now[0] += next(scripted[name])
+        return run
+
+    monkeypatch.setattr(selection.time, "perf_counter", lambda: now[0])
+    ms = selection._min_ms_each({"a": candidate("a"), "b": candidate("b")}, torch.ones(4), repeats=3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3
+    assert ms == pytest.approx({"a": 1.0, "b": 3.0})
