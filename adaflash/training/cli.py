@@ -14,7 +14,8 @@ from adaflash.cli_args import command_group
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from adaflash.training.trainer import TrainConfig, train
 
-    cfg = TrainConfig.from_file(args.config, data_dir=args.data_dir, out_dir=args.out_dir, max_steps=args.max_steps,
+    data_dir = args.data_dir[0] if args.data_dir and len(args.data_dir) == 1 else args.data_dir
+    cfg = TrainConfig.from_file(args.config, data_dir=data_dir, out_dir=args.out_dir, max_steps=args.max_steps,
                                 loss=args.loss)
     print(f"drafter written to {train(cfg)}")
     return 0
@@ -131,7 +132,8 @@ def register_cli(subparsers) -> None:
     group = command_group(subparsers, "train", help="train drafters and length heads")
     p = group.add_parser("drafter", help="DFlash block training (resumes from OUT/checkpoint; torchrun for DDP)")
     p.add_argument("--config", required=True, help="TOML or JSON with TrainConfig fields")
-    p.add_argument("--data-dir", default=None, help="override the config's data_dir")
+    p.add_argument("--data-dir", nargs="+", default=None,
+                   help="override the config's data_dir (several directories train as one set)")
     p.add_argument("--out-dir", default=None, help="override the config's out_dir")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--loss", default=None, choices=["ce", "ce+kl", "rkl", "fkl", "tv"], help="override the config's loss")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -25,25 +26,26 @@ class TrainSample:
 
 
 class DraftDataset:
-    """All samples of a regenerated-data directory, held in memory (features stay bf16 until used)."""
+    """All samples of one or more regenerated-data directories, held in memory (features stay bf16 until used).
 
-    def __init__(self, data_dir: str | Path, capture_layers: tuple[int, ...]) -> None:
-        manifest = load_manifest(data_dir)
-        if manifest is None or not manifest["shards"]:
-            raise FileNotFoundError(f"no regenerated data in {data_dir}: run `adaflash data generate --out {data_dir}`")
-        found = tuple(manifest["config"]["capture_layers"])
-        if found != tuple(capture_layers):
-            raise ValueError(f"{data_dir} holds features of target layers {found}, the drafter reads {capture_layers}")
-        self.samples = [
-            TrainSample(torch.tensor(s.tokens, dtype=torch.long), s.prompt_len, s.features, s.top_logprobs, s.top_ids,
-                        domain, key)
-            for shard in manifest["shards"]
-            for s, domain, key in zip(read_shard(Path(data_dir) / shard["file"]), shard["domains"], shard["prompt_ids"])
-            if len(s.tokens) - s.prompt_len >= 2  # at least one anchor with a label
-        ]
+    Several directories (data generated in rounds, each its own recipe) train as one set; a prompt id held by two of
+    them is refused, since the held-out split and the resume order key on prompt ids."""
+
+    def __init__(self, data_dirs: str | Path | Sequence[str | Path], capture_layers: tuple[int, ...]) -> None:
+        dirs = [data_dirs] if isinstance(data_dirs, (str, Path)) else list(data_dirs)
+        if not dirs:
+            raise ValueError("no data directory given")
+        self.samples: list[TrainSample] = []
+        owner: dict[str, str | Path] = {}
+        for data_dir in dirs:
+            for sample in _read_data_dir(data_dir, capture_layers):
+                if sample.key in owner:
+                    raise ValueError(f"prompt id {sample.key!r} is in both {owner[sample.key]} and {data_dir}")
+                owner[sample.key] = data_dir
+                self.samples.append(sample)
         self.has_soft_targets = all(s.top_logprobs is not None for s in self.samples)
         if not self.samples:
-            raise ValueError(f"{data_dir} has no sample with a response of at least 2 tokens")
+            raise ValueError(f"{', '.join(map(str, dirs))}: no sample with a response of at least 2 tokens")
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -74,9 +76,27 @@ class TrajectoryDataset:
         return [s.key or str(i) for i, s in enumerate(self.samples)]
 
 
-def load_training_data(data_dir: str | Path, capture_layers: tuple[int, ...]) -> DraftDataset | TrajectoryDataset:
-    """Feature shards (`adaflash data generate`) when a manifest is there, else trajectories (*.jsonl)."""
-    if load_manifest(data_dir) is not None:
+def _read_data_dir(data_dir: str | Path, capture_layers: tuple[int, ...]) -> list[TrainSample]:
+    manifest = load_manifest(data_dir)
+    if manifest is None or not manifest["shards"]:
+        raise FileNotFoundError(f"no regenerated data in {data_dir}: run `adaflash data generate --out {data_dir}`")
+    found = tuple(manifest["config"]["capture_layers"])
+    if found != tuple(capture_layers):
+        raise ValueError(f"{data_dir} holds features of target layers {found}, the drafter reads {capture_layers}")
+    return [
+        TrainSample(torch.tensor(s.tokens, dtype=torch.long), s.prompt_len, s.features, s.top_logprobs, s.top_ids,
+                    domain, key)
+        for shard in manifest["shards"]
+        for s, domain, key in zip(read_shard(Path(data_dir) / shard["file"]), shard["domains"], shard["prompt_ids"])
+        if len(s.tokens) - s.prompt_len >= 2  # at least one anchor with a label
+    ]
+
+
+def load_training_data(data_dir: str | Path | Sequence[str | Path],
+                       capture_layers: tuple[int, ...]) -> DraftDataset | TrajectoryDataset:
+    """Feature shards (`adaflash data generate`; one directory or several) when manifests are there, else
+    trajectories (*.jsonl)."""
+    if not isinstance(data_dir, (str, Path)) or load_manifest(data_dir) is not None:
         return DraftDataset(data_dir, capture_layers)
     return TrajectoryDataset(data_dir)
 

@@ -36,7 +36,7 @@ from adaflash.training.validation import holdout_accept_lengths, split_holdout
 
 @dataclass(frozen=True)
 class TrainConfig:
-    data_dir: str
+    data_dir: str | tuple[str, ...]  # one regenerated-data directory, or several trained as one set
     out_dir: str
     model: str = "smollm2-135m"
     mask_token_id: int = 16
@@ -81,8 +81,9 @@ class TrainConfig:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"{path}: unknown training options {unknown}")
-        if raw.get("target_layer_ids") is not None:
-            raw["target_layer_ids"] = tuple(raw["target_layer_ids"])
+        for key in ("target_layer_ids", "data_dir"):
+            if isinstance(raw.get(key), list):
+                raw[key] = tuple(raw[key])
         return cls(**raw)
 
 
