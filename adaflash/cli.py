@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from adaflash.cli_args import add_model_args, add_policy_state_arg, set_threads
+from adaflash.cli_args import add_model_args, add_policy_state_arg, add_prompt_lookup_arg, prompt_lookup_of, set_threads
 from adaflash.evaluation.context_length import register_cli as register_context_length_cli
 from adaflash.evaluation.drafter_eval import register_cli as register_drafter_eval_cli
 from adaflash.evaluation.load_test import register_cli as register_load_cli
@@ -35,8 +35,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
     drafter = resolve_drafter(args.model, args.drafter, args.method)
+    lookup = prompt_lookup_of(args)
     pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab,
-                             carry_policy_state=args.carry_policy_state)
+                             carry_policy_state=args.carry_policy_state, prompt_lookup=lookup)
     items = [(None, None, user_messages(args.prompt))] if prompts is None else [(p.id, p.domain, p.messages) for p in prompts]
     for prompt_id, domain, messages in items:
         completion = pipeline.complete(
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="a user message (the chat template is applied)")
     src.add_argument("--prompts-file", help='JSONL with {"prompt": ...} or {"messages": [...]}, optional "domain"')
     add_model_args(gen)
+    add_prompt_lookup_arg(gen)
     add_policy_state_arg(gen)
     gen.add_argument("--method", choices=METHODS, default="ar")
     gen.add_argument("--max-new-tokens", type=int, default=128)

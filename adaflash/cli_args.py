@@ -23,6 +23,20 @@ def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = "the
     )
 
 
+def add_prompt_lookup_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
+                   help="prompt-lookup (n-gram) drafts first, up to K tokens a step (transformers' prompt_lookup_num_tokens, "
+                   "vLLM's ngram): a request whose last 2-3 tokens occurred earlier verifies what followed them; the "
+                   "others draft with the drafter (with --method ar: decode one token)")
+
+
+def prompt_lookup_of(args: argparse.Namespace):
+    """The `PromptLookup` that --prompt-lookup asks for (None: off); a bad K fails before any model loads."""
+    from adaflash.speculative.prompt_lookup import PromptLookup
+
+    return PromptLookup(args.prompt_lookup) if args.prompt_lookup is not None else None
+
+
 def add_policy_state_arg(p: argparse.ArgumentParser) -> None:
     """For commands that run many prompts one by one (not `serve`: its engine always carries what it learned)."""
     p.add_argument("--carry-policy-state", action="store_true",

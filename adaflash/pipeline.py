@@ -28,6 +28,7 @@ from adaflash.serving.engine_factory import (
 )
 from adaflash.serving.length_policy import check_length_policy
 from adaflash.serving.request import Request
+from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import (
     GenerationResult,
@@ -43,13 +44,18 @@ __all__ = ["METHODS", "Completion", "Pipeline", "TextCodec", "check_draft_length
 DEFAULT_MASK_TOKEN_IDS = {"smollm2-135m": 16}
 
 
-def uses_engine(method: str, length_policy: str | None) -> bool:
-    """Whether `method` runs on the serving engine (a length policy decides the drafts) or a reference loop."""
-    return method == "adaflash" or (method == "dflash" and length_policy is not None)
+def uses_engine(method: str, length_policy: str | None, prompt_lookup: bool = False) -> bool:
+    """Whether `method` runs on the serving engine (a length policy decides the drafts, or prompt lookup drafts) or
+    a reference loop."""
+    return prompt_lookup or method == "adaflash" or (method == "dflash" and length_policy is not None)
 
 
-def check_draft_length(method: str, length_policy: str | None, draft_length: int | None) -> None:
+def check_draft_length(method: str, length_policy: str | None, draft_length: int | None,
+                       prompt_lookup: bool = False) -> None:
     """--draft-length is honoured by the reference loop only; on the engine it would be silently ignored."""
+    if draft_length is not None and prompt_lookup:
+        raise ValueError("--draft-length applies to the reference loop; with --prompt-lookup the serving engine runs "
+                         "(for a fixed drafter length use --length-policy fixed:K)")
     if draft_length is not None and uses_engine(method, length_policy):
         policy = length_policy or EngineConfig(method).policy_spec
         raise ValueError(f"--draft-length applies to the reference loop (--method dflash without --length-policy); "
@@ -107,6 +113,7 @@ class Pipeline:
         length_policy: str | None = None,
         length_head=None,
         carry_policy_state: bool = False,
+        prompt_lookup: PromptLookup | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -122,6 +129,8 @@ class Pipeline:
         # carry_policy_state keeps one policy across generations, as a server's engine does. What the step times
         # taught of this machine (the policies' shared `CalibratedCost`, in the factory) is kept either way.
         self.carry_policy_state = carry_policy_state
+        # Prompt-lookup (n-gram) drafts before the drafter's, on the engine; with `ar`, the only drafts.
+        self.prompt_lookup = prompt_lookup
         self._policy, self._policy_factory = None, None
         self.codec = TextCodec(tokenizer, target.config.eos_token_ids)
         self.stop_token_ids = self.codec.stop_token_ids
@@ -130,6 +139,7 @@ class Pipeline:
     def load(
         cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto",
         length_policy: str | None = None, draft_vocab: str | None = None, carry_policy_state: bool = False,
+        prompt_lookup: PromptLookup | None = None,
     ) -> "Pipeline":
         if length_policy is not None:
             check_length_policy(length_policy)  # a bad spec fails before the (slow) load, not at the first generation
@@ -141,7 +151,7 @@ class Pipeline:
             proposer = DFlashProposer(load_drafter(drafter, dtype=torch_dtype, draft_vocab=draft_vocab), target)
             head = load_length_head(drafter)
         return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model), length_policy=length_policy,
-                   length_head=head, carry_policy_state=carry_policy_state)
+                   length_head=head, carry_policy_state=carry_policy_state, prompt_lookup=prompt_lookup)
 
     def with_untrained_drafter(self, num_layers: int = 1, block_size: int = 16, seed: int = 0) -> "Pipeline":
         """A randomly initialised drafter: correct (lossless) but accepts almost nothing. For tests and demos."""
@@ -150,13 +160,18 @@ class Pipeline:
         drafter = init_drafter(cfg, seed=seed, dtype=self.target.dtype)
         proposer = DFlashProposer(drafter, self.target)
         return Pipeline(self.target, self.tokenizer, proposer, self.model_name, self.length_policy,
-                        carry_policy_state=self.carry_policy_state)
+                        carry_policy_state=self.carry_policy_state, prompt_lookup=self.prompt_lookup)
 
     def with_length_policy(self, length_policy: str | None, carry_policy_state: bool | None = None) -> "Pipeline":
         """The same loaded models under another length policy (None: the reference loop)."""
         carry = self.carry_policy_state if carry_policy_state is None else carry_policy_state
         return Pipeline(self.target, self.tokenizer, self.proposer, self.model_name, length_policy, self.length_head,
-                        carry)
+                        carry, self.prompt_lookup)
+
+    def with_prompt_lookup(self, prompt_lookup: PromptLookup | None) -> "Pipeline":
+        """The same loaded models with prompt-lookup drafts (None: without)."""
+        return Pipeline(self.target, self.tokenizer, self.proposer, self.model_name, self.length_policy,
+                        self.length_head, self.carry_policy_state, prompt_lookup)
 
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
         """Raw text is tokenised as is; chat messages go through the model's chat template."""
@@ -179,15 +194,19 @@ class Pipeline:
         seed: int = 0,
     ) -> GenerationResult:
         check_method(method)
-        if method == "ar":
+        lookup = self.prompt_lookup is not None
+        if method == "ar" and not lookup:
             return autoregressive_generate(self.target, prompt_ids, max_new_tokens, sampling, self.stop_token_ids, seed)
+        if method == "ar":
+            check_draft_length(method, None, draft_length, lookup)
+            return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, method)
         if self.proposer is None:
             raise ValueError(f"--method {method} needs a drafter (--drafter PATH)")
         if method == "adaflash" and self.length_head is None:
             raise ValueError("--method adaflash needs a drafter checkpoint with a length head "
                              "(`adaflash train length-head`)")
-        check_draft_length(method, self.length_policy, draft_length)
-        if uses_engine(method, self.length_policy):
+        check_draft_length(method, self.length_policy, draft_length, lookup)
+        if uses_engine(method, self.length_policy, lookup):
             return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, method)
         return speculative_generate(
             self.target, self.proposer, prompt_ids, max_new_tokens, sampling, draft_length, self.stop_token_ids, seed
@@ -196,14 +215,17 @@ class Pipeline:
     def _engine_generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int,
                          method: str) -> GenerationResult:
         # A one-slot engine whose cache fits this request exactly (not the model's whole context).
-        config = EngineConfig(method, self.length_policy, max_batch=1,
-                              max_len=len(prompt_ids) + max_new_tokens + self.proposer.block_size)
+        widest = max(self.proposer.block_size if self.proposer else 1,
+                     self.prompt_lookup.num_tokens + 1 if self.prompt_lookup else 1)
+        config = EngineConfig(method, self.length_policy if method != "ar" else None, max_batch=1,
+                              max_len=len(prompt_ids) + max_new_tokens + widest, prompt_lookup=self.prompt_lookup)
         models = self.engine_models()
-        if self._policy_factory is None or self._policy_factory.spec != config.policy_spec:
-            self._policy_factory, self._policy = length_policy_factory(config, models), None
-        if not self.carry_policy_state or self._policy is None:
-            self._policy = self._policy_factory(self.length_head)
-        engine = build_engine(config, models, self._policy)
+        if method != "ar":
+            if self._policy_factory is None or self._policy_factory.spec != config.policy_spec:
+                self._policy_factory, self._policy = length_policy_factory(config, models), None
+            if not self.carry_policy_state or self._policy is None:
+                self._policy = self._policy_factory(self.length_head)
+        engine = build_engine(config, models, self._policy if method != "ar" else None)
         request = Request("generate", list(prompt_ids), max_new_tokens, sampling, self.stop_token_ids, seed)
         start = time.perf_counter()
         engine.add_request(request)

@@ -49,6 +49,22 @@ def test_every_path_reproduces_ar(pipeline):
     assert completion.as_dict()["num_tokens"] == len(ar.token_ids) and completion.text == pipeline.decode(ar.token_ids)
 
 
+def test_prompt_lookup_paths_reproduce_ar(pipeline):
+    from adaflash.speculative.prompt_lookup import PromptLookup
+
+    first = pipeline.encode(prompt="hi")
+    ids = first + pipeline.generate_ids(first, "ar", max_new_tokens=12).token_ids + first  # lookups will match
+    ar = pipeline.generate_ids(ids, "ar", max_new_tokens=24)
+    lookup = pipeline.with_prompt_lookup(PromptLookup(4, min_ngram=1))
+    assert uses_engine("ar", None, prompt_lookup=True)
+    for method, policy in [("ar", None), ("dflash", None), ("dflash", "fixed:2")]:
+        out = lookup.with_length_policy(policy).generate_ids(ids, method, max_new_tokens=24)
+        assert out.token_ids == ar.token_ids, (method, policy)
+        assert sum(out.stats.draft_lengths) > 0
+    with pytest.raises(ValueError, match="--prompt-lookup"):
+        lookup.generate_ids(ids, "ar", max_new_tokens=4, draft_length=2)
+
+
 def test_engine_paths_refuse_a_draft_length(pipeline):
     ids = pipeline.encode(prompt="hi")
     with pytest.raises(ValueError, match="--draft-length applies to the reference loop"):

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 import sys
 
-from adaflash.cli_args import add_model_args
+from adaflash.cli_args import add_model_args, add_prompt_lookup_arg, prompt_lookup_of
 from adaflash.serving.engine_factory import DEFAULT_LENGTH_POLICY, METHODS
 
 
@@ -16,7 +16,8 @@ def engine_config(args: argparse.Namespace):
     from adaflash.serving.engine_factory import EngineConfig
 
     return EngineConfig(method=args.method, length_policy=args.length_policy, max_batch=args.max_batch,
-                        max_queue=args.max_queue, max_len=args.max_len, record_dir=args.record)
+                        max_queue=args.max_queue, max_len=args.max_len, record_dir=args.record,
+                        prompt_lookup=prompt_lookup_of(args))
 
 
 def build_runner(args: argparse.Namespace):
@@ -85,6 +86,8 @@ def _describe(args: argparse.Namespace, app, runner) -> str:
     """The startup line (the key itself never appears in it, nor anywhere else in the output)."""
     config = app.state.config
     policy = runner.snapshot.policy_name if args.method != "ar" else "none (autoregressive)"
+    if args.prompt_lookup:
+        policy += f", prompt lookup up to {args.prompt_lookup} tokens"
     auth = "bearer key required" + (" (/metrics open)" if config.metrics_open else " (also /metrics)") \
         if config.api_key else "none"
     timeout = f"{config.request_timeout_s:g} s" if config.request_timeout_s else "none"
@@ -125,6 +128,7 @@ def register_cli(subparsers) -> None:
     )
     defaults = ", ".join(f"{policy} for {method}" for method, policy in DEFAULT_LENGTH_POLICY.items() if policy)
     add_model_args(p, length_policy_default=defaults)  # --model, --drafter, --dtype, --length-policy
+    add_prompt_lookup_arg(p)
     p.add_argument("--method", choices=METHODS, default="dflash",
                    help="dflash (default), adaflash (drafter + its length head + adaflash policy) or ar (plain "
                    "decoding); the speculative ones use --drafter or the drafter shipped for the target")

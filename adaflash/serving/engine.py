@@ -14,12 +14,14 @@ from typing import Sequence
 
 import torch
 
+from adaflash.models.kernels.attention import MAX_QUERIES
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.layers import argmax_rows
 from adaflash.models.target import TargetModel
 from adaflash.serving.length_policy import FixedLength, LengthPolicy
 from adaflash.serving.request import Request, StepOutput
 from adaflash.serving.scheduler import Scheduler
+from adaflash.speculative.prompt_lookup import PromptLookup, point_mass
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.sampling import draw_exponentials, logits_to_probs, sample_tokens
 from adaflash.speculative.verify import verify_greedy, verify_sampling
@@ -36,10 +38,13 @@ class Engine:
         max_len: int = 2048,
         recorder=None,
         capture_layers: Sequence[int] | None = None,
+        prompt_lookup: PromptLookup | None = None,
     ) -> None:
         """`capture_layers`: target layers whose features a plain (drafter-less) engine returns to requests that
-        ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers."""
-        self.target, self.proposer = target, proposer
+        ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers.
+        `prompt_lookup`: n-gram drafts first; a request without a match goes to the drafter and its length policy
+        (without a proposer: decodes one token)."""
+        self.target, self.proposer, self.prompt_lookup = target, proposer, prompt_lookup
         self.recorder = recorder  # optional: on-policy trajectories and verification outcomes (serving/recorder.py)
         self.policy = _checked(policy or FixedLength(proposer.block_size - 1 if proposer else 0))
         self.scheduler = Scheduler(max_batch, max_queue)
@@ -49,7 +54,11 @@ class Engine:
         if proposer is not None and capture_layers is not None and tuple(capture_layers) != tuple(proposer.capture_layers):
             raise ValueError(f"capture_layers {tuple(capture_layers)} differ from the drafter's {proposer.capture_layers}")
         self.capture = tuple(proposer.capture_layers if proposer else capture_layers or ())
-        self.max_draft = proposer.block_size - 1 if proposer else 0
+        self.max_draft = proposer.block_size - 1 if proposer else 0  # the drafter's most drafts a step
+        self._max_verified = max(self.max_draft, prompt_lookup.num_tokens if prompt_lookup else 0)
+        if prompt_lookup is not None and prompt_lookup.num_tokens + 1 > MAX_QUERIES:
+            # A longer verify would run the prefill attention, whose last bits differ from the short-step kernel's.
+            raise ValueError(f"prompt lookup drafts at most {MAX_QUERIES - 1} tokens a step, got {prompt_lookup.num_tokens}")
         # Target features not yet fed to the drafter, per slot: (first position, [T, n*d] chunks). Fed just
         # before the slot's next drafter pass, so a request the policy keeps from drafting costs no drafter work.
         self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
@@ -57,11 +66,11 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        need = len(request.prompt_ids) + request.max_new_tokens + self.max_draft + 1
+        need = len(request.prompt_ids) + request.max_new_tokens + self._max_verified + 1
         if need > self.max_len:
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
-                f"exceeds the context of {self.max_len - self.max_draft - 1} tokens"
+                f"exceeds the context of {self.max_len - self._max_verified - 1} tokens"
             )
         self.scheduler.add(request)
 
@@ -86,7 +95,8 @@ class Engine:
         decoding = sorted((r for r in self.scheduler.running if r not in admitted), key=lambda r: r.slot)
         outputs = self._prefill(admitted) if admitted else []
         if decoding:
-            outputs += self._speculate(decoding) if self.proposer else self._decode(decoding)
+            speculative = self.proposer is not None or self.prompt_lookup is not None
+            outputs += self._speculate(decoding) if speculative else self._decode(decoding)
         for request in [r for r in self.scheduler.running if r.finished]:
             if self.recorder is not None:
                 self.recorder.on_finish(request)
@@ -180,12 +190,21 @@ class Engine:
                 drafted_hidden.update(zip(todo, h))
             return torch.stack([drafted_hidden[i] for i in indices])
 
-        # Learned policies look at the drafter's blocks (of the requests they choose) before any LM head runs.
-        wanted = self.policy.decide(requests, self.max_draft, hidden_of)
-        lengths = [max(0, min(k, self.max_draft, r.remaining - 1)) for k, r in zip(wanted, requests)]
-        drafting = [i for i, k in enumerate(lengths) if k > 0]
-        draft_tokens: list[list[int]] = [[] for _ in requests]
-        draft_probs: list[torch.Tensor | None] = [None] * len(requests)
+        # Prompt-lookup drafts first (no model pass); the requests without a match are the length policy's.
+        draft_tokens = self._lookup_drafts(requests)
+        looked_up = {i for i, d in enumerate(draft_tokens) if d}
+        by_policy = [i for i in range(len(requests)) if i not in looked_up]
+        lengths = [len(d) for d in draft_tokens]
+        if by_policy:
+            # Learned policies look at the drafter's blocks (of the requests they choose) before any LM head runs.
+            wanted = self.policy.decide([requests[i] for i in by_policy], self.max_draft,
+                                        lambda idx: hidden_of([by_policy[j] for j in idx]))
+            for i, k in zip(by_policy, wanted):
+                lengths[i] = max(0, min(k, self.max_draft, requests[i].remaining - 1))
+        drafting = [i for i in by_policy if lengths[i] > 0]  # the drafter's
+        draft_probs: list[torch.Tensor | None] = [
+            point_mass(draft_tokens[i], self.target.config.vocab_size) if i in looked_up and not r.sampling.greedy
+            else None for i, r in enumerate(requests)]
         if drafting:
             sub = [requests[i] for i in drafting]
             rest = ([lengths[i] for i in drafting], [r.sampling for r in sub], [r.generator for r in sub])
@@ -203,32 +222,41 @@ class Engine:
         ids = torch.tensor([t for r, d in zip(requests, draft_tokens) for t in [r.output_ids[-1], *d]])
         out = self.target(ids, batch, self.target_cache, self.capture)
         rows = out.logits.split([k + 1 for k in lengths])
-        features = out.hidden.split([k + 1 for k in lengths])
+        features = out.hidden.split([k + 1 for k in lengths]) if self.capture else [None] * len(requests)
 
         results = self._verify(requests, lengths, draft_tokens, draft_probs, rows)
 
         # Roll each target cache back past its rejected drafts; the kept positions' features become context.
         for r, (accepted, _) in zip(requests, results):
             self.target_cache.rollback(r.slot, r.position + accepted + 1)
-        for r, f, (accepted, _) in zip(requests, features, results):
-            # The kept positions' features: the drafter's next context (after any still pending for the slot).
-            self._pending.setdefault(r.slot, (r.position, []))[1].append(f[: accepted + 1])
+        if self.proposer is not None:
+            for r, f, (accepted, _) in zip(requests, features, results):
+                # The kept positions' features: the drafter's next context (after any still pending for the slot).
+                self._pending.setdefault(r.slot, (r.position, []))[1].append(f[: accepted + 1])
 
         if self.recorder is not None and drafting:
             self.recorder.on_step(hidden_of(drafting), [lengths[i] for i in drafting], [results[i][0] for i in drafting])
         outputs = []
-        for r, k, d, (accepted, next_token), row, f in zip(requests, lengths, draft_tokens, results, rows, features):
+        for i, (r, k, d, (accepted, next_token), row, f) in enumerate(
+                zip(requests, lengths, draft_tokens, results, rows, features)):
             r.accept_lengths.append(accepted + 1)
             r.draft_lengths.append(k)
-            self.policy.feedback(r, k, accepted)
+            if i not in looked_up:  # the policy learns from the drafter's outcomes only
+                self.policy.feedback(r, k, accepted)
             committed = r.commit(d[:accepted] + [next_token])  # a stop token or the budget may cut it short
-            outputs.append(self._output(r, committed, row, f[: len(committed)]))
+            outputs.append(self._output(r, committed, row, f[: len(committed)] if f is not None else None))
         # The step's cost teaches the policy only when its drafter work is what its lengths say: not when the drafter
         # also caught up on a backlog (a prompt, or a request drafting again after idle steps) or ran for a request
-        # that then drafted nothing (a learned head's look).
-        if fed <= self.max_draft + 1 and drafted_hidden.keys() <= set(drafting):
+        # that then drafted nothing (a learned head's look), nor when lookup drafts widened the verify.
+        if fed <= self.max_draft + 1 and drafted_hidden.keys() <= set(drafting) and not looked_up:
             self.policy.observe_step(lengths, time.perf_counter() - start)
         return outputs
+
+    def _lookup_drafts(self, requests: Sequence[Request]) -> list[list[int]]:
+        """Per request, its prompt-lookup drafts (never past its budget); [] without a match or lookup."""
+        if self.prompt_lookup is None:
+            return [[] for _ in requests]
+        return [self.prompt_lookup.propose(r.prompt_ids + r.output_ids, r.remaining - 1) for r in requests]
 
     def _verify(self, requests, lengths, draft_tokens, draft_probs, rows) -> list[tuple[int, int]]:
         """(accepted drafts, next token) per request. Greedy requests go through the ragged verifier in one

@@ -22,6 +22,7 @@ from adaflash.serving.length_policy import (
     check_length_policy,
     needs_cost_model,
 )
+from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
 
 METHODS = ("ar", "dflash", "adaflash")  # adaflash: the drafter + its learned length head + the adaflash policy
@@ -57,6 +58,7 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting for a slot before QueueFullError
     max_len: int = 2048  # KV cache positions per slot (prompt + output + drafts); capped at the model's positions
     record_dir: str | None = None  # on-policy buffer (serving/recorder.py): trajectories and verification outcomes
+    prompt_lookup: PromptLookup | None = None  # n-gram drafts first (with `ar`: the only drafts, vLLM's `ngram`)
 
     def __post_init__(self) -> None:
         check_method(self.method)
@@ -134,4 +136,4 @@ def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolic
         recorder = TrajectoryRecorder(Path(config.record_dir), drafter_version=models.drafter_version,
                                       record_outcomes=proposer is not None)
     return Engine(models.target, proposer, policy, max_batch=config.max_batch, max_queue=config.max_queue,
-                  max_len=max_len, recorder=recorder)
+                  max_len=max_len, recorder=recorder, prompt_lookup=config.prompt_lookup)

@@ -19,10 +19,11 @@ from tests.serving.test_server import MODEL, slow_steps, wait_for
 
 @contextlib.contextmanager
 def app_over_engine(pipeline, config: ServerConfig = ServerConfig(), max_batch: int = 2, max_queue: int = 4,
-                    max_len: int = 512, step_delay: float = 0.0) -> Iterator[tuple]:
-    """(app, runner): a dflash engine (fixed:3) on its own started runner, stopped on exit."""
+                    max_len: int = 512, step_delay: float = 0.0, prompt_lookup=None) -> Iterator[tuple]:
+    """(app, runner): a dflash engine (fixed:3; prompt-lookup drafts first if given) on its own started runner,
+    stopped on exit."""
     engine = Engine(pipeline.target, pipeline.proposer, FixedLength(3), max_batch=max_batch, max_queue=max_queue,
-                    max_len=max_len)
+                    max_len=max_len, prompt_lookup=prompt_lookup)
     if step_delay:
         slow_steps(engine, step_delay)
     runner = EngineRunner(engine).start()

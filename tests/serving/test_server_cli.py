@@ -52,6 +52,8 @@ def test_serve_fixed_policy_and_plain_decoding(served, tiny_chat_checkpoint, ran
     err = capsys.readouterr().err
     assert "method ar, length policy none" in err and "context 511 tokens" in err  # clipped to the model's 512 positions
     assert 'method="ar"' in TestClient(got["app"]).get("/metrics").text
+    got = served(["--model", tiny_chat_checkpoint, "--method", "ar", "--dtype", "fp32", "--prompt-lookup", "5"])
+    assert "length policy none (autoregressive), prompt lookup up to 5 tokens" in capsys.readouterr().err
 
 
 def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):
@@ -60,6 +62,9 @@ def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):
         args.func(args)
     with pytest.raises(ValueError, match="--method dflash or adaflash only"):
         args = _parse(["--model", tiny_chat_checkpoint, "--method", "ar", "--length-policy", "heuristic"])
+        args.func(args)
+    with pytest.raises(ValueError, match="num_tokens >= 1"):
+        args = _parse(["--model", tiny_chat_checkpoint, "--method", "ar", "--prompt-lookup", "0"])
         args.func(args)
     with pytest.raises(ValueError, match="unknown length policy"):
         args = _parse(["--model", tiny_chat_checkpoint, "--drafter", random_drafter, "--length-policy", "fastest"])

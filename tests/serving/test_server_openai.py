@@ -94,3 +94,22 @@ def test_short_soak_every_request_answered_or_refused_and_no_slot_leaks(base_url
     assert report.running_after == 0 and report.queued_after == 0
     assert report.free_slots_after == report.max_slots == MAX_BATCH
     assert report.clean
+
+
+def test_openai_client_on_an_engine_with_prompt_lookup(pipeline):
+    """n-gram drafts before the drafter's: a real client gets the target's own greedy text, concurrently too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from adaflash.speculative.prompt_lookup import PromptLookup
+    from tests.serving.live import app_over_engine, live_server
+
+    prompts = [PROMPT, PROMPT + " " + PROMPT, "one two one two one two"]
+    expected = [reference(pipeline, 20, prompt=p)[0] for p in prompts]
+    with app_over_engine(pipeline, prompt_lookup=PromptLookup(4, min_ngram=1)) as (app, runner), live_server(app) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+
+        def complete(prompt: str) -> str:
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(complete, prompts)) == expected

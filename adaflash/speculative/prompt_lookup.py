@@ -1,0 +1,53 @@
+"""Prompt-lookup (n-gram) drafts: the tokens that followed an earlier occurrence of the sequence's last n tokens.
+
+transformers' `prompt_lookup_num_tokens` and vLLM's / SGLang's `ngram` method, as a draft source beside the
+drafter: it costs no model pass, and a small target repeats itself often (lists, code, loops), where a match
+drafts a long run the target then verifies in one pass. Drafts are deterministic, so a sampling request verifies
+them against a point mass (rejection sampling stays exact: accept with probability p(x), else draw from p without x).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class PromptLookup:
+    num_tokens: int  # the most drafts one lookup proposes
+    max_ngram: int = 3  # the longest suffix tried first (a longer match predicts better)
+    min_ngram: int = 2  # the shortest suffix that may match (1 matches almost anything, and a miss costs a verify)
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"prompt lookup needs num_tokens >= 1, got {self.num_tokens}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+    def propose(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
+        """Up to min(num_tokens, limit) drafts after `tokens` (every committed token, the anchor last); [] if no match.
+
+        The longest suffix n-gram with an earlier occurrence wins; among its occurrences, the most recent one followed
+        by a full run of drafts (the context nearest in the text), else the earliest (the longest run there is)."""
+        want = self.num_tokens if limit is None else min(self.num_tokens, limit)
+        if want < 1 or len(tokens) < self.min_ngram + 1:
+            return []
+        seq = torch.tensor(tokens)
+        length = len(tokens)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            # Windows starting at 0 .. length-1-n: every earlier n-gram followed by at least one token.
+            starts = (seq[:-1].unfold(0, n, 1) == seq[-n:]).all(1).nonzero().flatten()
+            if len(starts):
+                full = starts[starts + n + want <= length]
+                start = int(full[-1] if len(full) else starts[0]) + n
+                return list(tokens[start : start + want])
+        return []
+
+
+def point_mass(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """[len(tokens), V] one-hot rows: the draft distribution of deterministic drafts, for rejection sampling."""
+    q = torch.zeros(len(tokens), vocab_size)
+    q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return q

@@ -1,0 +1,114 @@
+"""Prompt-lookup drafts on the engine: alone (`ar` + lookup) or before the drafter, outputs stay the target's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from adaflash.models.drafter import DrafterConfig
+from adaflash.models.drafter_checkpoint import init_drafter
+from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.target import load_target
+from adaflash.serving.engine import Engine
+from adaflash.serving.length_policy import FixedLength, ThroughputLength
+from adaflash.serving.request import Request
+from adaflash.speculative.prompt_lookup import PromptLookup
+from adaflash.speculative.proposer import DFlashProposer
+from adaflash.speculative.reference import autoregressive_generate
+from adaflash.speculative.sampling import SamplingParams, logits_to_probs
+from tests.helpers import TINY_VOCAB
+from tests.serving.test_engine import COST, _run
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoints):
+    return load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def proposer(target):
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=8)
+    return DFlashProposer(init_drafter(cfg, seed=2), target)
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    """Prompts that repeat the target's own greedy continuation of them (so lookups hit), and two that do not."""
+    out = []
+    for seed in [[3, 14, 15], [65, 35, 89, 79], [7]]:
+        ar = autoregressive_generate(target, seed, 12).token_ids
+        out.append(seed + ar + seed + ar[:3])
+    return out + [[89, 79, 32, 38, 46, 26, 43], [11, 12]]
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["lookup-only", "lookup+drafter"])
+def test_greedy_lookup_engine_equals_reference(target, proposer, prompts, with_drafter):
+    budgets = [24, 30, 17, 20, 26]
+    expected = {f"r{i}": autoregressive_generate(target, p, n, stop_token_ids=(1,)).token_ids
+                for i, (p, n) in enumerate(zip(prompts, budgets))}
+    reqs = [Request(f"r{i}", p, n, stop_token_ids=(1,)) for i, (p, n) in enumerate(zip(prompts, budgets))]
+    engine = Engine(target, proposer if with_drafter else None, ThroughputLength(COST) if with_drafter else None,
+                    max_batch=2, max_queue=8, max_len=128, prompt_lookup=PromptLookup(6, min_ngram=1))
+    assert _run(engine, {0: reqs[:2], 2: reqs[2:4], 5: reqs[4:]}) == expected
+    # Not vacuous: lookups drafted, and the repeated continuations were accepted several tokens at a time.
+    assert sum(sum(r.draft_lengths) for r in reqs) > 0
+    assert max(max(r.accept_lengths) for r in reqs) >= 4
+    assert sorted(engine.scheduler.free_slots) == [0, 1]
+
+
+def _exact_joint(target, prompt, params, length):
+    """The target's law of its first `length` sampled tokens after `prompt`, enumerated over the top-k support."""
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, mass in joint.items():
+            ids = prompt + list(prefix)
+            out = target(torch.tensor(ids), RaggedBatch.build([0], [0], [len(ids)]), target.new_cache(1, len(ids)),
+                         logit_indices=torch.tensor([len(ids) - 1]))
+            p = logits_to_probs(out.logits, params)[0]
+            for tok in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (tok,)] = mass * float(p[tok])
+        joint = nxt
+    return joint
+
+
+def test_sampling_with_lookup_drafts_preserves_the_target_law(target):
+    """The prompt repeats its start after the target's greedy continuation of it, so a likely first token matches
+    and the lookup drafts what followed it: a point mass on likely tokens. The law of the first 3 tokens of 900
+    seeded, batched requests must still be the target's."""
+    params = SamplingParams(temperature=1.0, top_k=3)
+    base = [3, 14, 15, 92]
+    prompt = base + autoregressive_generate(target, base, 16).token_ids + base
+    exact = _exact_joint(target, prompt, params, 3)
+    n = 900
+    engine = Engine(target, None, max_batch=16, max_queue=n, max_len=160,
+                    prompt_lookup=PromptLookup(2, max_ngram=2, min_ngram=1))
+    reqs = [Request(f"s{i}", prompt, 3, sampling=params, seed=i) for i in range(n)]
+    got = _run(engine, {0: reqs}, max_steps=10_000)
+    assert sum(r.draft_lengths[0] for r in reqs) > n // 2  # the second step verified lookup drafts
+    counts = dict.fromkeys(exact, 0)
+    for toks in got.values():
+        counts[tuple(toks)] += 1
+    big = [k for k in exact if exact[k] * n >= 5]
+    observed = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
+    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_lookup_outcomes_do_not_teach_the_length_policy(target, proposer, prompts):
+    seen = []
+
+    class Recording(FixedLength):
+        def feedback(self, request, num_draft, num_accepted):
+            seen.append(request.request_id)
+
+    engine = Engine(target, proposer, Recording(3), max_batch=1, max_len=128, prompt_lookup=PromptLookup(6))
+    req = Request("a", prompts[0], 20)
+    _run(engine, {0: [req]})
+    assert len(seen) < len(req.accept_lengths)  # steps drafted by lookup gave the policy no feedback
+
+
+def test_a_lookup_longer_than_the_short_step_kernel_is_refused(target):
+    with pytest.raises(ValueError, match="at most 15"):
+        Engine(target, None, max_batch=1, max_len=64, prompt_lookup=PromptLookup(16))
