@@ -2,11 +2,12 @@
 
     python -m adaflash.evaluation.prompt_lookup --per-domain 3 --max-new-tokens 96 --json docs/results/prompt_lookup.json
 
-For each eval prompt the four runs alternate in one process: transformers `generate` greedy, transformers with
+For each eval prompt the runs alternate in one process: transformers `generate` greedy, transformers with
 `prompt_lookup_num_tokens` (n-gram drafts from the prompt), our AR, our speculative method (the shipped DFlash
-drafter under `--length-policy`, default throughput). Each side's speedup is over its own AR on the same prompt;
+drafter under `--length-policy`, default throughput) and, with `--ours-lookup K`, the same with our own
+prompt-lookup drafts first (`--prompt-lookup K`). Each side's speedup is over its own AR on the same prompt;
 the medians per domain are compared. Both transformers runs must produce the same tokens (its lossless check),
-and so must both of ours.
+and so must all of ours.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from adaflash.cli_args import set_threads
 from adaflash.data import load_prompts
 from adaflash.evaluation.offline import command_line, cpu_label, provenance, write_json
+from adaflash.speculative.prompt_lookup import PromptLookup
 
 DOMAINS = {"math": "gsm8k", "code": "humaneval", "chat": "mt-bench", "multilingual": "mgsm"}
 
@@ -41,6 +43,7 @@ def run(args: argparse.Namespace) -> dict:
     from adaflash.pipeline import Pipeline
 
     pipeline = Pipeline.load(args.model, resolve_drafter(args.model, args.drafter), args.dtype, args.length_policy)
+    with_lookup = pipeline.with_prompt_lookup(PromptLookup(args.ours_lookup)) if args.ours_lookup else None
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_target(args.model)), dtype=pipeline.target.dtype).eval()
     eos = list(pipeline.stop_token_ids)
     rows = []
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> dict:
             hf_pld, hf_pld_s = _hf_generate(hf, ids, args.max_new_tokens, eos, args.lookup)
             ours_ar = pipeline.generate_ids(ids, "ar", args.max_new_tokens)
             ours_spec = pipeline.generate_ids(ids, "dflash", args.max_new_tokens)
+            ours_lookup = with_lookup.generate_ids(ids, "dflash", args.max_new_tokens) if with_lookup else None
             rows.append({
                 "domain": domain, "prompt_id": prompt.id, "tokens": len(ours_ar.token_ids),
                 "hf_ar_tok_s": len(hf_ar) / hf_ar_s, "hf_pld_tok_s": len(hf_pld) / hf_pld_s,
@@ -59,6 +63,12 @@ def run(args: argparse.Namespace) -> dict:
                 "ours_accept_len": ours_spec.stats.accept_len_mean,
                 "hf_lossless": hf_ar == hf_pld, "ours_lossless": ours_ar.token_ids == ours_spec.token_ids,
             })
+            if ours_lookup is not None:
+                rows[-1].update({
+                    "ours_lookup_tok_s": len(ours_lookup.token_ids) / ours_lookup.stats.elapsed_s,
+                    "ours_lookup_accept_len": ours_lookup.stats.accept_len_mean,
+                    "ours_lossless": rows[-1]["ours_lossless"] and ours_lookup.token_ids == ours_ar.token_ids,
+                })
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
     by_domain = {}
     for domain in DOMAINS:
@@ -67,8 +77,13 @@ def run(args: argparse.Namespace) -> dict:
         ours = statistics.median(r["ours_spec_tok_s"] / r["ours_ar_tok_s"] for r in mine)
         by_domain[domain] = {"prompt_lookup_speedup": pld, "ours_speedup": ours, "ours_beats_prompt_lookup": ours > pld,
                              "ours_accept_len": statistics.fmean(r["ours_accept_len"] for r in mine)}
-    return {"rows": rows, "by_domain": by_domain, "dtype": str(pipeline.target.dtype).removeprefix("torch."),
-            "length_policy": args.length_policy, "lookup": args.lookup}
+        if with_lookup is not None:
+            ours_lookup = statistics.median(r["ours_lookup_tok_s"] / r["ours_ar_tok_s"] for r in mine)
+            by_domain[domain].update({
+                "ours_lookup_speedup": ours_lookup, "ours_lookup_beats_prompt_lookup": ours_lookup > pld,
+                "ours_lookup_accept_len": statistics.fmean(r["ours_lookup_accept_len"] for r in mine)})
+    return {"rows": rows, "by_domain": by_domain, "dtype": pipeline.target.numerics,
+            "length_policy": args.length_policy, "lookup": args.lookup, "ours_lookup": args.ours_lookup}
 
 
 def to_markdown(report: dict) -> str:
@@ -80,12 +95,19 @@ def to_markdown(report: dict) -> str:
         f"ours: DFlash drafter, length policy {report['length_policy']}; transformers: prompt_lookup_num_tokens="
         f"{report['lookup']}. Each speedup is over its own AR on the same prompts (median).",
         "",
-        "| domain | transformers PLD / AR | ours / our AR | our accept length | ours better |",
-        "|---|---|---|---|---|",
     ]
+    lookup = report.get("ours_lookup")
+    extra = f" | ours + lookup {lookup} / our AR | accept length | better" if lookup else ""
+    lines += [f"| domain | transformers PLD / AR | ours / our AR | our accept length | ours better{extra} |",
+              "|---|---|---|---|---|" + ("---|---|---|" if lookup else "")]
+    yes = {True: "yes", False: "no"}
     for d, m in report["by_domain"].items():
-        lines.append(f"| {d} | {m['prompt_lookup_speedup']:.2f}x | {m['ours_speedup']:.2f}x | {m['ours_accept_len']:.2f} | "
-                     f"{'yes' if m['ours_beats_prompt_lookup'] else 'no'} |")
+        row = (f"| {d} | {m['prompt_lookup_speedup']:.2f}x | {m['ours_speedup']:.2f}x | {m['ours_accept_len']:.2f} | "
+               f"{yes[m['ours_beats_prompt_lookup']]} |")
+        if lookup:
+            row += (f" {m['ours_lookup_speedup']:.2f}x | {m['ours_lookup_accept_len']:.2f} | "
+                    f"{yes[m['ours_lookup_beats_prompt_lookup']]} |")
+        lines.append(row)
     lossless = all(r["ours_lossless"] for r in report["rows"])
     hf_same = sum(r["hf_lossless"] for r in report["rows"])
     lines += ["", f"Our outputs identical to our AR on every prompt: {'yes' if lossless else 'NO'}. "
@@ -101,14 +123,17 @@ def main() -> None:
     p.add_argument("--length-policy", default="throughput")
     p.add_argument("--per-domain", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--lookup", type=int, default=10)
+    p.add_argument("--lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    p.add_argument("--ours-lookup", type=int, default=None, metavar="K",
+                   help="also run ours with our prompt-lookup drafts first (--prompt-lookup K)")
     p.add_argument("--json", default="docs/results/prompt_lookup.json")
     args = p.parse_args()
     set_threads(None)
     report = run(args)
     cmd = command_line(["python", "-m", "adaflash.evaluation.prompt_lookup"],
                        [("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
-                        ("--length-policy", args.length_policy), ("--lookup", args.lookup), ("--json", args.json)])
+                        ("--dtype", args.dtype), ("--length-policy", args.length_policy), ("--lookup", args.lookup),
+                        ("--ours-lookup", args.ours_lookup), ("--json", args.json)])
     report.update(provenance(cmd))
     write_json(report, args.json)
     Path(args.json).with_suffix(".md").write_text(to_markdown(report))

@@ -116,6 +116,11 @@ class TargetModel(nn.Module):
         return self.embed_tokens.dtype
 
     @property
+    def numerics(self) -> str:
+        """What the target computes in, as `--dtype` names it: int8 (int8-activation linears), float32, bfloat16."""
+        return "int8" if self.int8_activations else str(self.dtype).removeprefix("torch.")
+
+    @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
 

@@ -186,8 +186,7 @@ def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
     # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
     # The draft vocabulary too: trimming it exists to make drafting cheaper. And the CPU + kernel build + kernel mode:
     # a new kernel changes every cost.
-    compute = "int8" if target.int8_activations else str(target.dtype).split('.')[-1]
-    name = (f"{Path(str(model_name)).name}-{compute}-L{d.num_layers}-B{d.block_size}"
+    name = (f"{Path(str(model_name)).name}-{target.numerics}-L{d.num_layers}-B{d.block_size}"
             f"-V{d.draft_vocab_size or 'full'}-T{max_tokens}-th{torch.get_num_threads()}-k{kernel_fingerprint()}.json")
     return cache_root() / "cost_models" / name
 
