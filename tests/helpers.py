@@ -101,3 +101,34 @@ class ScriptedProposer:
                 tokens.append(sample_tokens(q, gen))
                 probs.append(q)
         return Drafts(tokens=torch.cat(tokens), probs=tuple(probs), num_draft=tuple(num_draft))
+
+
+def exact_joint(target, prompt: list[int], params, length: int) -> dict[tuple[int, ...], float]:
+    """The target's own law of its first `length` sampled tokens after `prompt`, enumerated over the top-k support."""
+    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.speculative.sampling import logits_to_probs
+
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, mass in joint.items():
+            ids = prompt + list(prefix)
+            out = target(torch.tensor(ids), RaggedBatch.build([0], [0], [len(ids)]), target.new_cache(1, len(ids)),
+                         logit_indices=torch.tensor([len(ids) - 1]))
+            p = logits_to_probs(out.logits, params)[0]
+            for tok in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (tok,)] = mass * float(p[tok])
+        joint = nxt
+    return joint
+
+
+def law_pvalue(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float]) -> float:
+    """Chi-square p-value of observed sequence counts against the exact law; cells expecting < 5 are pooled so the
+    approximation holds."""
+    from scipy.stats import chisquare
+
+    n = sum(counts.values())
+    big = [k for k in exact if exact[k] * n >= 5]
+    observed = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
+    return float(chisquare(observed, expected).pvalue)

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
@@ -18,7 +17,7 @@ from adaflash.serving.scheduler import QueueFullError
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
 from adaflash.speculative.sampling import SamplingParams
-from tests.helpers import TINY_VOCAB
+from tests.helpers import TINY_VOCAB, exact_joint, law_pvalue
 
 # Verify cost grows with total tokens past a knee, like a real machine under load.
 COST = CostModel(total_tokens=(1, 8, 32, 128), verify_s=(0.01, 0.011, 0.03, 0.12), draft_s=0.002)
@@ -149,11 +148,9 @@ def test_autoregressive_engine_equals_reference(target):
 
 def test_sampling_engine_preserves_the_target_law(target, proposer):
     """Many seeded sampling requests batched together: the law of their first 3 tokens equals the target's."""
-    from tests.speculative.test_reference import _exact_joint
-
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt = [3, 14, 15, 92, 65, 35]
-    exact = _exact_joint(target, params, 3)
+    exact = exact_joint(target, prompt, params, 3)
     n = 900
     engine = Engine(target, proposer, FixedLength(2), max_batch=16, max_queue=n, max_len=64)
     reqs = [Request(f"s{i}", prompt, 3, sampling=params, seed=i) for i in range(n)]
@@ -161,10 +158,7 @@ def test_sampling_engine_preserves_the_target_law(target, proposer):
     counts = dict.fromkeys(exact, 0)
     for toks in got.values():
         counts[tuple(toks)] += 1
-    big = [k for k in exact if exact[k] * n >= 5]
-    observed = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
-    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert law_pvalue(counts, exact) > 1e-3
 
 
 def test_abort_queue_bound_and_context_limit(target, proposer):

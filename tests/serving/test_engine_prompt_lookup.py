@@ -4,32 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target
 from adaflash.serving.engine import Engine
 from adaflash.serving.length_policy import FixedLength, ThroughputLength
 from adaflash.serving.request import Request
 from adaflash.speculative.prompt_lookup import PromptLookup
-from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
-from adaflash.speculative.sampling import SamplingParams, logits_to_probs
-from tests.helpers import TINY_VOCAB
-from tests.serving.test_engine import COST, _run
-
-
-@pytest.fixture(scope="module")
-def target(tiny_checkpoints):
-    return load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def proposer(target):
-    cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=8)
-    return DFlashProposer(init_drafter(cfg, seed=2), target)
+from adaflash.speculative.sampling import SamplingParams
+from tests.helpers import exact_joint, law_pvalue
+from tests.serving.test_engine import COST, _run, proposer, target  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +40,6 @@ def test_greedy_lookup_engine_equals_reference(target, proposer, prompts, with_d
     assert sorted(engine.scheduler.free_slots) == [0, 1]
 
 
-def _exact_joint(target, prompt, params, length):
-    """The target's law of its first `length` sampled tokens after `prompt`, enumerated over the top-k support."""
-    joint = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        for prefix, mass in joint.items():
-            ids = prompt + list(prefix)
-            out = target(torch.tensor(ids), RaggedBatch.build([0], [0], [len(ids)]), target.new_cache(1, len(ids)),
-                         logit_indices=torch.tensor([len(ids) - 1]))
-            p = logits_to_probs(out.logits, params)[0]
-            for tok in torch.nonzero(p).flatten().tolist():
-                nxt[prefix + (tok,)] = mass * float(p[tok])
-        joint = nxt
-    return joint
-
-
 def test_sampling_with_lookup_drafts_preserves_the_target_law(target):
     """The prompt repeats its start after the target's greedy continuation of it, so a likely first token matches
     and the lookup drafts what followed it: a point mass on likely tokens. The law of the first 3 tokens of 900
@@ -80,7 +47,7 @@ def test_sampling_with_lookup_drafts_preserves_the_target_law(target):
     params = SamplingParams(temperature=1.0, top_k=3)
     base = [3, 14, 15, 92]
     prompt = base + autoregressive_generate(target, base, 16).token_ids + base
-    exact = _exact_joint(target, prompt, params, 3)
+    exact = exact_joint(target, prompt, params, 3)
     n = 900
     engine = Engine(target, None, max_batch=16, max_queue=n, max_len=160,
                     prompt_lookup=PromptLookup(2, max_ngram=2, min_ngram=1))
@@ -90,10 +57,7 @@ def test_sampling_with_lookup_drafts_preserves_the_target_law(target):
     counts = dict.fromkeys(exact, 0)
     for toks in got.values():
         counts[tuple(toks)] += 1
-    big = [k for k in exact if exact[k] * n >= 5]
-    observed = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
-    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert law_pvalue(counts, exact) > 1e-3
 
 
 def test_lookup_outcomes_do_not_teach_the_length_policy(target, proposer, prompts):

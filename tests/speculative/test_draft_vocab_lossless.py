@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from adaflash.models.draft_vocab import DraftVocab
 from adaflash.models.drafter import DrafterConfig
@@ -17,7 +16,8 @@ from adaflash.serving.request import Request
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 from adaflash.speculative.sampling import SamplingParams
-from tests.speculative.test_reference import PROMPT, _exact_joint
+from tests.helpers import exact_joint, law_pvalue
+from tests.speculative.test_reference import PROMPT
 
 VOCAB = 96
 
@@ -59,7 +59,7 @@ def test_trimmed_sampling_preserves_the_target_law(tiny_checkpoints):
     """Chi-square of 3-token sequences against the exact law, the drafter proposing only from its vocabulary."""
     target = load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
     params = SamplingParams(temperature=1.0, top_k=3)
-    exact = _exact_joint(target, params, 3)
+    exact = exact_joint(target, PROMPT, params, 3)
     support = sorted({t for seq in exact for t in seq})
     # Keep only part of the target's support: its other tokens can come only from the target's residual.
     proposer = _trimmed_proposer(target, _vocab_around(support[: max(1, len(support) // 2)], extra=2), seed=3)
@@ -76,7 +76,4 @@ def test_trimmed_sampling_preserves_the_target_law(tiny_checkpoints):
     for r in reqs:
         counts[tuple(r.output_ids)] += 1
     assert sum(sum(r.draft_lengths) for r in reqs) > 0 and any(a > 1 for r in reqs for a in r.accept_lengths)
-    big = [k for k in exact if exact[k] * n >= 5]
-    observed = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
-    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert law_pvalue(counts, exact) > 1e-3

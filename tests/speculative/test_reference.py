@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
@@ -14,8 +13,8 @@ from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.target import load_target
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
-from adaflash.speculative.sampling import SamplingParams, logits_to_probs
-from tests.helpers import TINY_VOCAB, ScriptedProposer
+from adaflash.speculative.sampling import SamplingParams
+from tests.helpers import TINY_VOCAB, ScriptedProposer, exact_joint, law_pvalue
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 
@@ -96,29 +95,11 @@ def test_sampling_is_seeded(tiny_checkpoints):
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
 
 
-def _exact_joint(target, params, length):
-    """The target's own law of its first `length` sampled tokens, by enumeration over the top-k support."""
-    def probs_after(prefix):
-        ids = PROMPT + list(prefix)
-        out = target(torch.tensor(ids), RaggedBatch.build([0], [0], [len(ids)]), target.new_cache(1, 32), logit_indices=torch.tensor([len(ids) - 1]))
-        return logits_to_probs(out.logits, params)[0]
-
-    joint = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        for prefix, mass in joint.items():
-            p = probs_after(prefix)
-            for tok in torch.nonzero(p).flatten().tolist():
-                nxt[prefix + (tok,)] = mass * float(p[tok])
-        joint = nxt
-    return joint
-
-
 def test_sampling_speculative_preserves_the_target_law(tiny_checkpoints):
     """Chi-square of 3-token sequences (prefill sample + one verified block of 2) against the exact law."""
     target = load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
     params = SamplingParams(temperature=1.0, top_k=3)
-    exact = _exact_joint(target, params, 3)
+    exact = exact_joint(target, PROMPT, params, 3)
     likely = max(exact, key=exact.get)
     proposer = ScriptedProposer(PROMPT + list(likely), TINY_VOCAB, corrupt_prob=0.3, seed=1)
     n = 1500
@@ -126,9 +107,4 @@ def test_sampling_speculative_preserves_the_target_law(tiny_checkpoints):
     for seed in range(n):
         out = speculative_generate(target, proposer, PROMPT, 3, params, draft_length=2, seed=seed)
         counts[tuple(out.token_ids)] += 1
-    keys = sorted(exact, key=exact.get, reverse=True)
-    # Pool cells with small expected counts so the chi-square approximation holds.
-    big = [k for k in keys if exact[k] * n >= 5]
-    observed = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
-    expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert law_pvalue(counts, exact) > 1e-3
