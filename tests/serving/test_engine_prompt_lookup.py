@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from adaflash.serving.engine import Engine
 from adaflash.serving.length_policy import FixedLength, ThroughputLength
