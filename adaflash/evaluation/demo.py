@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from adaflash.models.registry import shipped_drafter
 from adaflash.pipeline import Pipeline
+from adaflash.speculative.prompt_lookup import PromptLookup
 
 DEMO_PROMPTS = [
     ("chat", "Give me three tips for staying focused while working from home."),
@@ -18,6 +19,10 @@ DEMO_PROMPTS = [
     ("math", "A shop sells pencils at 3 for $1. How much do 12 pencils cost? Explain step by step."),
     ("multilingual", "Löse Schritt für Schritt: Ein Zug fährt 3 Stunden mit 80 km/h. Wie weit fährt er?"),
 ]
+
+DEMO_LOOKUP_TOKENS = 4  # prompt-lookup drafts a step: 4 paid best on every domain of the target's own responses
+# (docs/results/prompt_lookup_sim.md)
+
 
 def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, draft_vocab: str | None = None) -> int:
     shipped = shipped_drafter(model)
@@ -36,16 +41,18 @@ def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, d
     print(f"target: {model} ({pipeline.target.dtype}), max_new_tokens={max_new_tokens}", file=sys.stderr)
 
     # Fixed full-block drafting (DFlash as published), a fixed short draft (what pays on a CPU where the drafter's
-    # acceptance is modest) and the throughput-aware length policy, which drafts only as far as this machine's verify
-    # cost and the drafter's running acceptance make worthwhile.
-    def with_policy(spec: str) -> Pipeline:
-        return Pipeline(pipeline.target, pipeline.tokenizer, pipeline.proposer, model, spec)
+    # acceptance is modest), the throughput-aware length policy, which drafts only as far as this machine's verify
+    # cost and the drafter's running acceptance make worthwhile, and that policy behind prompt-lookup drafts (free
+    # where the text repeats itself).
+    def with_policy(spec: str, lookup: PromptLookup | None = None) -> Pipeline:
+        return Pipeline(pipeline.target, pipeline.tokenizer, pipeline.proposer, model, spec, prompt_lookup=lookup)
 
     variants = {
         "ar": (pipeline, "ar"),
         "dflash-full": (pipeline, "dflash"),
         "dflash-2": (with_policy("fixed:2"), "dflash"),
         "dflash-adaptive": (with_policy("throughput"), "dflash"),
+        "dflash-adaptive-lookup": (with_policy("throughput", PromptLookup(DEMO_LOOKUP_TOKENS)), "dflash"),
     }
     rows, all_identical = [], True
     with tqdm(total=len(variants) * len(DEMO_PROMPTS), desc="demo", unit="run", file=sys.stderr) as bar:
@@ -60,7 +67,8 @@ def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, d
             all_identical &= identical
             rows.append((domain, {name: r.stats for name, r in results.items()}, identical))
 
-    speculative = {"dflash-full": "full-block", "dflash-2": "2 drafts", "dflash-adaptive": "adaptive"}
+    speculative = {"dflash-full": "full-block", "dflash-2": "2 drafts", "dflash-adaptive": "adaptive",
+                   "dflash-adaptive-lookup": "adaptive+lookup"}
     header = "".join(f"{label + ' tok/s':>{len(label) + 8}}{'accept':>8}{'speedup':>9}"
                      for label in speculative.values())
     print(f"\n{'domain':<13}{'AR tok/s':>10}{header}  identical")

@@ -14,7 +14,6 @@ from typing import Sequence
 
 import torch
 
-from adaflash.models.kernels.attention import MAX_QUERIES
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.layers import argmax_rows
 from adaflash.models.target import TargetModel
@@ -55,10 +54,8 @@ class Engine:
             raise ValueError(f"capture_layers {tuple(capture_layers)} differ from the drafter's {proposer.capture_layers}")
         self.capture = tuple(proposer.capture_layers if proposer else capture_layers or ())
         self.max_draft = proposer.block_size - 1 if proposer else 0  # the drafter's most drafts a step
-        self._max_verified = max(self.max_draft, prompt_lookup.num_tokens if prompt_lookup else 0)
-        if prompt_lookup is not None and prompt_lookup.num_tokens + 1 > MAX_QUERIES:
-            # A longer verify would run the prefill attention, whose last bits differ from the short-step kernel's.
-            raise ValueError(f"prompt lookup drafts at most {MAX_QUERIES - 1} tokens a step, got {prompt_lookup.num_tokens}")
+        # Drafts one step may verify (either source): what every request's cache must leave room for.
+        self.max_verified = max(self.max_draft, prompt_lookup.num_tokens if prompt_lookup else 0)
         # Target features not yet fed to the drafter, per slot: (first position, [T, n*d] chunks). Fed just
         # before the slot's next drafter pass, so a request the policy keeps from drafting costs no drafter work.
         self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
@@ -66,11 +63,11 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        need = len(request.prompt_ids) + request.max_new_tokens + self._max_verified + 1
+        need = len(request.prompt_ids) + request.max_new_tokens + self.max_verified + 1
         if need > self.max_len:
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
-                f"exceeds the context of {self.max_len - self._max_verified - 1} tokens"
+                f"exceeds the context of {self.max_len - self.max_verified - 1} tokens"
             )
         self.scheduler.add(request)
 
@@ -195,7 +192,7 @@ class Engine:
         looked_up = {i for i, d in enumerate(draft_tokens) if d}
         by_policy = [i for i in range(len(requests)) if i not in looked_up]
         lengths = [len(d) for d in draft_tokens]
-        if by_policy:
+        if by_policy and self.proposer is not None:  # without a drafter, they decode one token
             # Learned policies look at the drafter's blocks (of the requests they choose) before any LM head runs.
             wanted = self.policy.decide([requests[i] for i in by_policy], self.max_draft,
                                         lambda idx: hidden_of([by_policy[j] for j in idx]))
@@ -247,7 +244,8 @@ class Engine:
             outputs.append(self._output(r, committed, row, f[: len(committed)] if f is not None else None))
         # The step's cost teaches the policy only when its drafter work is what its lengths say: not when the drafter
         # also caught up on a backlog (a prompt, or a request drafting again after idle steps) or ran for a request
-        # that then drafted nothing (a learned head's look), nor when lookup drafts widened the verify.
+        # that then drafted nothing (a learned head's look), nor when lookup drafts widened the verify (on text that
+        # repeats itself the calibration then learns from fewer steps).
         if fed <= self.max_draft + 1 and drafted_hidden.keys() <= set(drafting) and not looked_up:
             self.policy.observe_step(lengths, time.perf_counter() - start)
         return outputs

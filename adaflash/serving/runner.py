@@ -46,7 +46,8 @@ class EngineSnapshot:
 
     target: TargetModel
     capture_layers: tuple[int, ...]
-    max_draft: int  # drafts per step at most (block size - 1; 0 without a drafter)
+    max_draft: int  # the drafter's drafts per step at most (block size - 1; 0 without a drafter)
+    max_verified: int  # drafts one step may verify, the drafter's or prompt lookup's
     max_len: int  # KV cache positions per slot
     max_batch: int
     speculative: bool  # a drafter is loaded
@@ -54,8 +55,8 @@ class EngineSnapshot:
 
     @classmethod
     def of(cls, engine: Engine) -> "EngineSnapshot":
-        return cls(engine.target, tuple(engine.capture), engine.max_draft, engine.max_len, engine.scheduler.max_batch,
-                   engine.proposer is not None, engine.policy.name)
+        return cls(engine.target, tuple(engine.capture), engine.max_draft, engine.max_verified, engine.max_len,
+                   engine.scheduler.max_batch, engine.proposer is not None, engine.policy.name)
 
 
 class RequestStream:
@@ -121,7 +122,7 @@ class EngineRunner:
     @property
     def context_tokens(self) -> int:
         """Prompt + generated tokens one request may hold (mirrors the bound Engine.add_request enforces)."""
-        return self.snapshot.max_len - self.snapshot.max_draft - 1
+        return self.snapshot.max_len - self.snapshot.max_verified - 1
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 

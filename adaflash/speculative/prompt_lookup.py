@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from adaflash.models.kernels.attention import MAX_QUERIES
+
 
 @dataclass(frozen=True)
 class PromptLookup:
@@ -21,8 +23,10 @@ class PromptLookup:
     min_ngram: int = 2  # the shortest suffix that may match (1 matches almost anything, and a miss costs a verify)
 
     def __post_init__(self) -> None:
-        if self.num_tokens < 1:
-            raise ValueError(f"prompt lookup needs num_tokens >= 1, got {self.num_tokens}")
+        # At most 15: a longer verify would run the prefill attention, whose last bits differ from the short-step
+        # kernel's (and an int8 target amplifies such bits into other tokens).
+        if not 1 <= self.num_tokens < MAX_QUERIES:
+            raise ValueError(f"prompt lookup needs 1 <= num_tokens <= {MAX_QUERIES - 1}, got {self.num_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 

@@ -258,7 +258,8 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
         drafter, optimizer, step = resumed
     dataset = load_training_data(cfg.data_dir, drafter.config.target_layer_ids)
     if loss_fn.needs_soft_targets and not dataset.has_soft_targets:
-        raise ValueError(f"loss {cfg.loss!r} needs soft targets: {cfg.data_dir} was generated without --top-logprobs")
+        raise ValueError(f"loss {cfg.loss!r} needs soft targets: {cfg.data_dir} holds samples generated without "
+                         "--top-logprobs")
     train_ids, holdout_ids = split_holdout(dataset.keys, cfg.holdout_samples)
     if cfg.draft_vocab_size and drafter.draft_vocab is not None and drafter.draft_vocab.size != cfg.draft_vocab_size:
         raise ValueError(f"draft_vocab_size = {cfg.draft_vocab_size}, but the drafter being trained already drafts over "

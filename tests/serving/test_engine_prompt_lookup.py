@@ -41,18 +41,20 @@ def test_greedy_lookup_engine_equals_reference(target, proposer, prompts, with_d
 
 def test_sampling_with_lookup_drafts_preserves_the_target_law(target):
     """The prompt repeats its start after the target's greedy continuation of it, so a likely first token matches
-    and the lookup drafts what followed it: a point mass on likely tokens. The law of the first 3 tokens of 900
+    and the lookup drafts what followed it: a point mass on likely tokens. The law of the first 4 tokens of 900
     seeded, batched requests must still be the target's."""
     params = SamplingParams(temperature=1.0, top_k=3)
     base = [3, 14, 15, 92]
     prompt = base + autoregressive_generate(target, base, 16).token_ids + base
-    exact = exact_joint(target, prompt, params, 3)
+    exact = exact_joint(target, prompt, params, 4)
     n = 900
     engine = Engine(target, None, max_batch=16, max_queue=n, max_len=160,
-                    prompt_lookup=PromptLookup(2, max_ngram=2, min_ngram=1))
-    reqs = [Request(f"s{i}", prompt, 3, sampling=params, seed=i) for i in range(n)]
+                    prompt_lookup=PromptLookup(3, max_ngram=2, min_ngram=1))
+    reqs = [Request(f"s{i}", prompt, 4, sampling=params, seed=i) for i in range(n)]
     got = _run(engine, {0: reqs}, max_steps=10_000)
-    assert sum(r.draft_lengths[0] for r in reqs) > n // 2  # the second step verified lookup drafts
+    # Blocks of 2 point-mass drafts were verified, some rejected part-way.
+    assert sum(r.draft_lengths[0] == 2 for r in reqs) > n // 4
+    assert any(r.draft_lengths[0] == 2 and r.accept_lengths[0] == 2 for r in reqs)
     counts = dict.fromkeys(exact, 0)
     for toks in got.values():
         counts[tuple(toks)] += 1
@@ -64,14 +66,18 @@ def test_lookup_outcomes_do_not_teach_the_length_policy(target, proposer, prompt
 
     class Recording(FixedLength):
         def feedback(self, request, num_draft, num_accepted):
-            seen.append(request.request_id)
+            seen.append(num_draft)
 
-    engine = Engine(target, proposer, Recording(3), max_batch=1, max_len=128, prompt_lookup=PromptLookup(6))
+    # The policy drafts nothing, so a step that verified drafts verified lookup drafts.
+    engine = Engine(target, proposer, Recording(0), max_batch=1, max_len=128, prompt_lookup=PromptLookup(6))
     req = Request("a", prompts[0], 20)
     _run(engine, {0: [req]})
-    assert len(seen) < len(req.accept_lengths)  # steps drafted by lookup gave the policy no feedback
+    assert 0 < req.draft_lengths.count(0) < len(req.draft_lengths)
+    assert seen == [0] * req.draft_lengths.count(0)  # feedback for exactly the policy's own steps
 
 
-def test_a_lookup_longer_than_the_short_step_kernel_is_refused(target):
-    with pytest.raises(ValueError, match="at most 15"):
-        Engine(target, None, max_batch=1, max_len=64, prompt_lookup=PromptLookup(16))
+def test_the_context_leaves_room_for_the_widest_verify(target, proposer):
+    engine = Engine(target, proposer, max_batch=1, max_len=64, prompt_lookup=PromptLookup(12))
+    assert (engine.max_draft, engine.max_verified) == (7, 12)
+    with pytest.raises(ValueError, match="exceeds the context of 51 tokens"):
+        engine.add_request(Request("a", [3] * 40, 12))

@@ -53,7 +53,9 @@ def test_serve_fixed_policy_and_plain_decoding(served, tiny_chat_checkpoint, ran
     assert "method ar, length policy none" in err and "context 511 tokens" in err  # clipped to the model's 512 positions
     assert 'method="ar"' in TestClient(got["app"]).get("/metrics").text
     got = served(["--model", tiny_chat_checkpoint, "--method", "ar", "--dtype", "fp32", "--prompt-lookup", "5"])
-    assert "length policy none (autoregressive), prompt lookup up to 5 tokens" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "length policy none (autoregressive), prompt lookup up to 5 tokens" in err
+    assert "context 506 tokens" in err  # room for a 5-draft verify
 
 
 def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):

@@ -41,6 +41,8 @@ def test_limits_and_misses():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="num_tokens"):
         PromptLookup(0)
+    with pytest.raises(ValueError, match="num_tokens <= 15"):  # past the short-step attention kernel
+        PromptLookup(16)
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookup(3, max_ngram=1, min_ngram=2)
 
