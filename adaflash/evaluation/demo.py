@@ -20,8 +20,9 @@ DEMO_PROMPTS = [
     ("multilingual", "Löse Schritt für Schritt: Ein Zug fährt 3 Stunden mit 80 km/h. Wie weit fährt er?"),
 ]
 
-DEMO_LOOKUP_TOKENS = 4  # prompt-lookup drafts a step: 4 paid best on every domain of the target's own responses
-# (docs/results/prompt_lookup_sim.md)
+# Prompt-lookup drafts a step: 3 paid best here on every domain of the target's own responses, since a 5-token
+# verify already costs ~2x a decode step on a 2-core CPU (docs/results/prompt_lookup_sim.md).
+DEMO_LOOKUP_TOKENS = 3
 
 
 def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, draft_vocab: str | None = None) -> int:
