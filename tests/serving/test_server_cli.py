@@ -65,7 +65,7 @@ def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):
     with pytest.raises(ValueError, match="--method dflash or adaflash only"):
         args = _parse(["--model", tiny_chat_checkpoint, "--method", "ar", "--length-policy", "heuristic"])
         args.func(args)
-    with pytest.raises(ValueError, match="num_tokens >= 1"):
+    with pytest.raises(ValueError, match="1 <= num_tokens <= 15"):
         args = _parse(["--model", tiny_chat_checkpoint, "--method", "ar", "--prompt-lookup", "0"])
         args.func(args)
     with pytest.raises(ValueError, match="unknown length policy"):
