@@ -63,16 +63,8 @@ def tiny_chat_checkpoint(tmp_path_factory, smollm2_dir) -> str:
 def tiny_soft_data(tiny_checkpoints, tmp_path_factory) -> str:
     """Regenerated data of the tiny llama (features of layers 1, 2) with the target's top-8 log-probabilities
     stored per response token (soft targets); used by training and evaluation tests."""
-    from adaflash.data.prompt import Prompt, user_messages
-    from adaflash.models.target import load_target
-    from adaflash.training.datagen import DataGenConfig, generate_dataset
+    from tests.helpers import regenerate_tiny_data
 
-    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
-    prompts = [Prompt(id=f"p{i}", domain="chat" if i % 2 else "math", dataset="t", messages=user_messages(f"q{i}"))
-               for i in range(10)]
-    out = tmp_path_factory.mktemp("soft-data")
-    generate_dataset(
-        target, lambda p: [3 + int(p.id[1:]), 7, 9 + int(p.id[1:])], [], prompts, out,
-        DataGenConfig(model="tiny", capture_layers=(1, 2), max_new_tokens=24, batch_size=4, shard_size=4, top_logprobs=8),
-    )
-    return str(out)
+    return regenerate_tiny_data(tiny_checkpoints["llama"], tmp_path_factory.mktemp("soft-data"),
+                                [(f"p{i}", "chat" if i % 2 else "math") for i in range(10)],
+                                max_new_tokens=24, batch_size=4, shard_size=4, top_logprobs=8)

@@ -132,3 +132,19 @@ def law_pvalue(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], 
     observed = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
     expected = [exact[k] * n for k in big] + [n * (1 - sum(exact[k] for k in big))]
     return float(chisquare(observed, expected).pvalue)
+
+
+def regenerate_tiny_data(checkpoint: str, out, prompts: list[tuple[str, str]], **config) -> str:
+    """`adaflash data generate` on a tiny target into `out`: one sample per (prompt id, domain), the prompt of id
+    "x<i>" encoded as [3 + i, 7, 9 + i]; features of layers 1, 2; `config`: the rest of the `DataGenConfig`."""
+    from adaflash.data.prompt import Prompt, user_messages
+    from adaflash.models.target import load_target
+    from adaflash.training.datagen import DataGenConfig, generate_dataset
+
+    target = load_target(checkpoint, dtype=torch.float32)
+    generate_dataset(
+        target, lambda p: [3 + int(p.id[1:]), 7, 9 + int(p.id[1:])], [],
+        [Prompt(id=pid, domain=domain, dataset="t", messages=user_messages(pid)) for pid, domain in prompts], out,
+        DataGenConfig(model="tiny", capture_layers=(1, 2), **config),
+    )
+    return str(out)

@@ -14,8 +14,7 @@ from adaflash.cli_args import command_group
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from adaflash.training.trainer import TrainConfig, train
 
-    data_dir = args.data_dir[0] if args.data_dir and len(args.data_dir) == 1 else args.data_dir
-    cfg = TrainConfig.from_file(args.config, data_dir=data_dir, out_dir=args.out_dir, max_steps=args.max_steps,
+    cfg = TrainConfig.from_file(args.config, data_dir=args.data_dir, out_dir=args.out_dir, max_steps=args.max_steps,
                                 loss=args.loss)
     print(f"drafter written to {train(cfg)}")
     return 0

@@ -96,8 +96,10 @@ def load_training_data(data_dir: str | Path | Sequence[str | Path],
                        capture_layers: tuple[int, ...]) -> DraftDataset | TrajectoryDataset:
     """Feature shards (`adaflash data generate`; one directory or several) when manifests are there, else
     trajectories (*.jsonl)."""
-    if not isinstance(data_dir, (str, Path)):  # several directories: each must hold feature shards
-        return DraftDataset(data_dir, capture_layers)
+    if not isinstance(data_dir, (str, Path)):
+        if len(data_dir) != 1:  # several directories: each must hold feature shards
+            return DraftDataset(data_dir, capture_layers)
+        data_dir = data_dir[0]
     if load_manifest(data_dir) is not None:
         return DraftDataset(data_dir, capture_layers)
     return TrajectoryDataset(data_dir)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaflash.data.prompt import Prompt, user_messages
-from adaflash.models.target import load_target
-from adaflash.training.datagen import DataGenConfig, generate_dataset
 from adaflash.training.dataset import DraftDataset, load_training_data
 from adaflash.training.trainer import TrainConfig, train
+from tests.helpers import regenerate_tiny_data
 
 LAYERS = (1, 2)
 
@@ -17,18 +15,15 @@ LAYERS = (1, 2)
 @pytest.fixture(scope="module")
 def second_round(tiny_checkpoints, tmp_path_factory) -> str:
     """A second data round: other prompt ids than `tiny_data`'s, generated into its own directory."""
-    target = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
-    prompts = [Prompt(id=f"r{i}", domain="math", dataset="t", messages=user_messages(f"r{i}")) for i in range(5)]
-    out = tmp_path_factory.mktemp("round2")
-    generate_dataset(target, lambda p: [4 + int(p.id[1:]), 8], [], prompts, out,
-                     DataGenConfig(model="tiny", capture_layers=LAYERS, max_new_tokens=16, batch_size=4, shard_size=4))
-    return str(out)
+    return regenerate_tiny_data(tiny_checkpoints["llama"], tmp_path_factory.mktemp("round2"),
+                                [(f"r{i}", "math") for i in range(5)], max_new_tokens=16, batch_size=4, shard_size=4)
 
 
 def test_several_directories_train_as_one_set(tiny_checkpoints, tiny_data, second_round, tmp_path):
     first, second = DraftDataset(tiny_data, LAYERS), DraftDataset(second_round, LAYERS)
     both = load_training_data((tiny_data, second_round), LAYERS)
     assert both.keys == first.keys + second.keys
+    assert load_training_data([tiny_data], LAYERS).keys == first.keys  # a list of one is that directory
     assert {s.domain for s in both.samples} == {"chat", "math"}
     for a, b in zip(both.samples, first.samples + second.samples):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.features, b.features)
