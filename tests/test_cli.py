@@ -37,8 +37,9 @@ def test_generate_json_ar_and_dflash_agree(tiny_chat_checkpoint, random_drafter,
     assert spec["token_ids"] == ar["token_ids"] and spec["text"] == ar["text"]
     assert ar["num_tokens"] == len(ar["token_ids"]) <= 12
     assert spec["stats"]["draft_tokens"] > 0 and ar["stats"]["draft_tokens"] == 0
-    assert main(base + ["--prompt-lookup", "4"]) == 0  # ar + n-gram drafts on the engine: the same tokens
-    assert _json_lines(capsys.readouterr().out)[0]["token_ids"] == ar["token_ids"]
+    for sized in ("throughput", "all"):  # ar + n-gram drafts on the engine: the same tokens
+        assert main(base + ["--prompt-lookup", "4", "--prompt-lookup-length", sized]) == 0
+        assert _json_lines(capsys.readouterr().out)[0]["token_ids"] == ar["token_ids"]
 
 
 def test_generate_prompts_file_and_sampling(tiny_chat_checkpoint, tmp_path, capsys):

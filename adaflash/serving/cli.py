@@ -87,7 +87,8 @@ def _describe(args: argparse.Namespace, app, runner) -> str:
     config = app.state.config
     policy = runner.snapshot.policy_name if args.method != "ar" else "none (autoregressive)"
     if args.prompt_lookup:
-        policy += f", prompt lookup up to {args.prompt_lookup} tokens"
+        sized = "sized by throughput" if args.prompt_lookup_length == "throughput" else "all verified"
+        policy += f", prompt lookup up to {args.prompt_lookup} tokens ({sized})"
     auth = "bearer key required" + (" (/metrics open)" if config.metrics_open else " (also /metrics)") \
         if config.api_key else "none"
     timeout = f"{config.request_timeout_s:g} s" if config.request_timeout_s else "none"

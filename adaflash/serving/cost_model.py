@@ -182,15 +182,20 @@ def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
 
     from adaflash.models.kernels.selection import kernel_fingerprint
 
-    d = proposer.drafter.config
     # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
     # The draft vocabulary too: trimming it exists to make drafting cheaper. And the CPU + kernel build + kernel mode:
-    # a new kernel changes every cost.
-    name = (f"{Path(str(model_name)).name}-{target.numerics}-L{d.num_layers}-B{d.block_size}"
-            f"-V{d.draft_vocab_size or 'full'}-T{max_tokens}-th{torch.get_num_threads()}-k{kernel_fingerprint()}.json")
+    # a new kernel changes every cost. Without a drafter (prompt lookup alone) only the verify costs are profiled.
+    if proposer is None:
+        drafter = "-nodrafter"
+    else:
+        d = proposer.drafter.config
+        drafter = f"-L{d.num_layers}-B{d.block_size}-V{d.draft_vocab_size or 'full'}"
+    name = (f"{Path(str(model_name)).name}-{target.numerics}{drafter}"
+            f"-T{max_tokens}-th{torch.get_num_threads()}-k{kernel_fingerprint()}.json")
     return cache_root() / "cost_models" / name
 
 
 def cost_model_for(target, proposer, model_name: str, max_tokens: int) -> CostModel:
-    """The cost model of this target + drafter on this machine, profiled once and cached in the user cache."""
+    """The cost model of this target + drafter (None: the target alone) on this machine, profiled once and cached in
+    the user cache."""
     return load_or_profile_cost_model(target, proposer, max_tokens, cost_model_file(target, proposer, model_name, max_tokens))

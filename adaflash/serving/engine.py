@@ -17,7 +17,8 @@ import torch
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.layers import argmax_rows
 from adaflash.models.target import TargetModel
-from adaflash.serving.length_policy import FixedLength, LengthPolicy
+from adaflash.serving.cost_model import CalibratedCost, CostModel
+from adaflash.serving.length_policy import FixedLength, LengthPolicy, LookupLength
 from adaflash.serving.request import Request, StepOutput
 from adaflash.serving.scheduler import Scheduler
 from adaflash.speculative.prompt_lookup import PromptLookup, point_mass
@@ -38,12 +39,19 @@ class Engine:
         recorder=None,
         capture_layers: Sequence[int] | None = None,
         prompt_lookup: PromptLookup | None = None,
+        lookup_cost: CostModel | CalibratedCost | None = None,
     ) -> None:
         """`capture_layers`: target layers whose features a plain (drafter-less) engine returns to requests that
         ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers.
-        `prompt_lookup`: n-gram drafts first; a request without a match goes to the drafter and its length policy
-        (without a proposer: decodes one token)."""
+        `prompt_lookup`: n-gram drafts first; a request without a match (or whose match does not pay) goes to the
+        drafter and its length policy (without a proposer: decodes one token). `lookup_cost`: the verify costs that
+        size the lookups (`LookupLength`), needed unless `prompt_lookup.length` is "all"."""
         self.target, self.proposer, self.prompt_lookup = target, proposer, prompt_lookup
+        self.lookup_length = None
+        if prompt_lookup is not None and prompt_lookup.length == "throughput":
+            if lookup_cost is None:
+                raise ValueError("prompt lookup sized by throughput needs the verify cost model (lookup_cost)")
+            self.lookup_length = LookupLength(lookup_cost)
         self.recorder = recorder  # optional: on-policy trajectories and verification outcomes (serving/recorder.py)
         self.policy = _checked(policy or FixedLength(proposer.block_size - 1 if proposer else 0))
         self.scheduler = Scheduler(max_batch, max_queue)
@@ -240,6 +248,8 @@ class Engine:
             r.draft_lengths.append(k)
             if i not in looked_up:  # the policy learns from the drafter's outcomes only
                 self.policy.feedback(r, k, accepted)
+            elif self.lookup_length is not None:
+                self.lookup_length.feedback(r, k, accepted)
             committed = r.commit(d[:accepted] + [next_token])  # a stop token or the budget may cut it short
             outputs.append(self._output(r, committed, row, f[: len(committed)] if f is not None else None))
         # The step's cost teaches the policy only when its drafter work is what its lengths say: not when the drafter
@@ -251,10 +261,14 @@ class Engine:
         return outputs
 
     def _lookup_drafts(self, requests: Sequence[Request]) -> list[list[int]]:
-        """Per request, its prompt-lookup drafts (never past its budget); [] without a match or lookup."""
+        """Per request, the prompt-lookup drafts it verifies (never past its budget; sized by `LookupLength` unless
+        every match is verified whole); [] without a match or lookup."""
         if self.prompt_lookup is None:
             return [[] for _ in requests]
-        return [self.prompt_lookup.propose(r.prompt_ids + r.output_ids, r.remaining - 1) for r in requests]
+        proposals = [self.prompt_lookup.propose(r.prompt_ids + r.output_ids, r.remaining - 1) for r in requests]
+        if self.lookup_length is None or not any(proposals):
+            return proposals
+        return [p[:k] for p, k in zip(proposals, self.lookup_length.decide(requests, proposals))]
 
     def _verify(self, requests, lengths, draft_tokens, draft_probs, rows) -> list[tuple[int, int]]:
         """(accepted drafts, next token) per request. Greedy requests go through the ragged verifier in one

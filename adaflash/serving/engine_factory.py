@@ -136,4 +136,17 @@ def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolic
         recorder = TrajectoryRecorder(Path(config.record_dir), drafter_version=models.drafter_version,
                                       record_outcomes=proposer is not None)
     return Engine(models.target, proposer, policy, max_batch=config.max_batch, max_queue=config.max_queue,
-                  max_len=max_len, recorder=recorder, prompt_lookup=config.prompt_lookup)
+                  max_len=max_len, recorder=recorder, prompt_lookup=config.prompt_lookup,
+                  lookup_cost=lookup_cost(config, models, proposer))
+
+
+def lookup_cost(config: EngineConfig, models: EngineModels, proposer: DFlashProposer | None) -> CostModel | None:
+    """The verify costs that size prompt-lookup drafts (None where every match is verified whole). With a drafter the
+    policies' profile (the same cached file); without one, the target's verify costs alone. The profile, not its
+    calibration: a lookup costs no drafter pass, so only ratios of verify costs decide, and the machine's drift
+    cancels out of them."""
+    lookup = config.prompt_lookup
+    if lookup is None or lookup.length == "all":
+        return None
+    width = proposer.block_size if proposer is not None else lookup.num_tokens + 1
+    return cost_model_for(models.target, proposer, models.model_name, max_tokens=config.max_batch * width)

@@ -76,13 +76,15 @@ class HeuristicLength:
         pass
 
 
-def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | CalibratedCost, max_draft: int) -> list[int]:
+def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | CalibratedCost, max_draft: int,
+                    free_drafts: bool = False) -> list[int]:
     """Draft lengths maximising expected committed tokens per second over the batch.
 
     survival[r][j-1] = P(request r's drafts 1..j all accepted), non-increasing in j: the expected gain of
-    r's j-th draft position. Starting from no drafts, repeatedly add the position with the largest gain while
-    (expected tokens) / (verify cost(total tokens) + the drafter's cost of every request's draft length) rises. At batch 1
-    verification is nearly free and lengths grow; under load every token costs and they shrink.
+    r's j-th draft position (a request with an empty list only verifies its own token). Starting from no drafts,
+    repeatedly add the position with the largest gain while (expected tokens) / (verify cost(total tokens) + the
+    drafter's cost of every request's draft length) rises. At batch 1 verification is nearly free and lengths grow;
+    under load every token costs and they shrink. `free_drafts`: the drafts cost no drafter pass (prompt lookup).
     """
     lengths = [0] * len(survival)
     expected = float(len(survival))  # every request commits at least the target's own token
@@ -93,7 +95,7 @@ def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | Calib
     while heap:
         neg_gain, i = heapq.heappop(heap)
         # A request's first draft position puts it into the drafter pass; later ones widen its block.
-        now_drafter_s = drafter_s + cost.draft(lengths[i] + 1) - cost.draft(lengths[i])
+        now_drafter_s = drafter_s if free_drafts else drafter_s + cost.draft(lengths[i] + 1) - cost.draft(lengths[i])
         rate = (expected - neg_gain) / (cost.verify(tokens + 1) + now_drafter_s)
         if rate <= best:
             break
@@ -105,18 +107,86 @@ def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | Calib
 
 
 @dataclass
+class AcceptanceEstimate:
+    """A running per-position acceptance rate of one draft source, per request and pooled across requests.
+
+    Request r's estimate is the posterior mean of its own per-position outcomes (successes / trials, fading by
+    `forget` each step) under a prior centred on the pooled estimate (what earlier requests saw) worth `prior_trials`
+    trials; `optimism` standard deviations above it give the bound that keeps an estimate from absorbing (see
+    `ThroughputLength`). Several sources share one request's `policy_state`, each under its own key `prefix`.
+    """
+
+    prior: float = 0.6
+    decay: float = 0.99  # per verified draft: how the pooled estimate (the next request's prior) forgets
+    prior_trials: float = 2.0
+    forget: float = 0.99  # per step: a request's evidence ages (~100 steps), its bound reopens
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        # Pooled (successes, trials), fading with `decay`; a new request's estimate is centred on their ratio. Pooled
+        # counts, not an average of per-step ratios: a ratio's average is biased low (a step that drafts 2 and keeps 1
+        # says 1/2 where the per-position truth may be 0.47).
+        self.shared_successes, self.shared_trials = self.prior * self.prior_trials, self.prior_trials
+        self.trials_key, self.successes_key = self.prefix + "trials", self.prefix + "successes"
+
+    @property
+    def shared_alpha(self) -> float:
+        return self.shared_successes / self.shared_trials
+
+    def age(self, requests: Sequence[Request]) -> None:
+        """One step passed for these requests: their own outcomes fade by `forget`."""
+        for r in requests:
+            state = r.policy_state
+            state[self.trials_key] = state.get(self.trials_key, 0.0) * self.forget
+            state[self.successes_key] = state.get(self.successes_key, 0.0) * self.forget
+
+    def alpha(self, request: Request, optimism: float = 0.0) -> float:
+        """`request`'s per-position acceptance estimate: the posterior mean, plus `optimism` standard deviations."""
+        trials = request.policy_state.get(self.trials_key, 0.0) + self.prior_trials
+        mean = (request.policy_state.get(self.successes_key, 0.0) + self.prior_trials * self.shared_alpha) / trials
+        return min(1.0, mean + optimism * math.sqrt(mean * (1.0 - mean) / (trials + 1.0)))
+
+    def survival(self, requests: Sequence[Request], widths: Sequence[int], optimism: float = 0.0) -> list[list[float]]:
+        """Per request, P(its drafts 1..j all accepted) for j = 1..its width: `allocate_drafts`' input."""
+        return [[self.alpha(r, optimism) ** j for j in range(1, w + 1)] for r, w in zip(requests, widths)]
+
+    def feedback(self, request: Request, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        # Positions 1..accepted succeeded; position accepted+1 (if drafted) failed: a per-position rate.
+        trials = accepted + (1 if accepted < drafted else 0)
+        state = request.policy_state
+        state[self.trials_key] = state.get(self.trials_key, 0.0) + trials
+        state[self.successes_key] = state.get(self.successes_key, 0.0) + accepted
+        self.shared_successes = self.decay * self.shared_successes + accepted
+        self.shared_trials = self.decay * self.shared_trials + trials
+
+
+def allocate_with_optimism(estimate: AcceptanceEstimate, requests: Sequence[Request], widths: Sequence[int],
+                           cost: CostModel | CalibratedCost, optimism: float, free_drafts: bool = False
+                           ) -> tuple[list[int], list[bool]]:
+    """`allocate_drafts` on the estimate's means, and per request whether its optimistic bound would draft: the
+    mean may leave a request at zero drafts where one probe token would settle the question."""
+    most = max(widths, default=0)
+    lengths = allocate_drafts(estimate.survival(requests, widths), cost, most, free_drafts)
+    if 0 not in lengths or optimism <= 0:
+        return lengths, [k > 0 for k in lengths]
+    hopeful = allocate_drafts(estimate.survival(requests, widths, optimism), cost, most, free_drafts)
+    return lengths, [k > 0 for k in hopeful]
+
+
+@dataclass
 class ThroughputLength:
     """Expected-throughput lengths (`allocate_drafts`) from a per-request acceptance estimate.
 
-    Request r's draft position j is accepted with probability alpha_r^j. alpha_r is the posterior mean of r's own
-    per-position outcomes (successes / trials, fading by `forget` each step) under a prior centred on the shared
-    estimate (what earlier requests saw) worth `prior_trials` trials. The lengths come from that mean; a request the
-    mean leaves at zero drafts still drafts one token when its mean raised by `optimism` posterior standard deviations
-    says drafting may pay. That optimism is what keeps the estimate from absorbing: a request that starts below the
-    bar (other domains pulled the shared estimate down) or stopped drafting long ago has few recent trials, so its
-    bound sits high and it probes, one cheap token a step, until its own outcomes settle the question; a request whose
-    own outcomes are many and poor stays at zero drafts. Optimism only ever buys that one token: sizing longer drafts
-    on the bound measured slower than plain decoding (docs/results/throughput_policy_ab.md).
+    Request r's draft position j is accepted with probability alpha_r^j (`AcceptanceEstimate`: r's own outcomes under
+    a prior centred on what earlier requests saw). The lengths come from the posterior mean; a request the mean leaves
+    at zero drafts still drafts one token when its mean raised by `optimism` posterior standard deviations says
+    drafting may pay. That optimism is what keeps the estimate from absorbing: a request that starts below the bar
+    (other domains pulled the shared estimate down) or stopped drafting long ago has few recent trials, so its bound
+    sits high and it probes, one cheap token a step, until its own outcomes settle the question; a request whose own
+    outcomes are many and poor stays at zero drafts. Optimism only ever buys that one token: sizing longer drafts on
+    the bound measured slower than plain decoding (docs/results/throughput_policy_ab.md).
 
     The costs are the start-up profile corrected by the measured step times (`CalibratedCost`; pass one to share what
     it learned across policies, e.g. a hot-swapped drafter's); `calibrate=False` (`throughput-profiled`) reads the
@@ -125,9 +195,9 @@ class ThroughputLength:
 
     cost: CostModel | CalibratedCost
     prior: float = 0.6
-    decay: float = 0.99  # per verified draft: how the shared estimate (the next request's prior) forgets
+    decay: float = 0.99
     prior_trials: float = 2.0
-    forget: float = 0.99  # per step: a request's evidence ages (~100 steps), its bound reopens
+    forget: float = 0.99
     optimism: float = 1.0
     # Steps without drafts after which a request drafts one token anyway: a floor on exploration for a request whose
     # optimistic bound stays below the bar. A probe costs a drafter pass plus feeding the context it skipped; at 16
@@ -140,54 +210,61 @@ class ThroughputLength:
         shared = isinstance(self.cost, CalibratedCost)
         profile = self.cost.profile if shared else self.cost
         self.step_cost = (self.cost if shared else CalibratedCost(profile)) if self.calibrate else profile
-        # Across requests: pooled (successes, trials), fading with `decay`; a new request's estimate is centred on
-        # their ratio. Pooled counts, not an average of per-step ratios: a ratio's average is biased low (a step
-        # that drafts 2 and keeps 1 says 1/2 where the per-position truth may be 0.47).
-        self.shared_successes, self.shared_trials = self.prior * self.prior_trials, self.prior_trials
+        self.estimate = AcceptanceEstimate(self.prior, self.decay, self.prior_trials, self.forget)
 
     @property
     def shared_alpha(self) -> float:
-        return self.shared_successes / self.shared_trials
+        return self.estimate.shared_alpha
 
     def alpha(self, request: Request, optimism: float = 0.0) -> float:
-        """`request`'s per-position acceptance estimate: the posterior mean, plus `optimism` standard deviations."""
-        trials = request.policy_state.get("trials", 0.0) + self.prior_trials
-        mean = (request.policy_state.get("successes", 0.0) + self.prior_trials * self.shared_alpha) / trials
-        return min(1.0, mean + optimism * math.sqrt(mean * (1.0 - mean) / (trials + 1.0)))
+        return self.estimate.alpha(request, optimism)
 
     def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
-        for r in requests:
-            state = r.policy_state
-            state["trials"] = state.get("trials", 0.0) * self.forget
-            state["successes"] = state.get("successes", 0.0) * self.forget
-
-        def survival(optimism: float) -> list[list[float]]:
-            return [[self.alpha(r, optimism) ** j for j in range(1, max_draft + 1)] for r in requests]
-
-        lengths = allocate_drafts(survival(0.0), self.step_cost, max_draft)
-        # The optimistic allocation matters only for requests the mean leaves at zero drafts.
-        hopeful = allocate_drafts(survival(self.optimism), self.step_cost, max_draft) if 0 in lengths else lengths
+        self.estimate.age(requests)
+        lengths, hopeful = allocate_with_optimism(self.estimate, requests, [max_draft] * len(requests), self.step_cost,
+                                                  self.optimism)
         for i, r in enumerate(requests):
             idle = r.policy_state.get("idle", 0)
-            if lengths[i] == 0 and (hopeful[i] > 0 or idle >= self.probe_every) and max_draft > 0:
+            if lengths[i] == 0 and (hopeful[i] or idle >= self.probe_every) and max_draft > 0:
                 lengths[i] = 1
             r.policy_state["idle"] = 0 if lengths[i] else idle + 1
         return lengths
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        # Positions 1..accepted succeeded; position accepted+1 (if drafted) failed: a per-position rate.
-        trials = accepted + (1 if accepted < drafted else 0)
-        request.policy_state["trials"] = request.policy_state.get("trials", 0.0) + trials
-        request.policy_state["successes"] = request.policy_state.get("successes", 0.0) + accepted
-        self.shared_successes = self.decay * self.shared_successes + accepted
-        self.shared_trials = self.decay * self.shared_trials + trials
+        self.estimate.feedback(request, drafted, accepted)
 
     def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
         if isinstance(self.step_cost, CalibratedCost):
             self.step_cost.observe(lengths, seconds)
 
+
+@dataclass
+class LookupLength:
+    """How many of each request's prompt-lookup drafts to verify this step: `allocate_drafts` over the lookups alone
+    (no drafter cost; each request's own token is in the verify either way), with a per-request acceptance estimate
+    of its lookups kept apart from the drafter's. A match is free to find but not to verify: under load, or where a
+    request's lookups keep missing, the drafts shrink to what pays, down to one optimistic probe token.
+
+    The engine asks before its length policy, which then sees only the requests left without a lookup."""
+
+    cost: CostModel | CalibratedCost
+    prior: float = 0.5
+    optimism: float = 1.0
+    name: str = "lookup-throughput"
+
+    def __post_init__(self) -> None:
+        self.estimate = AcceptanceEstimate(prior=self.prior, prefix="lookup_")
+
+    def decide(self, requests: Sequence[Request], proposals: Sequence[Sequence[int]]) -> list[int]:
+        """Per request, how many of its proposed drafts (a prefix) to verify."""
+        self.estimate.age(requests)
+        widths = [len(p) for p in proposals]
+        lengths, hopeful = allocate_with_optimism(self.estimate, requests, widths, self.cost, self.optimism,
+                                                  free_drafts=True)
+        return [k or int(h) for k, h in zip(lengths, hopeful)]
+
+    def feedback(self, request: Request, drafted: int, accepted: int) -> None:
+        self.estimate.feedback(request, drafted, accepted)
 
 @dataclass
 class LearnedThroughputLength:

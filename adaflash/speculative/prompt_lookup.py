@@ -16,13 +16,21 @@ import torch
 from adaflash.models.kernels.attention import MAX_QUERIES
 
 
+# How many of a lookup's drafts a step verifies: as many as pay for their verify cost given each request's running
+# lookup acceptance (the engine's `LookupLength`), or all of them (transformers' and vLLM's behaviour).
+LOOKUP_LENGTHS = ("throughput", "all")
+
+
 @dataclass(frozen=True)
 class PromptLookup:
     num_tokens: int  # the most drafts one lookup proposes
     max_ngram: int = 3  # the longest suffix tried first (a longer match predicts better)
     min_ngram: int = 2  # the shortest suffix that may match (1 matches almost anything, and a miss costs a verify)
+    length: str = "throughput"  # one of LOOKUP_LENGTHS
 
     def __post_init__(self) -> None:
+        if self.length not in LOOKUP_LENGTHS:
+            raise ValueError(f"prompt lookup length must be one of {', '.join(LOOKUP_LENGTHS)}, got {self.length!r}")
         # At most 15: a longer verify would run the prefill attention, whose last bits differ from the short-step
         # kernel's (and an int8 target amplifies such bits into other tokens).
         if not 1 <= self.num_tokens < MAX_QUERIES:

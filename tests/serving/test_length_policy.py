@@ -8,6 +8,7 @@ from adaflash.serving.cost_model import CostModel
 from adaflash.serving.length_policy import (
     FixedLength,
     HeuristicLength,
+    LookupLength,
     ThroughputLength,
     allocate_drafts,
     build_length_policy,
@@ -159,3 +160,41 @@ def test_check_length_policy_parses_without_models():
         check_length_policy("fastest")
     assert needs_cost_model("throughput") and needs_cost_model("throughput-profiled") and needs_cost_model("adaflash")
     assert not needs_cost_model("fixed:3") and not needs_cost_model("block-head")
+
+
+def test_free_drafts_pay_no_drafter_pass():
+    survival = [[0.8 ** j for j in range(1, 8)]]
+    whole = CostModel((1, 64), (0.01, 0.01), draft_s=0.012)
+    assert allocate_drafts(survival, whole, 7) == [0]  # a drafter pass would cost more than the drafts gain
+    assert allocate_drafts(survival, whole, 7, free_drafts=True) == [7]  # lookups: verification alone, free here
+
+
+def test_lookup_length_trims_by_cost_and_keeps_its_estimate_apart_from_the_drafters():
+    cost = CostModel(total_tokens=(1, 2, 4, 8), verify_s=(0.010, 0.0115, 0.013, 0.016), draft_s=0.0)
+    lookup, drafter = LookupLength(cost, optimism=0.0), ThroughputLength(cost)
+    (r,) = _requests(1)
+    proposals = [[5, 6, 7, 8, 9, 10, 11]]
+    assert lookup.decide([r], proposals) == [3]  # at alpha 0.5 a 4-token verify pays, a 5-token one no longer
+    for _ in range(30):  # this request's lookups are always right
+        lookup.feedback(r, drafted=3, accepted=3)
+    assert lookup.decide([r], proposals) == [7]
+    assert lookup.decide([r], [[5, 6]]) == [2]  # never past the match
+    assert "trials" not in r.policy_state and drafter.alpha(r) == pytest.approx(0.6)  # the drafter's prior untouched
+    (miss,) = _requests(1)
+    for _ in range(20):  # another request whose lookups always miss
+        lookup.feedback(miss, drafted=1, accepted=0)
+    assert lookup.decide([miss], proposals) == [0]
+    # Under load the same estimate verifies fewer: 8 requests already fill the cheap part of the curve.
+    many = _requests(8)
+    for q in many:
+        for _ in range(5):
+            lookup.feedback(q, drafted=2, accepted=1)
+    assert sum(lookup.decide(many, proposals * 8)) < 8 * lookup.decide(many[:1], proposals)[0]
+
+
+def test_lookup_length_probes_one_token_while_unsure():
+    cost = CostModel(total_tokens=(1, 2, 3, 4), verify_s=(0.0048, 0.0058, 0.0069, 0.0081), draft_s=0.0)
+    lookup, (r,) = LookupLength(cost, prior=0.15), _requests(1)
+    assert LookupLength(cost, prior=0.15, optimism=0.0).decide([r], [[1, 2, 3]]) == [0]  # the mean says no
+    assert lookup.decide([r], [[1, 2, 3]]) == [1]  # its bound says one token may pay
+    assert lookup.decide([r], [[]]) == [0]  # no match, nothing to verify

@@ -54,8 +54,11 @@ def test_serve_fixed_policy_and_plain_decoding(served, tiny_chat_checkpoint, ran
     assert 'method="ar"' in TestClient(got["app"]).get("/metrics").text
     got = served(["--model", tiny_chat_checkpoint, "--method", "ar", "--dtype", "fp32", "--prompt-lookup", "5"])
     err = capsys.readouterr().err
-    assert "length policy none (autoregressive), prompt lookup up to 5 tokens" in err
+    assert "length policy none (autoregressive), prompt lookup up to 5 tokens (sized by throughput)" in err
     assert "context 506 tokens" in err  # room for a 5-draft verify
+    served(["--model", tiny_chat_checkpoint, "--method", "ar", "--dtype", "fp32", "--prompt-lookup", "5",
+            "--prompt-lookup-length", "all"])
+    assert "prompt lookup up to 5 tokens (all verified)" in capsys.readouterr().err
 
 
 def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):

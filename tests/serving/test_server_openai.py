@@ -105,7 +105,8 @@ def test_openai_client_on_an_engine_with_prompt_lookup(pipeline):
 
     prompts = [PROMPT, PROMPT + " " + PROMPT, "one two one two one two"]
     expected = [reference(pipeline, 20, prompt=p)[0] for p in prompts]
-    with app_over_engine(pipeline, prompt_lookup=PromptLookup(4, min_ngram=1)) as (app, runner), live_server(app) as url:
+    with app_over_engine(pipeline, prompt_lookup=PromptLookup(4, min_ngram=1, length="all")) as (app, runner), \
+            live_server(app) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
 
         def complete(prompt: str) -> str:
