@@ -18,6 +18,7 @@ from adaflash.models.dtype import resolve_dtype
 from adaflash.models.length_head import load_length_head
 from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
 from adaflash.models.target import TargetModel, load_target_as
+from adaflash.serving.engine import max_verified
 from adaflash.serving.engine_factory import (
     METHODS,
     EngineConfig,
@@ -215,8 +216,7 @@ class Pipeline:
     def _engine_generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int,
                          method: str) -> GenerationResult:
         # A one-slot engine whose cache fits this request exactly (not the model's whole context).
-        widest = max(self.proposer.block_size if self.proposer else 1,
-                     self.prompt_lookup.num_tokens + 1 if self.prompt_lookup else 1)
+        widest = max_verified(self.proposer if method != "ar" else None, self.prompt_lookup) + 1
         config = EngineConfig(method, self.length_policy if method != "ar" else None, max_batch=1,
                               max_len=len(prompt_ids) + max_new_tokens + widest, prompt_lookup=self.prompt_lookup)
         models = self.engine_models()

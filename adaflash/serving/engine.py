@@ -62,8 +62,7 @@ class Engine:
             raise ValueError(f"capture_layers {tuple(capture_layers)} differ from the drafter's {proposer.capture_layers}")
         self.capture = tuple(proposer.capture_layers if proposer else capture_layers or ())
         self.max_draft = proposer.block_size - 1 if proposer else 0  # the drafter's most drafts a step
-        # Drafts one step may verify (either source): what every request's cache must leave room for.
-        self.max_verified = max(self.max_draft, prompt_lookup.num_tokens if prompt_lookup else 0)
+        self.max_verified = max_verified(proposer, prompt_lookup)
         # Target features not yet fed to the drafter, per slot: (first position, [T, n*d] chunks). Fed just
         # before the slot's next drafter pass, so a request the policy keeps from drafting costs no drafter work.
         self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
@@ -303,6 +302,11 @@ class Engine:
             top_logprobs, top_ids = torch.log_softmax(logits[: len(new_tokens)].float(), -1).topk(request.top_logprobs, -1)
         returned = features if request.return_features and features is not None else None
         return StepOutput(request.request_id, new_tokens, request.finish_reason, top_logprobs, top_ids, returned)
+
+
+def max_verified(proposer: DFlashProposer | None, prompt_lookup: PromptLookup | None) -> int:
+    """Drafts one step may verify (either source): what every request's cache must leave room for."""
+    return max(proposer.block_size - 1 if proposer else 0, prompt_lookup.num_tokens if prompt_lookup else 0)
 
 
 def _checked(policy: LengthPolicy) -> LengthPolicy:
