@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import shlex
+import statistics
 import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
@@ -67,17 +68,31 @@ def _parse_server(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(rest)
 
 
-def measure_cell(names: list[str], run: Callable[[str], dict]) -> dict[str, dict]:
-    """Every server's result in one cell, `run(name)` each. The baseline (names[0]) runs first and again last, so
-    what drifts during a cell (warm-up, the machine's clock) lands on both sides of the ratios: its throughput is the
-    mean of its two runs, both kept (`runs_tok_s`)."""
-    first = run(names[0])
-    results = {names[0]: first, **{n: run(n) for n in names[1:]}}
-    if len(names) > 1:
-        last = run(names[0])
-        runs = [first["output_tokens_per_s"], last["output_tokens_per_s"]]
-        results[names[0]] = {**first, "output_tokens_per_s": sum(runs) / 2, "runs_tok_s": runs,
-                             "failed": first["failed"] + last["failed"]}
+def measure_cell(names: list[str], run: Callable[[str], dict], rounds: int = 1) -> dict[str, dict]:
+    """Every server's result in one cell, `run(name)` each, `rounds` times. The baseline (names[0]) runs before each
+    round and once more after the last, so what drifts during a cell (warm-up, the machine's clock) lands on both
+    sides of every ratio: a server's `ratio` is the median over rounds of its throughput over the mean of the two
+    baseline runs around it. Each round starts with the next server (A B C, B C A, ...), so no server always runs
+    right after the baseline. Throughputs are medians over the runs, every run kept (`runs_tok_s`)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    others = names[1:]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    runs[names[0]].append(run(names[0]))
+    for r in range(rounds if others else 0):
+        for n in others[r % len(others):] + others[: r % len(others)]:
+            runs[n].append(run(n))
+        runs[names[0]].append(run(names[0]))
+    base = [b["output_tokens_per_s"] for b in runs[names[0]]]
+    results = {}
+    for n in names:
+        tok_s = [x["output_tokens_per_s"] for x in runs[n]]
+        results[n] = {**runs[n][0], "failed": sum(x["failed"] for x in runs[n])}
+        if len(tok_s) > 1 or n != names[0]:
+            results[n].update(output_tokens_per_s=statistics.median(tok_s), runs_tok_s=tok_s)
+        if n != names[0]:
+            ratios = [t / ((base[i] + base[i + 1]) / 2) for i, t in enumerate(tok_s)]
+            results[n].update(ratio=statistics.median(ratios), ratios=ratios)
     return results
 
 
@@ -89,7 +104,7 @@ def markdown_table(cells: list[dict], names: list[str]) -> str:
     for cell in cells:
         by = cell["results"]
         tps = [by[n]["output_tokens_per_s"] for n in names]
-        ratios = [f"{t / tps[0]:.2f}x" for t in tps[1:]]
+        ratios = [_ratio_cell(by[n]) for n in names[1:]]
         acc = []
         for n in names[1:]:
             a, v = by[n]["accept_len_mean"], by[n]["verify_len_mean"]
@@ -97,6 +112,13 @@ def markdown_table(cells: list[dict], names: list[str]) -> str:
         lines.append(f"| {cell['dataset']} | {cell['concurrency']} | " + " | ".join(f"{t:.1f}" for t in tps) + " | "
                      + " | ".join(ratios) + " | " + " | ".join(acc) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio_cell(result: dict) -> str:
+    """The median ratio, with the spread over rounds where there were several."""
+    ratios = result["ratios"]
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{result['ratio']:.2f}x{spread}"
 
 
 def plot_sweep(cells: list[dict], names: list[str], path: Path) -> None:
@@ -185,7 +207,7 @@ def _cmd(args: argparse.Namespace) -> int:
                           f"accept {r.accept_len_mean}  verify {r.verify_len_mean}", flush=True)
                     return asdict(r)
 
-                results = measure_cell(names, run)
+                results = measure_cell(names, run, args.rounds)
                 cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts, "results": results})
                 _write(out, args, servers, peers, cells)  # partial results survive an interruption
     _write(out, args, servers, peers, cells)
@@ -205,8 +227,10 @@ def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict
     out.with_suffix(".md").write_text(
         f"# Serving sweep\n\n`{meta['command']}`\n\nMachine: {meta['machine']}. Greedy, streaming chat completions, "
         f"{args.max_tokens} max tokens, max batch {args.max_batch}; each cell runs the servers one after another on "
-        f"the same prompts. Ratios are against `{names[0]}`, which runs first and again last in every cell (its "
-        f"throughput: the mean of the two, both in the JSON).\n\n" + markdown_table(cells, names))
+        f"the same prompts, {args.rounds} round(s). Ratios are against `{names[0]}`, which runs before every round "
+        f"and after the last: a ratio is the median over rounds of a server's throughput over the mean of the two "
+        f"baseline runs around it (with several rounds, their range in brackets); throughputs are medians over runs, "
+        f"every run in the JSON.\n\n" + markdown_table(cells, names))
 
 
 def register_cli(subparsers) -> None:
@@ -224,6 +248,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--waves", type=int, default=2, help="prompts per level = max(--min-prompts, waves x concurrency)")
     p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every server this many times per cell, the baseline between rounds: ratios are medians "
+                   "over rounds (on a machine whose speed drifts, 3 or more)")
     p.add_argument("--port", type=int, default=8310, help="first server's port; the others follow")
     p.add_argument("--threads", type=int, default=None,
                    help="OMP threads per server (pin to 1 when other work shares the machine: OpenMP stalls under contention)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from adaflash.evaluation.serve_sweep import measure_cell
 
 
@@ -17,10 +19,27 @@ def test_the_baseline_runs_first_and_last_and_its_throughput_is_the_mean():
     assert list(results) == ["ar", "a", "b"]
     assert results["ar"]["output_tokens_per_s"] == 50.0 and results["ar"]["runs_tok_s"] == [40.0, 60.0]
     assert results["ar"]["failed"] == 1  # a failure in either baseline run counts
-    assert results["a"]["output_tokens_per_s"] == 90.0
+    assert results["a"]["output_tokens_per_s"] == 90.0 and results["a"]["ratio"] == 90.0 / 50.0
 
 
 def test_a_lone_server_runs_once():
     calls = []
     results = measure_cell(["ar"], lambda n: calls.append(n) or {"output_tokens_per_s": 1.0, "failed": 0})
     assert calls == ["ar"] and "runs_tok_s" not in results["ar"]
+
+
+def test_rounds_rotate_the_order_and_each_ratio_uses_the_baseline_runs_around_it():
+    order = []
+    # The machine slows down over the cell: the baseline 100 -> 50; "a" is always 1.2x the baseline around it.
+    speeds = iter([100.0, 108.0, 90.0, 80.0, 85.0, 84.0, 60.0, 66.0, 66.0, 50.0])
+
+    def run(name):
+        order.append(name)
+        return {"output_tokens_per_s": next(speeds), "failed": 0, "accept_len_mean": 1.0}
+
+    results = measure_cell(["ar", "a", "b"], run, rounds=3)
+    assert order == ["ar", "a", "b", "ar", "b", "a", "ar", "a", "b", "ar"]
+    assert results["ar"]["runs_tok_s"] == [100.0, 80.0, 60.0, 50.0] and results["ar"]["output_tokens_per_s"] == 70.0
+    assert results["a"]["ratios"] == pytest.approx([1.2, 1.2, 1.2])  # its own throughput fell 108 -> 66
+    assert results["a"]["ratio"] == pytest.approx(1.2) and results["a"]["output_tokens_per_s"] == 84.0
+    assert results["b"]["runs_tok_s"] == [90.0, 85.0, 66.0]
