@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from adaflash.models.registry import DEFAULT_TARGET
+from adaflash.speculative.prompt_lookup import LOOKUP_LENGTHS, PromptLookup
 
 
 def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = "the reference loop with --draft-length") -> None:
@@ -28,7 +29,7 @@ def add_prompt_lookup_arg(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup (n-gram) drafts first, up to K tokens a step (transformers' prompt_lookup_num_tokens, "
                    "vLLM's ngram): a request whose last 2-3 tokens occurred earlier verifies what followed them; the "
                    "others draft with the drafter (with --method ar: decode one token)")
-    p.add_argument("--prompt-lookup-length", choices=("throughput", "all"), default="throughput",
+    p.add_argument("--prompt-lookup-length", choices=LOOKUP_LENGTHS, default=PromptLookup.length,
                    help="how many of a match's drafts a step verifies: throughput (default: as many as pay for their "
                    "verify cost, from each request's running lookup acceptance and the profiled cost model; under load "
                    "they shrink) or all (transformers' and vLLM's behaviour)")
@@ -36,8 +37,6 @@ def add_prompt_lookup_arg(p: argparse.ArgumentParser) -> None:
 
 def prompt_lookup_of(args: argparse.Namespace):
     """The `PromptLookup` that --prompt-lookup asks for (None: off); a bad K fails before any model loads."""
-    from adaflash.speculative.prompt_lookup import PromptLookup
-
     if args.prompt_lookup is None:
         return None
     return PromptLookup(args.prompt_lookup, length=args.prompt_lookup_length)

@@ -1,5 +1,5 @@
-"""A training run's report: the summary (JSON + markdown) and its scaling curve (held-out accept length per domain
-against training tokens seen).
+"""A training run's report: the summary (JSON + markdown) and its scaling curves (held-out accept length per domain
+against training tokens seen; the decoded one too where the run logged it).
 
     python -m adaflash.evaluation.scaling_curve runs/train/smollm2-drafter --out docs/results/drafter_training
 """
@@ -14,7 +14,8 @@ from adaflash.evaluation.plots import pyplot
 from adaflash.training.summary import summarise, to_markdown
 
 
-def plot_scaling_curve(curve: list[dict], path: str | Path, title: str) -> Path:
+def plot_scaling_curve(curve: list[dict], path: str | Path, title: str,
+                       ylabel: str = "held-out accept length (full block, greedy)") -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     domains = sorted({k for r in curve for k in r} - {"step", "train_tokens_seen"})
@@ -25,7 +26,7 @@ def plot_scaling_curve(curve: list[dict], path: str | Path, title: str) -> Path:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", label=domain, linewidth=2.5 if domain == "all" else 1.2)
     ax.set_xlabel("training response tokens seen")
-    ax.set_ylabel("held-out accept length (full block, greedy)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -48,6 +49,10 @@ def main() -> None:
     if summary["holdout_curve"]:
         png = plot_scaling_curve(summary["holdout_curve"], f"{out}_scaling.png", "Drafter scaling curve")
         markdown += f"\n![scaling curve]({png.name})\n"
+    if summary["decoded_curve"]:
+        png = plot_scaling_curve(summary["decoded_curve"], f"{out}_decoded_scaling.png", "Drafter scaling curve, decoded",
+                                 "held-out tokens per target pass (full-block greedy decoding)")
+        markdown += f"\n![decoded scaling curve]({png.name})\n"
     out.with_suffix(".md").write_text(markdown)
     print(markdown)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -88,6 +89,25 @@ def init_drafter(config: DrafterConfig, seed: int = 0, dtype: torch.dtype = torc
             else:
                 param.normal_(0.0, 0.02, generator=generator)
     return drafter.to(dtype).eval()
+
+
+def deepen_drafter(drafter: DFlashDrafter, num_layers: int, seed: int = 0) -> DFlashDrafter:
+    """`drafter` with fresh layers appended up to `num_layers`, each starting as the identity on the residual stream
+    (its output projections zero), so the deeper drafter first drafts exactly as the trained one did and training
+    adds capacity instead of starting over."""
+    have = drafter.config.num_layers
+    if num_layers < have:
+        raise ValueError(f"cannot make a {have}-layer drafter shallower ({num_layers} layers asked)")
+    deeper = init_drafter(replace(drafter.config, num_layers=num_layers), seed=seed, dtype=drafter.dtype)
+    with torch.no_grad():
+        result = deeper.load_state_dict(drafter.state_dict(), strict=False)
+        fresh = {k for k in deeper.state_dict() if any(k.startswith(f"layers.{i}.") for i in range(have, num_layers))}
+        assert not result.unexpected_keys and set(result.missing_keys) == fresh, result
+        for layer in deeper.layers[have:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    deeper.set_draft_vocab(drafter.draft_vocab)
+    return deeper.train(drafter.training)
 
 
 LATEST_FILE = "LATEST"

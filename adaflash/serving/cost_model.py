@@ -7,6 +7,7 @@ The expected-throughput length policies (`length_policy.py`) read it.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -166,9 +167,16 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
     return CostModel(tuple(points), tuple(times), width_s[-1] if width_s else 0.0, tuple(widths), tuple(width_s))
 
 
+@functools.lru_cache(maxsize=16)
+def _read_cost_model(path: str, modified_ns: int) -> CostModel:
+    """A cached profile, parsed once per process and file version: every engine a pipeline builds (one per generation)
+    reads the same profile for its policy and its lookup sizing."""
+    return CostModel.from_json(Path(path).read_text())
+
+
 def load_or_profile_cost_model(target, proposer, max_tokens: int, cache_file: Path | None) -> CostModel:
     if cache_file is not None and cache_file.is_file():
-        return CostModel.from_json(cache_file.read_text())
+        return _read_cost_model(str(cache_file), cache_file.stat().st_mtime_ns)
     model = profile_cost_model(target, proposer, max_tokens)
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)

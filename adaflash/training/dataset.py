@@ -105,11 +105,16 @@ def load_training_data(data_dir: str | Path | Sequence[str | Path],
     return TrajectoryDataset(data_dir)
 
 
+def first_anchor(sample: TrainSample) -> int:
+    """The first position a block can start at: the last prompt token (position 0 has no context)."""
+    return max(1, sample.prompt_len - 1)
+
+
 def sample_anchors(sample: TrainSample, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """Sorted random anchor positions inside the response (each predicts at least one response token)."""
-    first = max(1, sample.prompt_len - 1)  # anchor = last committed token; position 0 has no context
+    """Sorted random anchor positions inside the response (each predicts at least one response token); all of them,
+    from `first_anchor` on, when there are no more than `num_anchors`."""
     last = len(sample.tokens) - 2
-    candidates = torch.arange(first, last + 1)
+    candidates = torch.arange(first_anchor(sample), last + 1)
     if len(candidates) > num_anchors:
         candidates = candidates[torch.randperm(len(candidates), generator=generator)[:num_anchors]]
     return candidates.sort().values

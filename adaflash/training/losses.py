@@ -30,7 +30,8 @@ def _greedy_stats(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tenso
         correct = (logits.argmax(-1) == labels) & valid
         # Accepted under greedy verification = all earlier positions correct too.
         accepted = correct.long().cumprod(dim=1).bool()
-    return {"correct": correct.sum(0).tolist(), "accepted": accepted.sum(0).tolist(), "valid": valid.sum(0).tolist()}
+    return {"correct": correct.sum(0).tolist(), "accepted": accepted.sum(0).tolist(), "valid": valid.sum(0).tolist(),
+            "run_lengths": accepted.sum(1).tolist()}  # per anchor: the drafts greedy verification would accept
 
 
 def _weighted_mean(per_token: torch.Tensor, valid: torch.Tensor, gamma: float) -> torch.Tensor:

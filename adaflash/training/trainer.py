@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -23,15 +23,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, save_drafter
+from adaflash.models.drafter_checkpoint import deepen_drafter, init_drafter, load_drafter, save_drafter
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import TargetModel, load_target
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.layers import rms_norm
 from adaflash.models.draft_vocab import DraftHead, DraftVocab, count_tokens
-from adaflash.training.dataset import block_inputs, block_soft_targets, load_training_data, sample_anchors
+from adaflash.training.dataset import (block_inputs, block_soft_targets, first_anchor, load_training_data,
+                                      sample_anchors)
 from adaflash.training.losses import IGNORE, SoftTargets, build_loss
-from adaflash.training.validation import holdout_accept_lengths, split_holdout
+from adaflash.training.validation import DecodedRun, decoded_accept_lengths, holdout_accept_lengths, split_holdout
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,11 @@ class TrainConfig:
     out_dir: str
     model: str = "smollm2-135m"
     mask_token_id: int = 16
-    num_layers: int = 2
-    block_size: int = 16
+    # None: 2 layers / 16 tokens for a new drafter, init_from's own otherwise. With init_from, more layers than it has
+    # deepens it (fresh layers appended as the identity) and another block size re-blocks it (the weights do not
+    # depend on the block size): how a depth or block-size choice is measured from a trained drafter.
+    num_layers: int | None = None
+    block_size: int | None = None
     target_layer_ids: tuple[int, ...] | None = None  # default: DFlash's spread for num_layers
     intermediate_size: int | None = None
     init_from_target: bool = True
@@ -51,6 +55,7 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # trim the drafter's head to the K most frequent target tokens of the data
     holdout_samples: int = 0  # samples kept out of training; their teacher-forced accept length is logged
     holdout_anchors: int = 32
+    holdout_decoded: bool = True  # also walk each held-out response as decoding would (every anchor: ~2x the cost)
     gamma: float = 7.0
     alpha: float = 0.8  # distillation: weight of CE to the target argmax
     tau: float = 0.01  # distillation: per-token divergence floor
@@ -118,13 +123,24 @@ def data_vocab(samples, size: int, vocab_size: int) -> DraftVocab:
 
 def new_drafter(cfg: TrainConfig, target: TargetModel) -> DFlashDrafter:
     dcfg = DrafterConfig.for_target(
-        target.config, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers, block_size=cfg.block_size,
+        target.config, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers or 2, block_size=cfg.block_size or 16,
         intermediate_size=cfg.intermediate_size, target_layer_ids=cfg.target_layer_ids,
     )
     drafter = init_drafter(dcfg, seed=cfg.seed, dtype=torch.float32)
     if cfg.init_from_target and dcfg.intermediate_size == target.config.intermediate_size:
         _copy_target_layers(drafter, target)
     return drafter.train()
+
+
+def continued_drafter(cfg: TrainConfig, target: TargetModel) -> DFlashDrafter:
+    """init_from's drafter, deepened to cfg.num_layers and re-blocked to cfg.block_size where those are given."""
+    drafter = load_drafter(cfg.init_from, dtype=torch.float32).train()
+    drafter.config.check_compatible(target.config)
+    if cfg.num_layers is not None and cfg.num_layers != drafter.config.num_layers:
+        drafter = deepen_drafter(drafter, cfg.num_layers, seed=cfg.seed)
+    if cfg.block_size is not None and cfg.block_size != drafter.config.block_size:
+        drafter.config = replace(drafter.config, block_size=cfg.block_size)
+    return drafter
 
 
 def lr_factor(step: int, total: int, warmup_frac: float) -> float:
@@ -249,8 +265,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     resumed = _load_checkpoint(out_dir, make_optimizer)
     if resumed is None:
         if cfg.init_from:
-            drafter = load_drafter(cfg.init_from, dtype=torch.float32).train()
-            drafter.config.check_compatible(target.config)
+            drafter = continued_drafter(cfg, target)
         else:
             drafter = new_drafter(cfg, target)
         optimizer, step = make_optimizer(drafter), 0
@@ -279,16 +294,27 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     bar = tqdm(total=total, initial=step, desc="train drafter", unit="step", disable=not progress or rank != 0)
     window: dict = {}
 
+    holdout_domains = [dataset.samples[i].domain for i in holdout_ids]
+
+    def decoded_run(i: int) -> DecodedRun:
+        sample = dataset.samples[i]
+        _, stats = _sequence_loss(drafter, drafter.config, target, head, i, sample, cfg, loss_fn, torch.Generator(),
+                                  teachers, num_anchors=len(sample.tokens))  # every anchor
+        return DecodedRun(stats["run_lengths"], first_anchor(sample), sample.prompt_len, len(sample.tokens))
+
     def holdout() -> dict:
-        return holdout_accept_lengths(
+        record = {"holdout": holdout_accept_lengths(
             lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss_fn,
                                         g, teachers, cfg.holdout_anchors),
-            drafter, holdout_ids, [dataset.samples[i].domain for i in holdout_ids], dataset.keys)
+            drafter, holdout_ids, holdout_domains, dataset.keys)}
+        if cfg.holdout_decoded:
+            record["holdout_decoded"] = decoded_accept_lengths(decoded_run, drafter, holdout_ids, holdout_domains)
+        return record
 
     if rank == 0 and holdout_ids and step == 0 and cfg.init_from:
         # Where a continued run starts (init_from's drafter on this data's held-out samples): the curve's first point.
         with metrics_file.open("a") as f:
-            f.write(json.dumps({"step": 0, "train_tokens_seen": 0.0, "holdout": holdout()}) + "\n")
+            f.write(json.dumps({"step": 0, "train_tokens_seen": 0.0, **holdout()}) + "\n")
     started = time.perf_counter()
     while step < total:
         epoch, in_epoch = divmod(step, steps_per_epoch)
@@ -318,7 +344,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
                       if due_log else {"step": step})
             record["train_tokens_seen"] = step * cfg.sequences_per_step * mean_response
             if due_holdout:
-                record["holdout"] = holdout()
+                record.update(holdout())
             with metrics_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             if due_log:

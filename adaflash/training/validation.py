@@ -1,14 +1,18 @@
 """A held-out slice of the training data, and the drafter's teacher-forced accept length on it, per domain.
 
-On greedy target-regenerated data a block drafted at an anchor sees exactly what inference would see there,
-so the accept length at held-out anchors is the full-block greedy accept length of real decoding, measured at
-random anchors instead of the ones decoding visits. It picks hyper-parameters and draws the scaling curve.
+On greedy target-regenerated data a block drafted at an anchor sees exactly what inference would see there. Two
+numbers come of it. The expected accept length at random anchors (`holdout_accept_lengths`) weighs every position
+alike; decoding does not: it crosses an easy stretch in a few long passes and a hard one a token a pass, so its
+tokens per pass are lower wherever acceptance varies along a response. The decoded accept length
+(`decoded_accept_lengths`) walks each held-out response as greedy decoding would, from its first response token,
+each pass committing the drafts accepted at its anchor plus the bonus token: the tokens per pass that
+`generate` reports on those prompts (checked against live decoding, docs/drafter.md).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -32,11 +36,11 @@ def expected_accept_length(accepted: Sequence[int], valid: Sequence[int]) -> flo
     return 1.0 + sum(a / max(1, v) for a, v in zip(accepted, valid))
 
 
-@torch.no_grad()
 def _key_seed(key: str) -> int:
     return int.from_bytes(hashlib.sha1(f"{HOLDOUT_SEED}/anchors/{key}".encode()).digest()[:7], "big")
 
 
+@torch.no_grad()
 def holdout_accept_lengths(loss_of: Callable[[int, torch.Generator], tuple[torch.Tensor, dict]], drafter,
                            ids: Sequence[int], domains: Sequence[str], keys: Sequence[str]) -> dict[str, float]:
     """`loss_of(sample id, generator)` -> (loss, stats); returns accept length per domain + "all".
@@ -56,3 +60,43 @@ def holdout_accept_lengths(loss_of: Callable[[int, torch.Generator], tuple[torch
     finally:
         drafter.train(was_training)
     return {key: expected_accept_length(acc, val) for key, (acc, val) in sorted(sums.items())}
+
+
+class DecodedRun(NamedTuple):
+    """Drafts accepted at every anchor `first, first + 1, ...` of one response (all anchors, teacher-forced)."""
+
+    run_lengths: Sequence[int]
+    first: int  # the position of run_lengths[0]
+    prompt_len: int
+    length: int  # tokens in the sequence
+
+
+def decoded_walk(run: DecodedRun) -> tuple[int, int]:
+    """(tokens committed, target passes) of greedy decoding over one response, after its first (prefill) token."""
+    tokens = passes = 0
+    anchor, last = run.prompt_len, run.length - 2  # decoding's first anchor is the prefill's token
+    while anchor <= last:
+        accepted = run.run_lengths[anchor - run.first]
+        tokens += min(accepted + 1, run.length - 1 - anchor)  # the last pass has no bonus token past the data
+        passes += 1
+        anchor += accepted + 1
+    return tokens, passes
+
+
+@torch.no_grad()
+def decoded_accept_lengths(run_of: Callable[[int], DecodedRun], drafter, ids: Sequence[int],
+                           domains: Sequence[str]) -> dict[str, float]:
+    """Tokens per target pass of greedy decoding over the held-out responses, per domain + "all"."""
+    sums: dict[str, list[int]] = {}
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        for i, domain in zip(ids, domains):
+            tokens, passes = decoded_walk(run_of(i))
+            for key in {domain, "all"} if domain else {"all"}:
+                total = sums.setdefault(key, [0, 0])
+                total[0] += tokens
+                total[1] += passes
+    finally:
+        drafter.train(was_training)
+    return {key: t / max(1, p) for key, (t, p) in sorted(sums.items())}

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from adaflash.models.config import TransformerConfig
 from adaflash.models.drafter import DrafterConfig, build_target_layer_ids
-from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, save_drafter
+from adaflash.models.drafter_checkpoint import deepen_drafter, init_drafter, load_drafter, save_drafter
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.layers import apply_rope, rope_cos_sin
 
@@ -210,3 +210,21 @@ def test_training_forward_equals_cached_inference():
         torch.testing.assert_close(train[j], infer, atol=1e-5, rtol=1e-5)
     train.sum().backward()  # differentiable end to end
     assert drafter.fc.weight.grad is not None and drafter.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_a_deepened_drafter_first_drafts_as_the_one_it_grew_from():
+    """Appended layers start as the identity on the residual stream; the trained layers are kept as they were."""
+    shallow = _drafter(num_layers=2, block=4, seed=3)
+    deep = deepen_drafter(shallow, 4, seed=1)
+    assert deep.config.num_layers == 4 and len(deep.layers) == 4
+    feats, blocks, anchors = torch.randn(14, 128), torch.randn(3, 4, 64), torch.tensor([3, 7, 10])
+    with torch.no_grad():
+        torch.testing.assert_close(deep.forward_train(feats, blocks, anchors),
+                                   shallow.forward_train(feats, blocks, anchors), atol=1e-6, rtol=1e-6)
+    for name, value in shallow.state_dict().items():
+        torch.testing.assert_close(deep.state_dict()[name], value, atol=0, rtol=0, msg=name)
+    # The new layers are not dead: their input projections are initialised, so gradients reach them.
+    deep.forward_train(feats, blocks, anchors).sum().backward()
+    assert deep.layers[3].self_attn.o_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="shallower"):
+        deepen_drafter(deep, 2)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
@@ -69,6 +72,11 @@ def test_a_cached_file_is_read_not_profiled(tmp_path):
     path = tmp_path / "cost.json"
     path.write_text(COST.to_json())
     assert load_or_profile_cost_model(None, None, 16, path) == COST  # no models needed: nothing is measured
+    # Parsed once per file version: a re-profiled (rewritten) file is read again.
+    slower = dataclasses.replace(COST, draft_s=2 * COST.draft_s)
+    path.write_text(slower.to_json())
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    assert load_or_profile_cost_model(None, None, 16, path) == slower
 
 
 def test_profile_once_then_cached(tiny_chat_checkpoint, tmp_path, monkeypatch):

@@ -98,6 +98,7 @@ def test_trimmed_vocabulary_with_soft_targets_learns_resumes_and_ships(tiny_chec
 
     summary = summarise(tmp_path / "a")
     assert [r["step"] for r in summary["holdout_curve"]] == [6, 12] and "training tokens seen" in to_markdown(summary)
+    assert [r["step"] for r in summary["decoded_curve"]] == [6, 12] and "Held-out decoded" in to_markdown(summary)
     assert plot_scaling_curve(summary["holdout_curve"], tmp_path / "curve.png", "t").stat().st_size > 0
     # A run continued from that drafter logs where it starts: its held-out accept length at step 0 (the same samples and
     # anchors; the shipped weights are bf16, so close to, not bitwise, the last in-memory measurement).
@@ -138,3 +139,19 @@ def test_torchrun_two_processes_matches_single_process(tiny_checkpoints, tiny_da
     )
     for (name, a), (_, b) in zip(_weights(single).items(), _weights(tmp_path / "ddp" / "drafter").items()):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=0, msg=name)
+
+
+def test_a_continued_run_deepens_and_reblocks_its_drafter(tiny_checkpoints, tiny_data, tmp_path):
+    """init_from + more layers grows the drafter (fresh identity layers); another block size re-blocks it."""
+    base = train(_config(tiny_checkpoints, tiny_data, tmp_path / "base", max_steps=4), progress=False)
+    grown = train(_config(tiny_checkpoints, tiny_data, tmp_path / "deep", max_steps=4, init_from=str(base), num_layers=3,
+                          block_size=3), progress=False)
+    config = json.loads((grown / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["block_size"] == 3
+    kept, trained = _weights(base), _weights(grown)
+    assert set(kept) < set(trained) and any(k.startswith("layers.2.") for k in trained)
+    assert not torch.equal(kept["layers.0.mlp.down_proj.weight"], trained["layers.0.mlp.down_proj.weight"])
+    # Continuing with the checkpoint's own shape (num_layers / block_size unset) keeps it.
+    same = train(_config(tiny_checkpoints, tiny_data, tmp_path / "same", max_steps=2, init_from=str(grown),
+                         num_layers=None, block_size=None), progress=False)
+    assert json.loads((same / "config.json").read_text())["num_hidden_layers"] == 3
