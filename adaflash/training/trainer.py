@@ -55,7 +55,10 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # trim the drafter's head to the K most frequent target tokens of the data
     holdout_samples: int = 0  # samples kept out of training; their teacher-forced accept length is logged
     holdout_anchors: int = 32
-    holdout_decoded: bool = True  # also walk each held-out response as decoding would (every anchor: ~2x the cost)
+    # Also walk each held-out response as decoding would: every anchor of every held-out sample, ~10x the random
+    # anchors' cost (2.5 min a checkpoint for SmolLM2's 64 samples here); `python -m adaflash.evaluation.holdout`
+    # scores finished drafters so.
+    holdout_decoded: bool = False
     gamma: float = 7.0
     alpha: float = 0.8  # distillation: weight of CE to the target argmax
     tau: float = 0.01  # distillation: per-token divergence floor
@@ -238,6 +241,27 @@ def _sequence_loss(drafter, dcfg, target: TargetModel, head: DraftHead, index: i
     return loss_fn(logits, labels, teacher)
 
 
+def holdout_record(drafter: DFlashDrafter, target: TargetModel, head: DraftHead, dataset, holdout_ids, cfg: TrainConfig,
+                   loss_fn, teachers: TeacherCache) -> dict:
+    """The held-out numbers a checkpoint logs: `holdout` (expected accept length at random anchors) and, with
+    cfg.holdout_decoded, `holdout_decoded` (the responses walked as greedy decoding would), per domain."""
+    domains = [dataset.samples[i].domain for i in holdout_ids]
+
+    def decoded_run(i: int) -> DecodedRun:
+        sample = dataset.samples[i]
+        _, stats = _sequence_loss(drafter, drafter.config, target, head, i, sample, cfg, loss_fn, torch.Generator(),
+                                  teachers, num_anchors=len(sample.tokens))  # every anchor
+        return DecodedRun(stats["run_lengths"], first_anchor(sample), sample.prompt_len, len(sample.tokens))
+
+    record = {"holdout": holdout_accept_lengths(
+        lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss_fn, g,
+                                    teachers, cfg.holdout_anchors),
+        drafter, holdout_ids, domains, dataset.keys)}
+    if cfg.holdout_decoded:
+        record["holdout_decoded"] = decoded_accept_lengths(decoded_run, drafter, holdout_ids, domains)
+    return record
+
+
 def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None,
           teachers: TeacherCache | None = None) -> Path:
     """Train (or resume) a drafter; returns the directory of the final bf16 DFlash checkpoint.
@@ -294,22 +318,8 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     bar = tqdm(total=total, initial=step, desc="train drafter", unit="step", disable=not progress or rank != 0)
     window: dict = {}
 
-    holdout_domains = [dataset.samples[i].domain for i in holdout_ids]
-
-    def decoded_run(i: int) -> DecodedRun:
-        sample = dataset.samples[i]
-        _, stats = _sequence_loss(drafter, drafter.config, target, head, i, sample, cfg, loss_fn, torch.Generator(),
-                                  teachers, num_anchors=len(sample.tokens))  # every anchor
-        return DecodedRun(stats["run_lengths"], first_anchor(sample), sample.prompt_len, len(sample.tokens))
-
     def holdout() -> dict:
-        record = {"holdout": holdout_accept_lengths(
-            lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss_fn,
-                                        g, teachers, cfg.holdout_anchors),
-            drafter, holdout_ids, holdout_domains, dataset.keys)}
-        if cfg.holdout_decoded:
-            record["holdout_decoded"] = decoded_accept_lengths(decoded_run, drafter, holdout_ids, holdout_domains)
-        return record
+        return holdout_record(drafter, target, head, dataset, holdout_ids, cfg, loss_fn, teachers)
 
     if rank == 0 and holdout_ids and step == 0 and cfg.init_from:
         # Where a continued run starts (init_from's drafter on this data's held-out samples): the curve's first point.

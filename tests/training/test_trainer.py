@@ -70,8 +70,8 @@ def test_resume_after_kill_is_exact(tiny_checkpoints, tiny_data, tmp_path):
 
 
 def test_trimmed_vocabulary_with_soft_targets_learns_resumes_and_ships(tiny_checkpoints, tiny_soft_data, tmp_path):
-    kw = dict(data_dir=tiny_soft_data, loss="ce+kl", draft_vocab_size=24, holdout_samples=2, max_steps=12, lr=5e-3,
-              save_every=6, log_every=6)
+    kw = dict(data_dir=tiny_soft_data, loss="ce+kl", draft_vocab_size=24, holdout_samples=2, holdout_decoded=True,
+              max_steps=12, lr=5e-3, save_every=6, log_every=6)
     straight = train(_config(tiny_checkpoints, tiny_soft_data, tmp_path / "a", **kw), progress=False)
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"] and "divergence" in records[-1]

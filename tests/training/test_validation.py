@@ -32,7 +32,7 @@ def test_decoded_accept_length_equals_live_greedy_decoding(tiny_checkpoints, tin
     the same tokens per target pass."""
     common = dict(data_dir=tiny_data, model=tiny_checkpoints["llama"], mask_token_id=5, num_layers=2, block_size=4,
                   target_layer_ids=LAYERS, sequences_per_step=2, anchors_per_sequence=6, holdout_samples=3,
-                  log_every=10, lr=5e-3, warmup_frac=0.1)
+                  holdout_decoded=True, log_every=10, lr=5e-3, warmup_frac=0.1)
     trained = train(TrainConfig(out_dir=str(tmp_path / "a"), max_steps=30, save_every=30, **common), progress=False)
     train(TrainConfig(out_dir=str(tmp_path / "b"), max_steps=1, save_every=1, init_from=str(trained), **common),
           progress=False)
