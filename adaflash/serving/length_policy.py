@@ -150,6 +150,14 @@ class AcceptanceEstimate:
         """Per request, P(its drafts 1..j all accepted) for j = 1..its width: `allocate_drafts`' input."""
         return [[self.alpha(r, optimism) ** j for j in range(1, w + 1)] for r, w in zip(requests, widths)]
 
+    def expect(self, request: Request, probability: float) -> None:
+        """A look that drafted nothing: `probability` (a calibrated guess that the first draft would have been
+        accepted) counts as one fractional trial of `request`'s own estimate. The pooled estimate learns from real
+        outcomes only."""
+        state = request.policy_state
+        state[self.trials_key] = state.get(self.trials_key, 0.0) + 1.0
+        state[self.successes_key] = state.get(self.successes_key, 0.0) + probability
+
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
@@ -274,7 +282,12 @@ class LearnedThroughputLength:
 
     Looking costs a drafter pass, which on a compute-bound machine is not free next to a decode step, so the
     head looks only at requests whose running acceptance estimate says drafting may pay under this load (the
-    `throughput` policy's allocation, probes included); the others decode plainly at no drafter cost.
+    `throughput` policy's allocation on the estimate's mean, and its idle probe); the others decode plainly at no
+    drafter cost. A look the head declines teaches that estimate what the head saw (its first-position probability,
+    `AcceptanceEstimate.expect`): without it a declined look left no outcome, the estimate never moved, and a request
+    the head kept declining paid a drafter pass every step for nothing (docs/adaflash.md, session 15). The look is
+    the probe, so the screen needs no optimism: with it, a request whose head sits just below the bar looked at
+    almost every step.
     """
 
     cost: CostModel | CalibratedCost
@@ -282,7 +295,7 @@ class LearnedThroughputLength:
     name: str = "adaflash"
 
     def __post_init__(self) -> None:
-        self.screen = ThroughputLength(self.cost)
+        self.screen = ThroughputLength(self.cost, optimism=0.0)
 
     @property
     def step_cost(self) -> CalibratedCost | CostModel:
@@ -296,7 +309,11 @@ class LearnedThroughputLength:
         if look:
             for i, row in zip(look, self.head.survival(hidden_of(look))[:, :max_draft].tolist()):
                 survival[i] = row
-        return allocate_drafts(survival, self.screen.step_cost, max_draft)
+        lengths = allocate_drafts(survival, self.screen.step_cost, max_draft)
+        for i in look:
+            if lengths[i] == 0 and survival[i]:
+                self.screen.estimate.expect(requests[i], survival[i][0])
+        return lengths
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
         self.screen.feedback(request, drafted, accepted)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from adaflash.serving.cost_model import CostModel
 from adaflash.serving.length_policy import (
     FixedLength,
     HeuristicLength,
+    LearnedThroughputLength,
     LookupLength,
     ThroughputLength,
     allocate_drafts,
@@ -198,3 +200,35 @@ def test_lookup_length_probes_one_token_while_unsure():
     assert LookupLength(cost, prior=0.15, optimism=0.0).decide([r], [[1, 2, 3]]) == [0]  # the mean says no
     assert lookup.decide([r], [[1, 2, 3]]) == [1]  # its bound says one token may pay
     assert lookup.decide([r], [[]]) == [0]  # no match, nothing to verify
+
+
+class _ConstantHead:
+    """A position head that sees every block alike: each draft accepted with probability p."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def survival(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([[self.p ** j for j in range(1, hidden.shape[1])]] * len(hidden))
+
+
+def test_adaflash_stops_looking_where_its_head_keeps_declining():
+    """A look costs a drafter pass: a request whose blocks the head keeps declining must not pay it every step, and
+    one it keeps approving drafts every step."""
+    cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.012, 0.64), draft_s=0.0)  # 1 draft pays above ~0.2
+    looks, drafting = {}, {}
+    for p in (0.05, 0.15, 0.9):
+        policy, (r,) = LearnedThroughputLength(cost, _ConstantHead(p)), _requests(1)
+        looks[p] = drafting[p] = 0
+
+        def hidden_of(indices):
+            looks[p] += 1
+            return torch.zeros(len(indices), 8, 4)
+
+        for _ in range(300):
+            (k,) = policy.decide([r], 7, hidden_of)
+            drafting[p] += k > 0
+            policy.feedback(r, drafted=k, accepted=k)
+        assert drafting[p] == (300 if p == 0.9 else 0)
+    assert looks[0.9] == 300
+    assert 0 < looks[0.05] < looks[0.15] < 100  # it still looks now and then: the evidence fades, the request reopens
