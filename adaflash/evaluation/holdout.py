@@ -37,11 +37,12 @@ def score_drafters(drafters: Sequence[str | Path], data_dirs: Sequence[str | Pat
     layers = {d.config.target_layer_ids for d in loaded.values()}
     if len(layers) != 1:
         raise ValueError(f"the drafters read different target layers {sorted(layers)}: one data set cannot score them")
-    dataset = load_training_data(list(map(str, data_dirs)), next(iter(layers)))
+    (layer_ids,) = layers
+    dataset = load_training_data(list(map(str, data_dirs)), layer_ids)
     _, holdout_ids = split_holdout(dataset.keys, holdout)
     cfg = TrainConfig(data_dir=tuple(map(str, data_dirs)), out_dir="", model=model, holdout_anchors=anchors,
                       holdout_decoded=True)
-    teachers = TeacherCache(target, next(iter(layers)))
+    teachers = TeacherCache(target, layer_ids)
     return {path: holdout_record(drafter, target, DraftHead(target.lm_head, drafter.draft_vocab), dataset, holdout_ids,
                                  cfg, build_loss("ce"), teachers)
             for path, drafter in loaded.items()}

@@ -247,16 +247,17 @@ def holdout_record(drafter: DFlashDrafter, target: TargetModel, head: DraftHead,
     cfg.holdout_decoded, `holdout_decoded` (the responses walked as greedy decoding would), per domain."""
     domains = [dataset.samples[i].domain for i in holdout_ids]
 
+    def scored(i: int, generator: torch.Generator, num_anchors: int):
+        return _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss_fn, generator,
+                              teachers, num_anchors)
+
     def decoded_run(i: int) -> DecodedRun:
         sample = dataset.samples[i]
-        _, stats = _sequence_loss(drafter, drafter.config, target, head, i, sample, cfg, loss_fn, torch.Generator(),
-                                  teachers, num_anchors=len(sample.tokens))  # every anchor
+        _, stats = scored(i, torch.Generator(), len(sample.tokens))  # every anchor
         return DecodedRun(stats["run_lengths"], first_anchor(sample), sample.prompt_len, len(sample.tokens))
 
-    record = {"holdout": holdout_accept_lengths(
-        lambda i, g: _sequence_loss(drafter, drafter.config, target, head, i, dataset.samples[i], cfg, loss_fn, g,
-                                    teachers, cfg.holdout_anchors),
-        drafter, holdout_ids, domains, dataset.keys)}
+    record = {"holdout": holdout_accept_lengths(lambda i, g: scored(i, g, cfg.holdout_anchors), drafter, holdout_ids,
+                                                domains, dataset.keys)}
     if cfg.holdout_decoded:
         record["holdout_decoded"] = decoded_accept_lengths(decoded_run, drafter, holdout_ids, domains)
     return record
