@@ -4,10 +4,11 @@
 
 For each eval prompt the runs alternate in one process: transformers `generate` greedy, transformers with
 `prompt_lookup_num_tokens` (n-gram drafts from the prompt), our AR, our speculative method (the shipped DFlash
-drafter under `--length-policy`, default throughput) and, with `--ours-lookup K`, the same with our own
-prompt-lookup drafts first (`--prompt-lookup K`). Each side's speedup is over its own AR on the same prompt;
-the medians per domain are compared. Both transformers runs must produce the same tokens (its lossless check),
-and so must all of ours.
+drafter under `--length-policy`, default throughput) and, with `--ours-lookup K[,K2...]`, the same with our own
+prompt-lookup drafts first (`--prompt-lookup K`), once per K. Each side's speedup is over its own AR on the same
+prompt; the medians per domain are compared, and the summary says which of our configurations beats transformers'
+on every domain. `--skip N` starts each domain's prompts at the N-th (choose a configuration on one slice, report
+it on another). Both transformers runs must produce the same tokens (its lossless check), and so must all of ours.
 """
 
 from __future__ import annotations
@@ -43,32 +44,29 @@ def run(args: argparse.Namespace) -> dict:
     from adaflash.pipeline import Pipeline
 
     pipeline = Pipeline.load(args.model, resolve_drafter(args.model, args.drafter), args.dtype, args.length_policy)
-    with_lookup = pipeline.with_prompt_lookup(PromptLookup(args.ours_lookup)) if args.ours_lookup else None
+    with_lookup = {k: pipeline.with_prompt_lookup(PromptLookup(k)) for k in args.ours_lookup}
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_target(args.model)), dtype=pipeline.target.dtype).eval()
     eos = list(pipeline.stop_token_ids)
     rows = []
     for domain, dataset in DOMAINS.items():
-        for prompt in load_prompts(dataset, "eval", limit=args.per_domain):
+        for prompt in load_prompts(dataset, "eval", limit=args.skip + args.per_domain)[args.skip:]:
             ids = pipeline.encode(messages=prompt.messages)
             hf_ar, hf_ar_s = _hf_generate(hf, ids, args.max_new_tokens, eos, None)
             hf_pld, hf_pld_s = _hf_generate(hf, ids, args.max_new_tokens, eos, args.lookup)
             ours_ar = pipeline.generate_ids(ids, "ar", args.max_new_tokens)
             ours_spec = pipeline.generate_ids(ids, "dflash", args.max_new_tokens)
-            ours_lookup = with_lookup.generate_ids(ids, "dflash", args.max_new_tokens) if with_lookup else None
+            ours_lookup = {k: p.generate_ids(ids, "dflash", args.max_new_tokens) for k, p in with_lookup.items()}
             rows.append({
                 "domain": domain, "prompt_id": prompt.id, "tokens": len(ours_ar.token_ids),
                 "hf_ar_tok_s": len(hf_ar) / hf_ar_s, "hf_pld_tok_s": len(hf_pld) / hf_pld_s,
                 "ours_ar_tok_s": len(ours_ar.token_ids) / ours_ar.stats.elapsed_s,
                 "ours_spec_tok_s": len(ours_spec.token_ids) / ours_spec.stats.elapsed_s,
                 "ours_accept_len": ours_spec.stats.accept_len_mean,
-                "hf_lossless": hf_ar == hf_pld, "ours_lossless": ours_ar.token_ids == ours_spec.token_ids,
+                "hf_lossless": hf_ar == hf_pld,
+                "ours_lossless": all(r.token_ids == ours_ar.token_ids for r in [ours_spec, *ours_lookup.values()]),
+                "lookup": {str(k): {"tok_s": len(r.token_ids) / r.stats.elapsed_s, "accept_len": r.stats.accept_len_mean}
+                           for k, r in ours_lookup.items()},
             })
-            if ours_lookup is not None:
-                rows[-1].update({
-                    "ours_lookup_tok_s": len(ours_lookup.token_ids) / ours_lookup.stats.elapsed_s,
-                    "ours_lookup_accept_len": ours_lookup.stats.accept_len_mean,
-                    "ours_lossless": rows[-1]["ours_lossless"] and ours_lookup.token_ids == ours_ar.token_ids,
-                })
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
     by_domain = {}
     for domain in DOMAINS:
@@ -77,13 +75,18 @@ def run(args: argparse.Namespace) -> dict:
         ours = statistics.median(r["ours_spec_tok_s"] / r["ours_ar_tok_s"] for r in mine)
         by_domain[domain] = {"prompt_lookup_speedup": pld, "ours_speedup": ours, "ours_beats_prompt_lookup": ours > pld,
                              "ours_accept_len": statistics.fmean(r["ours_accept_len"] for r in mine)}
-        if with_lookup is not None:
-            ours_lookup = statistics.median(r["ours_lookup_tok_s"] / r["ours_ar_tok_s"] for r in mine)
-            by_domain[domain].update({
-                "ours_lookup_speedup": ours_lookup, "ours_lookup_beats_prompt_lookup": ours_lookup > pld,
-                "ours_lookup_accept_len": statistics.fmean(r["ours_lookup_accept_len"] for r in mine)})
+        by_domain[domain]["lookup"] = {}
+        for k in with_lookup:
+            speedup = statistics.median(r["lookup"][str(k)]["tok_s"] / r["ours_ar_tok_s"] for r in mine)
+            by_domain[domain]["lookup"][str(k)] = {
+                "speedup": speedup, "beats_prompt_lookup": speedup > pld,
+                "accept_len": statistics.fmean(r["lookup"][str(k)]["accept_len"] for r in mine)}
+    configs = {"dflash": [m["ours_beats_prompt_lookup"] for m in by_domain.values()]}
+    configs.update({f"dflash + lookup {k}": [m["lookup"][str(k)]["beats_prompt_lookup"] for m in by_domain.values()]
+                    for k in with_lookup})
     return {"rows": rows, "by_domain": by_domain, "dtype": pipeline.target.numerics,
-            "length_policy": args.length_policy, "lookup": args.lookup, "ours_lookup": args.ours_lookup}
+            "length_policy": args.length_policy, "lookup": args.lookup, "ours_lookup": list(with_lookup),
+            "beats_on_every_domain": {name: all(beats) for name, beats in configs.items()}}
 
 
 def to_markdown(report: dict) -> str:
@@ -96,23 +99,30 @@ def to_markdown(report: dict) -> str:
         f"{report['lookup']}. Each speedup is over its own AR on the same prompts (median).",
         "",
     ]
-    lookup = report.get("ours_lookup")
-    extra = f" | ours + lookup {lookup} / our AR | accept length | better" if lookup else ""
+    lookups = report["ours_lookup"]
+    extra = "".join(f" | ours + lookup {k} / our AR | accept length | better" for k in lookups)
     lines += [f"| domain | transformers PLD / AR | ours / our AR | our accept length | ours better{extra} |",
-              "|---|---|---|---|---|" + ("---|---|---|" if lookup else "")]
+              "|---|---|---|---|---|" + "---|---|---|" * len(lookups)]
     yes = {True: "yes", False: "no"}
     for d, m in report["by_domain"].items():
         row = (f"| {d} | {m['prompt_lookup_speedup']:.2f}x | {m['ours_speedup']:.2f}x | {m['ours_accept_len']:.2f} | "
                f"{yes[m['ours_beats_prompt_lookup']]} |")
-        if lookup:
-            row += (f" {m['ours_lookup_speedup']:.2f}x | {m['ours_lookup_accept_len']:.2f} | "
-                    f"{yes[m['ours_lookup_beats_prompt_lookup']]} |")
+        for k in lookups:
+            mk = m["lookup"][str(k)]
+            row += f" {mk['speedup']:.2f}x | {mk['accept_len']:.2f} | {yes[mk['beats_prompt_lookup']]} |"
         lines.append(row)
+    every = [name for name, ok in report["beats_on_every_domain"].items() if ok]
+    lines += ["", "Ours beats transformers' prompt lookup on every domain with: "
+              + (", ".join(every) if every else "no configuration") + "."]
     lossless = all(r["ours_lossless"] for r in report["rows"])
     hf_same = sum(r["hf_lossless"] for r in report["rows"])
     lines += ["", f"Our outputs identical to our AR on every prompt: {'yes' if lossless else 'NO'}. "
               f"transformers' prompt-lookup output identical to its AR on {hf_same} of {len(report['rows'])} prompts."]
     return "\n".join(lines) + "\n"
+
+
+def _lookup_lengths(text: str) -> list[int]:
+    return [int(k) for k in text.split(",") if k.strip()]
 
 
 def main() -> None:
@@ -124,8 +134,9 @@ def main() -> None:
     p.add_argument("--per-domain", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
-    p.add_argument("--ours-lookup", type=int, default=None, metavar="K",
-                   help="also run ours with our prompt-lookup drafts first (--prompt-lookup K)")
+    p.add_argument("--ours-lookup", type=_lookup_lengths, default=[], metavar="K[,K2...]",
+                   help="also run ours with our prompt-lookup drafts first (--prompt-lookup K), once per K")
+    p.add_argument("--skip", type=int, default=0, help="start each domain's prompts at this index")
     p.add_argument("--json", default="docs/results/prompt_lookup.json")
     args = p.parse_args()
     set_threads(None)
@@ -133,7 +144,8 @@ def main() -> None:
     cmd = command_line(["python", "-m", "adaflash.evaluation.prompt_lookup"],
                        [("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
                         ("--dtype", args.dtype), ("--length-policy", args.length_policy), ("--lookup", args.lookup),
-                        ("--ours-lookup", args.ours_lookup), ("--json", args.json)])
+                        ("--ours-lookup", ",".join(map(str, args.ours_lookup)) or None), ("--skip", args.skip or None),
+                        ("--json", args.json)])
     report.update(provenance(cmd))
     write_json(report, args.json)
     Path(args.json).with_suffix(".md").write_text(to_markdown(report))

@@ -71,88 +71,80 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
           int64_t ldy) {
   constexpr int64_t bytes = Format == kQ4_1 ? kQ4_1Packed : kQ8_0Packed;
   const int64_t k = nb * kBlock;
-  __m256 acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = panel + b * bytes;
-    __m256i sum[R][2];
+  // One half of the panel (8 outputs) at a time over all of k, so a tile of up to 8 rows keeps its int16 sums in
+  // registers (both halves at once needed twice the registers and spilled at every step: 1.2-1.3x slower at 4-64 rows,
+  // docs/results/session16/int8_tile.md). The second half re-reads the panel from L1/L2.
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
-    if (Format == kQ4_1) {
-      // Both halves of the panel in one pass over the block, so each broadcast of 4 activation bytes feeds both.
-      // The block's 8 steps add their int16 pairs in int16 (an int16 lane then holds 16 products, |sum| <= 16 x 15
-      // x 127 = 30480: no overflow) and widen once: one madd where there were eight, the same integers.
-      __m256i pairs16[R][2];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = panel + b * bytes;
+      __m256i sum[R];
+      if (Format == kQ4_1) {
+        // The block's 8 steps add their int16 pairs in int16 (an int16 lane then holds 16 products, |sum| <= 16 x 15
+        // x 127 = 30480: no overflow) and widen once.
+        __m256i pairs16[R];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) pairs16[r][0] = pairs16[r][1] = _mm256_setzero_si256();
+        for (int r = 0; r < R; ++r) pairs16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
-        __m256i lo[2], hi[2];
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
+        for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + l * 64 + h * 32));
-          lo[h] = _mm256_and_si256(v, low4);
-          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
+            pairs16[r] = _mm256_add_epi16(pairs16[r], _mm256_add_epi16(pairs<Format>(lo, bcast4(x + 4 * l)),
+                                                                       pairs<Format>(hi, bcast4(x + 4 * l + 16))));
+            // Pin the running sum: gcc otherwise re-associates the exact int16 adds into all 32 products live at once
+            // and spills them to the stack.
+            asm("" : "+x"(pairs16[r]));
+          }
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
-          const __m256i x_lo = bcast4(x + 4 * l), x_hi = bcast4(x + 4 * l + 16);
-#pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h)
-            pairs16[r][h] = _mm256_add_epi16(pairs16[r][h], _mm256_add_epi16(pairs<Format>(lo[h], x_lo),
-                                                                               pairs<Format>(hi[h], x_hi)));
-        }
-      }
+        for (int r = 0; r < R; ++r) sum[r] = _mm256_madd_epi16(pairs16[r], _mm256_set1_epi16(1));
+      } else {  // Q8_0's pairs reach 32512: each step widens on its own
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) sum[r][h] = widen_add(sum[r][h], pairs16[r][h]);
-    } else {  // Q8_0's pairs reach 32512: each step widens on its own
+        for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int s = 0; s < 8; ++s) {
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
+        for (int s = 0; s < 8; ++s) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + s * 64 + h * 32));
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r)
-            sum[r][h] = widen_add(sum[r][h], pairs<Format>(v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s)));
+          for (int r = 0; r < R; ++r) {
+            sum[r] = widen_add(sum[r], pairs<Format>(v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s)));
+            asm("" : "+x"(sum[r]));  // as above: one running sum per row, not 64 live products
+          }
         }
       }
-    }
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + h * 16)));
       const __m256 mw = Format == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + h * 16)))
                                         : _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * nb + b;
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[i])), acc[r][h]);
-        if (Format == kQ4_1) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[r][h]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[i])), acc[r]);
+        if (Format == kQ4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[r]);
       }
     }
-  }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256 out = acc[r][h];
+    for (int r = 0; r < R; ++r) {
+      __m256 out = acc[r];
       if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + h * 8));
       _mm256_storeu_ps(y + (r0 + r) * ldy + h * 8, out);
     }
+  }
 }
 
-// One panel for every row: tiles of up to kRows rows (16 ymm registers: 4 rows x 2 halves of int16 pair sums, and
-// as many accumulators).
-constexpr int kRows = 4;
+// One panel for every row: tiles of up to kRows rows (8 rows' int16 pair sums in registers; their float accumulators,
+// touched once per block, may live on the stack).
+constexpr int kRows = 8;
 
 template <int Format>
 void panel_rows(const Activations& a, int64_t m, const uint8_t* panel, int64_t nb, const float* bias, float* y,
                 int64_t n) {
-  static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>, tile<Format, 4>};
+  static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>, tile<Format, 4>,
+                                            tile<Format, 5>, tile<Format, 6>, tile<Format, 7>, tile<Format, 8>};
   run_tiles(tiles, kRows, a, m, panel, nb, bias, y, n);
 }
 
