@@ -18,44 +18,9 @@ namespace {
 using adaflash::exp_nonpositive;
 using adaflash::hsum;
 
-// One query row: out[d] = sum_j softmax(q . k_j * scale)_j v_j over keys j < len. d % 8 == 0.
-void attend_row(const float* q, const float* k, const float* v, int64_t len, int64_t d, float scale, float* scores,
-                float* out) {
-  // Scores, 8 keys at a time: 8 dot products in 8 accumulators, then one transposing reduction.
-  __m256 vmax8 = _mm256_set1_ps(-INFINITY);
-  int64_t j0 = 0;
-  for (; j0 + 8 <= len; j0 += 8) {
-    __m256 acc[8];
-#pragma GCC unroll 8
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-      const __m256 qi = _mm256_loadu_ps(q + i);
-#pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + (j0 + u) * d + i), acc[u]);
-    }
-    const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
-    const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
-    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-    // lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of h0123 (and k4..k7 for h4567): add the two 128-bit halves.
-    const __m256 sums =
-        _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
-    const __m256 sc = _mm256_mul_ps(sums, _mm256_set1_ps(scale));
-    _mm256_storeu_ps(scores + j0, sc);
-    vmax8 = _mm256_max_ps(vmax8, sc);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax8);
-  float max = lanes[0];
-  for (int u = 1; u < 8; ++u) max = lanes[u] > max ? lanes[u] : max;
-  for (int64_t j = j0; j < len; ++j) {  // the last len % 8 keys one by one
-    const float* kj = k + j * d;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), acc);
-    const float sc = hsum(acc) * scale;
-    scores[j] = sc;
-    max = sc > max ? sc : max;
-  }
-  // Probabilities, summed in 8 lanes then reduced (a fixed order for a given len).
+// scores[0, len) -> exp(score - max) in place; returns their sum, added in 8 lanes then reduced (a fixed order for a
+// given len).
+inline float softmax_in_place(float* scores, int64_t len, float max) {
   const __m256 vmax = _mm256_set1_ps(max);
   __m256 vsum = _mm256_setzero_ps();
   int64_t j = 0;
@@ -73,23 +38,99 @@ void attend_row(const float* q, const float* k, const float* v, int64_t len, int
     _mm256_store_ps(tail, p);
     for (int64_t t = j; t < len; ++t) scores[t] = tail[t - j], sum += tail[t - j];
   }
-  // out = sum_j p_j v_j / sum, 64 lanes of d at a time kept in registers.
-  for (int64_t i0 = 0; i0 < d; i0 += 64) {
-    const int64_t width = d - i0 < 64 ? d - i0 : 64;
-    const int vecs = static_cast<int>(width / 8);
-    __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    for (int64_t jj = 0; jj < len; ++jj) {
-      const __m256 p = _mm256_set1_ps(scores[jj]);
-      const float* vj = v + jj * d + i0;
-#pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u)
-        if (u < vecs) acc[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + u * 8), acc[u]);
+  return sum;
+}
+
+// R query rows that read the same keys (the query heads of one token that share a KV head, GQA): out_r[d] = sum_j
+// softmax(q_r . k_j * scale)_j v_j over keys j < len. d % 8 == 0. Each key and value row is loaded once for all R rows
+// (a row at a time read the KV head G times). Every row's arithmetic is the same whatever R: each score one FMA chain
+// over d in order, then the same reduction tree; each output lane one FMA chain over the keys in order.
+template <int R>
+void attend_rows(const float* const* q, const float* k, const float* v, int64_t len, int64_t d, float scale,
+                 float* const* scores, float* const* out) {
+  // Scores, 4 keys at a time for the R rows (3 x 4 accumulators, the rows' q vectors and a key vector: 16 registers).
+  __m128 vmax4[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) vmax4[r] = _mm_set1_ps(-INFINITY);
+  const int64_t blocked = len / 8 * 8;  // keys in 8-key blocks (the rest one by one, below)
+  for (int64_t j0 = 0; j0 < blocked; j0 += 4) {
+    __m256 acc[R][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      __m256 qi[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) qi[r] = _mm256_loadu_ps(q[r] + i);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m256 ku = _mm256_loadu_ps(k + (j0 + u) * d + i);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(qi[r], ku, acc[r][u]);
+      }
     }
-    const __m256 denom = _mm256_set1_ps(sum);
-    for (int u = 0; u < vecs; ++u) _mm256_storeu_ps(out + i0 + u * 8, _mm256_div_ps(acc[u], denom));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      // Per key: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of its 8 lanes.
+      const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h0123), _mm256_extractf128_ps(h0123, 1));
+      const __m128 sc = _mm_mul_ps(sums, _mm_set1_ps(scale));
+      _mm_storeu_ps(scores[r] + j0, sc);
+      vmax4[r] = _mm_max_ps(vmax4[r], sc);
+    }
+  }
+  float sum[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, vmax4[r]);
+    float max = lanes[0];
+    for (int u = 1; u < 4; ++u) max = lanes[u] > max ? lanes[u] : max;
+    for (int64_t j = blocked; j < len; ++j) {  // the last len % 8 keys one by one
+      const float* kj = k + j * d;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), _mm256_loadu_ps(kj + i), acc);
+      const float sc = hsum(acc) * scale;
+      scores[r][j] = sc;
+      max = sc > max ? sc : max;
+    }
+    sum[r] = softmax_in_place(scores[r], len, max);
+  }
+  // out_r = sum_j p_rj v_j / sum_r, 32 lanes of d at a time for the R rows.
+  for (int64_t i0 = 0; i0 < d; i0 += 32) {
+    const int vecs = static_cast<int>((d - i0 < 32 ? d - i0 : 32) / 8);
+    __m256 acc[R][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
+    for (int64_t jj = 0; jj < len; ++jj) {
+      __m256 p[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) p[r] = _mm256_set1_ps(scores[r][jj]);
+      const float* vj = v + jj * d + i0;
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        if (u < vecs) {
+          const __m256 vu = _mm256_loadu_ps(vj + u * 8);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(p[r], vu, acc[r][u]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 denom = _mm256_set1_ps(sum[r]);
+      for (int u = 0; u < vecs; ++u) _mm256_storeu_ps(out[r] + i0 + u * 8, _mm256_div_ps(acc[r][u], denom));
+    }
   }
 }
+
+using AttendRows = void (*)(const float* const*, const float*, const float*, int64_t, int64_t, float, float* const*,
+                            float* const*);
+constexpr int kMaxRows = 3;
+constexpr AttendRows kAttendRows[kMaxRows + 1] = {nullptr, attend_rows<1>, attend_rows<2>, attend_rows<3>};
 
 }  // namespace
 
@@ -102,18 +143,29 @@ void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const f
                                int64_t kv_heads, int64_t max_len, int64_t num_seqs, const int64_t* token_start,
                                const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads) {
   const int64_t groups = heads / kv_heads;
+  // A token's query heads of one KV head in chunks of up to kMaxRows rows, as even as they go (4 heads: 2 + 2).
+  const int64_t chunks = (groups + kMaxRows - 1) / kMaxRows, per_chunk = (groups + chunks - 1) / chunks;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores(max_len);
+    std::vector<float> scores(kMaxRows * max_len);
+    float* score_rows[kMaxRows];
+    for (int r = 0; r < kMaxRows; ++r) score_rows[r] = scores.data() + r * max_len;
 #pragma omp for schedule(dynamic, 1) collapse(2)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < kv_heads; ++h) {
         const float* ks = k + (slot[s] * kv_heads + h) * max_len * d;
         const float* vs = v + (slot[s] * kv_heads + h) * max_len * d;
         for (int64_t t = token_start[s]; t < token_start[s + 1]; ++t) {
-          for (int64_t g = 0; g < groups; ++g) {
-            const int64_t row = t * heads + h * groups + g;  // query head h * groups + g reads KV head h
-            attend_row(q + row * d, ks, vs, key_len[t], d, scale, scores.data(), out + row * d);
+          for (int64_t g0 = 0; g0 < groups; g0 += per_chunk) {
+            const int rows = static_cast<int>(groups - g0 < per_chunk ? groups - g0 : per_chunk);
+            const float* q_rows[kMaxRows];
+            float* out_rows[kMaxRows];
+            for (int r = 0; r < rows; ++r) {
+              const int64_t row = t * heads + h * groups + g0 + r;  // query head h * groups + g reads KV head h
+              q_rows[r] = q + row * d;
+              out_rows[r] = out + row * d;
+            }
+            kAttendRows[rows](q_rows, ks, vs, key_len[t], d, scale, score_rows, out_rows);
           }
         }
       }
