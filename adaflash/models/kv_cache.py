@@ -95,11 +95,17 @@ class RaggedAttention:
     (each built on first use).
     `causal=False` lets every query see all keys of its own sequence up to the batch end (the drafter's
     non-causal block); `causal=True` is ordinary decoding.
+    `ragged_prefill=True` runs the ragged kernel at every query count, prefills included (where it is available),
+    so a position's attention is bitwise the same whether its sequence is prefilled, verified or decoded, and in
+    whatever split: what makes a reused cache prefix exact (`Engine`'s prefix reuse). Off, a prefill-length query
+    runs SDPA (the fp32 target's path, as transformers computes it).
     """
 
-    def __init__(self, batch: RaggedBatch, causal: bool, device: torch.device | str = "cpu") -> None:
+    def __init__(self, batch: RaggedBatch, causal: bool, device: torch.device | str = "cpu",
+                 ragged_prefill: bool = False) -> None:
         self.batch = batch
         self.causal = causal
+        self.ragged_prefill = ragged_prefill
         self._kernel_index: tuple[torch.Tensor, ...] | None = None  # (token starts, slots, key lengths), lazy
         self._token_slots: torch.Tensor | None = None  # each token's cache slot (rope_and_write), lazy
         self.single = len(batch.slots) == 1
@@ -166,7 +172,8 @@ class RaggedAttention:
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
         t, h, d = q.shape
-        if self.qmax <= attention_kernel.MAX_QUERIES and attention_kernel.available(q.dtype, q.device, d):
+        short = self.qmax <= attention_kernel.MAX_QUERIES or self.ragged_prefill
+        if short and attention_kernel.available(q.dtype, q.device, d):
             return attention_kernel.ragged_attention(q, cache.k[layer], cache.v[layer], *self._index(), scale=d ** -0.5)
         if self.causal and self.qmax > attention_kernel.MAX_QUERIES:  # a prefill in the batch
             return self._attend_each(cache, layer, q)

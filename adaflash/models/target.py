@@ -20,6 +20,7 @@ from safetensors import safe_open
 from adaflash.models.config import TransformerConfig
 from adaflash.models.dtype import int8_activations, resolve_dtype
 from adaflash.models.gguf_blocks import QuantizedWeight, quantized_weights
+from adaflash.models.kernels import attention as attention_kernel
 from adaflash.models.kernels.layer_step import LayerSteps, StepLayer
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
@@ -121,6 +122,13 @@ class TargetModel(nn.Module):
         return "int8" if self.int8_activations else str(self.dtype).removeprefix("torch.")
 
     @property
+    def rows_independent(self) -> bool:
+        """Whether a position's K/V and logits are bitwise the same in every pass (a prefill of any split, a
+        verification, a decode step, in any batch): the int8 target, whose linears and attention (the ragged kernel,
+        prefills too) compute each row alone. What makes a reused prompt prefix exact (serving/prefix_reuse.py)."""
+        return self.int8_activations and attention_kernel.available(self.dtype, self.device, self.config.head_dim)
+
+    @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
@@ -159,7 +167,8 @@ class TargetModel(nn.Module):
                 raise ValueError(f"slot {slot} holds {cache.lengths[slot]} positions but the batch starts at {start}")
         if max(batch.ends) > cache.max_len:
             raise ValueError(f"sequence of {max(batch.ends)} positions exceeds the cache's {cache.max_len}")
-        attention = RaggedAttention(batch, causal=True, device=self.device)
+        # int8: every pass, prefills too, on the ragged kernel (one model at every split: exact prefix reuse).
+        attention = RaggedAttention(batch, causal=True, device=self.device, ragged_prefill=self.int8_activations)
         cos, sin = rope_cos_sin(batch.positions.to(self.device), cfg.head_dim, cfg.rope_theta, self.dtype)
         capture = set(capture_layers)
         h = self.embed(token_ids.to(self.device))

@@ -19,6 +19,7 @@ from adaflash.models.layers import argmax_rows
 from adaflash.models.target import TargetModel
 from adaflash.serving.cost_model import CalibratedCost, CostModel
 from adaflash.serving.length_policy import FixedLength, LengthPolicy, LookupLength
+from adaflash.serving.prefix_reuse import SlotPrefixes
 from adaflash.serving.request import Request, StepOutput
 from adaflash.serving.scheduler import Scheduler
 from adaflash.speculative.prompt_lookup import PromptLookup, point_mass
@@ -66,6 +67,9 @@ class Engine:
         # Target features not yet fed to the drafter, per slot: (first position, [T, n*d] chunks). Fed just
         # before the slot's next drafter pass, so a request the policy keeps from drafting costs no drafter work.
         self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        # A new request reuses the prompt prefix its slot's cache already holds, where that is exact (prefix_reuse.py).
+        self.prefixes = SlotPrefixes(max_batch) if target.rows_independent else None
+        self.prompt_tokens = self.prompt_tokens_reused = 0  # prefilled prompt tokens, and those a slot already held
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -83,8 +87,7 @@ class Engine:
         if request is None:
             return False
         request.finish_reason = "abort"
-        self._pending.pop(request.slot, None)
-        self.scheduler.release(request)
+        self._release(request)
         return True
 
     def has_work(self) -> bool:
@@ -94,7 +97,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        admitted = self.scheduler.admit()
+        admitted = self.scheduler.admit(self._choose_slot if self.prefixes is not None else None)
         # In slot order: when the slots in use are contiguous, attention reads the caches as views, not gathered copies.
         decoding = sorted((r for r in self.scheduler.running if r not in admitted), key=lambda r: r.slot)
         outputs = self._prefill(admitted) if admitted else []
@@ -104,9 +107,29 @@ class Engine:
         for request in [r for r in self.scheduler.running if r.finished]:
             if self.recorder is not None:
                 self.recorder.on_finish(request)
-            self._pending.pop(request.slot, None)
-            self.scheduler.release(request)
+            self._release(request)
         return outputs
+
+    def _release(self, request: Request) -> None:
+        if request.slot is not None and request in self.scheduler.running:
+            self._pending.pop(request.slot, None)
+            if self.prefixes is not None:  # what the slot's cache holds: every position below its length
+                held = self.target_cache.lengths[request.slot]
+                self.prefixes.remember(request.slot, (request.prompt_ids + request.output_ids)[:held])
+        self.scheduler.release(request)
+
+    def _choose_slot(self, request: Request, free_slots: list[int]) -> int:
+        return self.prefixes.best_slot(request.prompt_ids, free_slots)
+
+    def _reusable(self, request: Request) -> int:
+        """Leading prompt positions `request`'s slot holds and may keep (none where the prompt's features are asked
+        for, or without reuse); with a drafter, no more than its context cache holds too."""
+        if self.prefixes is None or request.return_features:
+            return 0
+        keep = self.prefixes.reusable(request.slot, request.prompt_ids)
+        if self.draft_cache is not None:
+            keep = min(keep, self.draft_cache.lengths[request.slot])
+        return keep
 
     def swap_proposer(self, proposer: DFlashProposer, policy: LengthPolicy | None = None, version: str = "") -> None:
         """Between steps, a new drafter (a published checkpoint) takes over; running requests keep going.
@@ -140,17 +163,23 @@ class Engine:
         return int(sample_tokens(logits_to_probs(logits[None], request.sampling), request.generator)[0])
 
     def _prefill(self, requests: Sequence[Request]) -> list[StepOutput]:
-        for r in requests:
-            self.target_cache.reset(r.slot)
+        kept = [self._reusable(r) for r in requests]
+        for r, keep in zip(requests, kept):
+            self.target_cache.rollback(r.slot, keep)
             if self.draft_cache is not None:
-                self.draft_cache.reset(r.slot)
-        batch = RaggedBatch.build([r.slot for r in requests], [0] * len(requests), [len(r.prompt_ids) for r in requests])
-        ids = torch.tensor([t for r in requests for t in r.prompt_ids])
+                self.draft_cache.rollback(r.slot, keep)
+            if self.prefixes is not None:
+                self.prefixes.forget(r.slot)  # the slot is being rewritten; _release records what it holds then
+        lengths = [len(r.prompt_ids) - keep for r, keep in zip(requests, kept)]
+        self.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
+        self.prompt_tokens_reused += sum(kept)
+        batch = RaggedBatch.build([r.slot for r in requests], kept, lengths)
+        ids = torch.tensor([t for r, keep in zip(requests, kept) for t in r.prompt_ids[keep:]])
         out = self.target(ids, batch, self.target_cache, self.capture, batch.last_token_indices())
-        features = out.hidden.split([len(r.prompt_ids) for r in requests]) if self.capture else [None] * len(requests)
+        features = out.hidden.split(lengths) if self.capture else [None] * len(requests)
         if self.proposer is not None:
-            for r, f in zip(requests, features):
-                self._pending[r.slot] = (0, [f])
+            for r, keep, f in zip(requests, kept, features):
+                self._pending[r.slot] = (keep, [f])
         return [self._output(r, r.commit([self._pick(r, out.logits[i])]), out.logits[i : i + 1], features[i])
                 for i, r in enumerate(requests)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from adaflash.serving.request import Request
 
@@ -26,12 +27,17 @@ class Scheduler:
             raise QueueFullError(f"{len(self.running)} running and {len(self.waiting)} waiting: at capacity")
         self.waiting.append(request)
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests into free slots; returns the newly admitted (they need a prefill)."""
+    def admit(self, choose_slot: Callable[[Request, list[int]], int] | None = None) -> list[Request]:
+        """Move waiting requests into free slots; returns the newly admitted (they need a prefill). `choose_slot`
+        picks one of the free slots for a request (default: the lowest free one)."""
         admitted = []
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
-            request.slot = self.free_slots.pop()
+            if choose_slot is None:
+                request.slot = self.free_slots.pop()
+            else:
+                request.slot = choose_slot(request, self.free_slots)
+                self.free_slots.remove(request.slot)
             self.running.append(request)
             admitted.append(request)
         return admitted

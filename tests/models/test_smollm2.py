@@ -152,3 +152,49 @@ def test_int8_target_is_one_model_in_every_pass_and_speculation_is_lossless_agai
 def test_int8_needs_a_gguf_target_with_blocks(tiny_chat_checkpoint):
     with pytest.raises(ValueError, match="--dtype int8 needs"):
         load_target(tiny_chat_checkpoint, dtype=torch.float32, int8_activations=True)
+
+
+def test_int8_engine_reuses_a_slots_prompt_prefix_exactly(smollm2_dir, pipeline):
+    """The int8 target computes every position alone (prefills too run the ragged attention kernel): a position's
+    logits are bitwise the same from a prefill or a decode step. So a request landing in a slot that holds part of its
+    prompt - here a second turn re-sending the first turn and the model's own answer, which the slot computed in decode
+    steps - prefills only the rest, and produces exactly what a fresh engine does, AR and speculative alike (the
+    drafter's context cache keeps its prefix too)."""
+    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.kernels.selection import fast_linears_available
+    from adaflash.models.registry import shipped_drafter
+    from adaflash.serving.engine import Engine
+    from adaflash.serving.request import Request
+    from adaflash.speculative.proposer import DFlashProposer
+
+    if not fast_linears_available(pipeline.target.lm_head):
+        pytest.skip("our CPU kernels are unavailable here")
+    int8 = load_target(smollm2_dir, dtype=torch.float32, int8_activations=True)
+    assert int8.rows_independent and not pipeline.target.rows_independent  # fp32 prefills on SDPA: no reuse
+    ids = pipeline.encode(messages=[{"role": "user", "content": "List three colours."}])
+    n = len(ids)
+    cache = int8.new_cache(1, n + 8)
+    prefill = int8(torch.tensor(ids + ids[:8]), RaggedBatch.build([0], [0], [n + 8]), int8.new_cache(1, n + 8)).logits
+    int8(torch.tensor(ids), RaggedBatch.build([0], [0], [n]), cache)
+    steps = torch.stack([int8(torch.tensor([t]), RaggedBatch.build([0], [n + i], [1]), cache).logits[0]
+                         for i, t in enumerate(ids[:8])])
+    assert torch.equal(prefill[-8:], steps)
+
+    def run(engine: Engine, prompt: list[int]) -> list[int]:
+        request = Request(f"r{engine.prompt_tokens}", prompt, 24, stop_token_ids=pipeline.stop_token_ids)
+        engine.add_request(request)
+        while engine.has_work():
+            engine.step()
+        return request.output_ids
+
+    follow = pipeline.tokenizer.encode("\n<|im_start|>user\nNow three animals.<|im_end|>\n<|im_start|>assistant\n",
+                                       add_special_tokens=False)
+    proposer = DFlashProposer(load_drafter(shipped_drafter("smollm2-135m"), dtype=torch.float32), int8)
+    for drafter in (None, proposer):
+        engine = Engine(int8, drafter, max_batch=1, max_len=512)
+        answer = run(engine, ids)
+        second = ids + answer + follow
+        again = run(engine, second)
+        # The slot held the first turn and most of its answer (with a drafter: what its context cache had been fed).
+        assert engine.prompt_tokens_reused >= n + len(answer) // 2
+        assert again == run(Engine(int8, drafter, max_batch=1, max_len=512), second)
