@@ -21,6 +21,9 @@ class ServerMetrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("adaflash_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("adaflash_generation_tokens", "tokens generated for clients", registry=r)
+        self.prompt_tokens_reused = Counter(
+            "adaflash_prompt_tokens_reused", "prompt tokens not prefilled: their slot's cache already held them "
+            "(prefix reuse, exact where the target computes each position alone: --dtype int8)", registry=r)
         self.disconnects = Counter("adaflash_client_disconnects",
                                    "requests aborted because the client went away before they finished", registry=r)
         self.request_timeouts = Counter("adaflash_request_timeouts",
@@ -45,6 +48,7 @@ class ServerMetrics:
                                   registry=r)
         self.set_length_policy(policy, method)
         self.free_slots.set(max_batch)
+        self._reused_seen = 0
 
     def set_length_policy(self, policy: str, method: str) -> None:
         """The policy label; a hot swap may change the policy (the version watcher's observer calls this)."""
@@ -59,6 +63,11 @@ class ServerMetrics:
             self.accept_length.observe(n)
         for k in stats.draft_lengths:
             self.verify_length.observe(k)
+        # The engine keeps a running total; a counter only goes up by the difference.
+        reused = stats.prompt_tokens_reused - self._reused_seen
+        if reused > 0:
+            self.prompt_tokens_reused.inc(reused)
+            self._reused_seen = stats.prompt_tokens_reused
 
     def observe_hot_swap(self, swapped: bool) -> None:
         """The version watcher's observer: one call per published version it swapped in or refused."""

@@ -37,6 +37,7 @@ class StepStats:
     free_slots: int
     accept_lengths: tuple[int, ...] = ()  # tokens committed per target pass, one per request that decoded
     draft_lengths: tuple[int, ...] = ()  # drafted tokens verified per target pass, likewise
+    prompt_tokens_reused: int = 0  # prompt tokens admitted requests found in their slot's cache (engine total)
 
 
 @dataclass(frozen=True)
@@ -287,6 +288,7 @@ class EngineRunner:
             return
         s = self.engine.scheduler
         try:
-            self.observer(StepStats(len(s.running), len(s.waiting), len(s.free_slots), tuple(accepts), tuple(drafts)))
+            self.observer(StepStats(len(s.running), len(s.waiting), len(s.free_slots), tuple(accepts), tuple(drafts),
+                                    self.engine.prompt_tokens_reused))
         except Exception:  # metrics must never stop the engine
             log.exception("step observer failed")

@@ -32,3 +32,13 @@ def test_a_request_lands_in_the_free_slot_holding_most_of_its_prompt():
     admitted = s.admit(lambda r, free: prefixes.best_slot(r.prompt_ids, free))
     assert [(r.request_id, r.slot) for r in admitted] == [("a", 0), ("b", 1)]
     assert s.free_slots == [2]
+
+
+def test_the_reuse_counter_follows_the_engines_running_total():
+    from adaflash.serving.metrics import ServerMetrics
+    from adaflash.serving.runner import StepStats
+
+    metrics = ServerMetrics("fixed:3", "ar", 2)
+    for total in (0, 24, 24, 60):
+        metrics.observe_step(StepStats(1, 0, 1, prompt_tokens_reused=total))
+    assert "adaflash_prompt_tokens_reused_total 60.0" in metrics.render()[0].decode()

@@ -227,7 +227,8 @@ def test_models_health_metrics_and_unknown_routes(serve):
     text = client.get("/metrics").text
     for name in ("adaflash_requests_total", "adaflash_prompt_tokens_total", "adaflash_generation_tokens_total",
                  "adaflash_accept_length_bucket", "adaflash_verify_length_bucket", "adaflash_running_requests",
-                 "adaflash_queue_depth", "adaflash_free_slots", "adaflash_client_disconnects_total"):
+                 "adaflash_queue_depth", "adaflash_free_slots", "adaflash_client_disconnects_total",
+                 "adaflash_prompt_tokens_reused_total"):
         assert name in text
     assert 'adaflash_length_policy_info{method="dflash",policy="fixed:3"} 1.0' in text
     assert 'adaflash_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
