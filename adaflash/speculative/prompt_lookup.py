@@ -31,8 +31,8 @@ class PromptLookup:
     def __post_init__(self) -> None:
         if self.length not in LOOKUP_LENGTHS:
             raise ValueError(f"prompt lookup length must be one of {', '.join(LOOKUP_LENGTHS)}, got {self.length!r}")
-        # At most 15: a longer verify would run the prefill attention, whose last bits differ from the short-step
-        # kernel's (and an int8 target amplifies such bits into other tokens).
+        # At most 15: a longer verify would run the fp32 target's prefill attention (SDPA), whose last bits differ from
+        # the short-step kernel's.
         if not 1 <= self.num_tokens < MAX_QUERIES:
             raise ValueError(f"prompt lookup needs 1 <= num_tokens <= {MAX_QUERIES - 1}, got {self.num_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram:
