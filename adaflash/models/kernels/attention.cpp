@@ -52,7 +52,9 @@ void attend_rows(const float* const* q, const float* k, const float* v, int64_t 
   __m128 vmax4[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) vmax4[r] = _mm_set1_ps(-INFINITY);
-  const int64_t blocked = len / 8 * 8;  // keys in 8-key blocks (the rest one by one, below)
+  // Keys below a multiple of 8 take the reduction tree, the rest the one-by-one path below: the split the 8-key
+  // version of this kernel had, so every score keeps its bits.
+  const int64_t blocked = len / 8 * 8;
   for (int64_t j0 = 0; j0 < blocked; j0 += 4) {
     __m256 acc[R][4];
 #pragma GCC unroll 4
