@@ -74,7 +74,7 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // One half of the panel (8 outputs) at a time over all of k, so a tile of up to 8 rows keeps its int16 sums in
   // registers (both halves at once needed twice the registers and spilled at every step: 1.2-1.3x slower at 4-64 rows,
-  // docs/results/session16/int8_tile.md). The second half re-reads the panel from L1/L2.
+  // docs/results/session16/int8_tile_ab.txt). The second half re-reads the panel from L1/L2.
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
 #pragma GCC unroll 8
@@ -336,10 +336,8 @@ void adaflash_pack_int8(const uint8_t* src, int64_t n, int64_t k, int format, ui
   }
 }
 
-#ifndef ADAFLASH_INT8_ROW_CHUNK
-#define ADAFLASH_INT8_ROW_CHUNK 128
-#endif
-constexpr int64_t kRowChunk = ADAFLASH_INT8_ROW_CHUNK;
+// Rows per chunk of a long input (128 x k int8 activations stay in L2; 64-512 measured alike on a 3650-row prefill).
+constexpr int64_t kRowChunk = 128;
 
 // x [m, k] fp32 row-major, packed from adaflash_pack_int8, y [m, n], bias [n] or null.
 void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int format, int64_t n,
@@ -353,7 +351,7 @@ void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* p
   const PanelRows rows = (has_vnni() ? vnni::kPanelRows : avx2::kPanelRows)[format == kQ4_1 ? 0 : 1];
   // A prefill's thousands of rows go in chunks whose int8 activations stay in L2 while every panel passes over them:
   // one pass of all rows per panel streamed the whole activation matrix from L3 once per panel (a 3650-row prefill
-  // ran its linears at ~60% of the 64-row speed). A row's arithmetic does not depend on its chunk.
+  // ran its linears at ~80% of the 64-row speed). A row's arithmetic does not depend on its chunk.
   for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
     const int64_t rows_here = m - r0 < kRowChunk ? m - r0 : kRowChunk;
     const Activations chunk = {a.q + r0 * k, a.d + r0 * nb, a.s + r0 * nb, a.qsum + r0 * nb};
