@@ -13,6 +13,7 @@
 //         high nibble = w[8h + j][16 + 4l + t]                                                   (320 bytes)
 //   Q8_0: d[16] fp16, then [s = 0..7][half h][output j][t]: int8 w[8h + j][4s + t]                (544 bytes)
 #include <immintrin.h>
+#include <omp.h>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -31,14 +32,18 @@ struct Activations {
   const int32_t* qsum;
 };
 
-using PanelRows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
-// A tile of r rows from row r0 of one panel: (a, r0, panel, nb, bias, y, ldy).
-using Tile = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
+// The trailing argument: the end of the calling thread's share of the weight (its software prefetch stops there).
+using PanelRows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
+                           const uint8_t*);
+// A tile of r rows from row r0 of one panel: (a, r0, panel, nb, bias, y, ldy, end).
+using Tile = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
+                      const uint8_t*);
 
 // One panel for all m rows, in tiles of up to max_rows rows (tiles[r] runs r rows).
 inline void run_tiles(const Tile* tiles, int64_t max_rows, const Activations& a, int64_t m, const uint8_t* panel,
-                      int64_t nb, const float* bias, float* y, int64_t n) {
-  for (int64_t r0 = 0; r0 < m; r0 += max_rows) tiles[m - r0 < max_rows ? m - r0 : max_rows](a, r0, panel, nb, bias, y, n);
+                      int64_t nb, const float* bias, float* y, int64_t n, const uint8_t* end) {
+  for (int64_t r0 = 0; r0 < m; r0 += max_rows)
+    tiles[m - r0 < max_rows ? m - r0 : max_rows](a, r0, panel, nb, bias, y, n, end);
 }
 
 // A tile: R rows x one panel of 16 outputs over all of k. Per GGUF block: each output's 32 products as an exact
@@ -66,73 +71,106 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Software prefetch distance in the weight stream. One core here reads ~18 GB/s from memory and its tile computes
+// ~28 GB/s of Q4_1 at one row, but the two barely overlapped (a 1-row pass streamed ~23 GB/s on two cores): the
+// hardware prefetcher does not run far enough ahead. Asking 8 KB ahead: 1.1x at one row, 1.2x at 4 rows
+// (docs/results/session17/int8_prefetch_ab.txt; 4-16 KB and the L1 / L2 / non-temporal hints measured alike).
+constexpr int64_t kPrefetchAhead = 8192;
+
+// Tiles of up to this many rows run both halves of the panel in one pass: each activation broadcast then serves 16
+// outputs and the panel is read once: 1-4 rows 0.82-0.89x the time. Tiles of 8 rows that way spill their sums (16-64
+// rows 1.07-1.12x the time); 5-7 measured within noise (docs/results/session17/int8_both_halves_ab.txt).
+constexpr int kBothHalvesRows = 4;
+
 template <int Format, int R>
 void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, const float* bias, float* y,
-          int64_t ldy) {
+          int64_t ldy, const uint8_t* end) {
   constexpr int64_t bytes = Format == kQ4_1 ? kQ4_1Packed : kQ8_0Packed;
+  constexpr int H = R <= kBothHalvesRows ? 2 : 1;  // halves per pass
   const int64_t k = nb * kBlock;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  // One half of the panel (8 outputs) at a time over all of k, so a tile of up to 8 rows keeps its int16 sums in
-  // registers (both halves at once needed twice the registers and spilled at every step: 1.2-1.3x slower at 4-64 rows,
-  // docs/results/session16/int8_tile_ab.txt). The second half re-reads the panel from L1/L2.
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[R];
+  // Larger tiles take one half of the panel (8 outputs) at a time over all of k, so up to 8 rows keep their int16 sums
+  // in registers (both halves at once needed twice the registers and spilled at every step: 1.2-1.3x slower at 4-64
+  // rows, docs/results/session16/int8_tile_ab.txt). The second half re-reads the panel from L1/L2.
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    __m256 acc[R][H];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      for (int hh = 0; hh < H; ++hh) acc[r][hh] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = panel + b * bytes;
-      __m256i sum[R];
+      if (h0 == 0 && r0 == 0 && blk + kPrefetchAhead < end)  // the first pass over a block asks for the one 8 KB on
+        for (int64_t c = 0; c < bytes; c += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchAhead + c), _MM_HINT_T0);
+      __m256i sum[R][H];
       if (Format == kQ4_1) {
         // The block's 8 steps add their int16 pairs in int16 (an int16 lane then holds 16 products, |sum| <= 16 x 15
         // x 127 = 30480: no overflow) and widen once.
-        __m256i pairs16[R];
+        __m256i pairs16[R][H];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) pairs16[r] = _mm256_setzero_si256();
+        for (int r = 0; r < R; ++r)
+          for (int hh = 0; hh < H; ++hh) pairs16[r][hh] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + l * 64 + h * 32));
-          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#pragma GCC unroll 2
+          for (int hh = 0; hh < H; ++hh) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + l * 64 + (h0 + hh) * 32));
+            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
-            pairs16[r] = _mm256_add_epi16(pairs16[r], _mm256_add_epi16(pairs<Format>(lo, bcast4(x + 4 * l)),
-                                                                       pairs<Format>(hi, bcast4(x + 4 * l + 16))));
-            // Pin the running sum: gcc otherwise re-associates the exact int16 adds into all 32 products live at once
-            // and spills them to the stack.
-            asm("" : "+x"(pairs16[r]));
+            for (int r = 0; r < R; ++r) {
+              const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
+              pairs16[r][hh] = _mm256_add_epi16(pairs16[r][hh],
+                                                _mm256_add_epi16(pairs<Format>(lo, bcast4(x + 4 * l)),
+                                                                 pairs<Format>(hi, bcast4(x + 4 * l + 16))));
+              // Pin the running sum: gcc otherwise re-associates the exact int16 adds into all 32 products live at
+              // once and spills them to the stack.
+              asm("" : "+x"(pairs16[r][hh]));
+            }
           }
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) sum[r] = _mm256_madd_epi16(pairs16[r], _mm256_set1_epi16(1));
+        for (int r = 0; r < R; ++r)
+          for (int hh = 0; hh < H; ++hh) sum[r][hh] = _mm256_madd_epi16(pairs16[r][hh], _mm256_set1_epi16(1));
       } else {  // Q8_0's pairs reach 32512: each step widens on its own
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+        for (int r = 0; r < R; ++r)
+          for (int hh = 0; hh < H; ++hh) sum[r][hh] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int s = 0; s < 8; ++s) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + s * 64 + h * 32));
+#pragma GCC unroll 2
+          for (int hh = 0; hh < H; ++hh) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + s * 64 + (h0 + hh) * 32));
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            sum[r] = widen_add(sum[r], pairs<Format>(v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s)));
-            asm("" : "+x"(sum[r]));  // as above: one running sum per row, not 64 live products
+            for (int r = 0; r < R; ++r) {
+              sum[r][hh] = widen_add(sum[r][hh], pairs<Format>(v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s)));
+              asm("" : "+x"(sum[r][hh]));  // as above: one running sum per row, not 64 live products
+            }
           }
         }
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + h * 16)));
-      const __m256 mw = Format == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + h * 16)))
-                                        : _mm256_setzero_ps();
+#pragma GCC unroll 2
+      for (int hh = 0; hh < H; ++hh) {
+        const int h = h0 + hh;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + h * 16)));
+        const __m256 mw = Format == kQ4_1
+                              ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + h * 16)))
+                              : _mm256_setzero_ps();
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (r0 + r) * nb + b;
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[i])), acc[r]);
-        if (Format == kQ4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[r]);
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (r0 + r) * nb + b;
+          acc[r][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][hh]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[i])),
+                                       acc[r][hh]);
+          if (Format == kQ4_1) acc[r][hh] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[r][hh]);
+        }
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      __m256 out = acc[r];
-      if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + h * 8));
-      _mm256_storeu_ps(y + (r0 + r) * ldy + h * 8, out);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int hh = 0; hh < H; ++hh) {
+        __m256 out = acc[r][hh];
+        if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + (h0 + hh) * 8));
+        _mm256_storeu_ps(y + (r0 + r) * ldy + (h0 + hh) * 8, out);
+      }
   }
 }
 
@@ -142,10 +180,10 @@ constexpr int kRows = 8;
 
 template <int Format>
 void panel_rows(const Activations& a, int64_t m, const uint8_t* panel, int64_t nb, const float* bias, float* y,
-                int64_t n) {
+                int64_t n, const uint8_t* end) {
   static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>, tile<Format, 4>,
                                             tile<Format, 5>, tile<Format, 6>, tile<Format, 7>, tile<Format, 8>};
-  run_tiles(tiles, kRows, a, m, panel, nb, bias, y, n);
+  run_tiles(tiles, kRows, a, m, panel, nb, bias, y, n, end);
 }
 
 const PanelRows kPanelRows[2] = {panel_rows<kQ4_1>, panel_rows<kQ8_0>};
@@ -159,7 +197,7 @@ namespace vnni {
 // sum takes 128 * sum(q_x) back off - the same integers as maddubs.
 template <int Format, int R>
 void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, const float* bias, float* y,
-          int64_t ldy) {
+          int64_t ldy, const uint8_t*) {  // no software prefetch: not measured on a VNNI machine
   constexpr int64_t bytes = Format == kQ4_1 ? kQ4_1Packed : kQ8_0Packed;
   const int64_t k = nb * kBlock;
   __m512 acc[R];
@@ -224,10 +262,10 @@ constexpr int kRows = 8;
 
 template <int Format>
 void panel_rows(const Activations& a, int64_t m, const uint8_t* panel, int64_t nb, const float* bias, float* y,
-                int64_t n) {
+                int64_t n, const uint8_t* end) {
   static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>, tile<Format, 4>,
                                             tile<Format, 5>, tile<Format, 6>, tile<Format, 7>, tile<Format, 8>};
-  run_tiles(tiles, kRows, a, m, panel, nb, bias, y, n);
+  run_tiles(tiles, kRows, a, m, panel, nb, bias, y, n, end);
 }
 
 const PanelRows kPanelRows[2] = {panel_rows<kQ4_1>, panel_rows<kQ8_0>};
@@ -355,9 +393,15 @@ void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* p
   for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
     const int64_t rows_here = m - r0 < kRowChunk ? m - r0 : kRowChunk;
     const Activations chunk = {a.q + r0 * k, a.d + r0 * nb, a.s + r0 * nb, a.qsum + r0 * nb};
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < panels; ++p)
-      rows(chunk, rows_here, packed + p * stride, nb, bias ? bias + p * kPanel : nullptr, y + r0 * n + p * kPanel, n);
+#pragma omp parallel num_threads(threads)
+    {
+      // Contiguous shares, as schedule(static) gives, computed here so each thread knows where its own ends.
+      const int t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
+      for (int64_t p = p0; p < p1; ++p)
+        rows(chunk, rows_here, packed + p * stride, nb, bias ? bias + p * kPanel : nullptr, y + r0 * n + p * kPanel, n,
+             packed + p1 * stride);
+    }
   }
 }
 

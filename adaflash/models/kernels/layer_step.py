@@ -1,5 +1,5 @@
-"""Decoder layers run one ctypes call each (layer_step.cpp) instead of ~13 torch / ctypes calls: the target's, and
-the DFlash drafter's block pass; the drafter's context feed is one call too (`ContextStep`).
+"""A stack of decoder layers runs in one ctypes call (layer_step.cpp) instead of ~13 torch / ctypes calls a layer:
+the target's, and the DFlash drafter's block pass; the drafter's context feed is one call too (`ContextStep`).
 
 Only where every piece of the layer has our kernel: fp32 on CPU, at most attention.MAX_QUERIES new tokens per
 sequence, and each linear's chosen kernel at this row count packed (not torch's). Elsewhere the caller runs its
@@ -148,14 +148,14 @@ class LayerSteps:
         lib = packed.library()
         scratch = torch.empty(lib.adaflash_layer_scratch_floats(ctypes.byref(self.shape), t), dtype=torch.float32)
         h = h.clone()  # updated in place, layer by layer
-        captured = []
-        threads = torch.get_num_threads()
-        for i, layer in enumerate(structs):
-            with packed.profiled("adaflash::decoder_layer"):
-                lib.adaflash_decoder_layer(h.data_ptr(), ctypes.byref(layer), i, ctypes.byref(self.shape),
-                                           ctypes.byref(batch), scratch.data_ptr(), threads)
-            if i in capture:
-                captured.append(h.clone())
+        wanted = sorted(i for i in capture if 0 <= i < len(structs))
+        captured = [torch.empty_like(h) for _ in wanted]
+        by_layer = dict(zip(wanted, captured))
+        targets = (ctypes.c_void_p * len(structs))(*(by_layer[i].data_ptr() if i in by_layer else None
+                                                     for i in range(len(structs))))
+        with packed.profiled("adaflash::decoder_layers"):
+            lib.adaflash_decoder_layers(h.data_ptr(), structs, len(structs), ctypes.byref(self.shape),
+                                        ctypes.byref(batch), scratch.data_ptr(), targets, torch.get_num_threads())
         return h, captured
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from adaflash.models.kernels import weight_arena
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
@@ -142,6 +144,8 @@ def _load() -> ctypes.CDLL | None:
     lib.adaflash_layer_scratch_floats.restype = i64
     lib.adaflash_decoder_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i32]
     lib.adaflash_decoder_layer.restype = None
+    lib.adaflash_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i32]
+    lib.adaflash_decoder_layers.restype = None
     lib.adaflash_context_scratch_floats.argtypes = [ptr, i64]
     lib.adaflash_context_scratch_floats.restype = i64
     lib.adaflash_drafter_context.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
@@ -216,7 +220,7 @@ class PackedLinear(_Packed):
         self.format_code = 0  # layer_step.cpp's code for this kernel
         self.label = f"adaflash::packed_linear[{n}x{k}]"  # what torch.profiler shows for a call (ctypes is invisible)
         w = weight.detach().contiguous()
-        self.packed = torch.empty(n * k, dtype=torch.float32, device="cpu")
+        self.packed = weight_arena.empty(n * k, torch.float32)
         lib.adaflash_pack(w.data_ptr(), n, k, self.packed.data_ptr(), torch.get_num_threads())
         self.bias = _check_bias(bias, n)
 
@@ -239,7 +243,7 @@ class QuantizedLinear(_Packed):
         self._lib, self.n, self.k, self.fmt, self.format_code = lib, n, k, fmt, spec.code
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}]"  # runtime_profile buckets by this prefix
         src = blocks.detach().contiguous()
-        self.packed = torch.empty(n // PANEL * (k // BLOCK) * spec.packed_block_bytes, dtype=torch.uint8)
+        self.packed = weight_arena.empty(n // PANEL * (k // BLOCK) * spec.packed_block_bytes, torch.uint8)
         lib.adaflash_pack_quantized(src.data_ptr(), n, k, spec.code, self.packed.data_ptr(), torch.get_num_threads())
         self.bias = _check_bias(bias, n)
 
@@ -269,7 +273,7 @@ class Int8Linear(_Packed):
         self.format_code, self._code = INT8_CODE_OFFSET + code, code
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}xint8]"
         src = blocks.detach().contiguous()
-        self.packed = torch.empty(n // PANEL * (k // BLOCK) * lib.adaflash_int8_block_bytes(code), dtype=torch.uint8)
+        self.packed = weight_arena.empty(n // PANEL * (k // BLOCK) * lib.adaflash_int8_block_bytes(code), torch.uint8)
         lib.adaflash_pack_int8(src.data_ptr(), n, k, code, self.packed.data_ptr(), torch.get_num_threads())
         self.bias = _check_bias(bias, n)
 
