@@ -61,7 +61,8 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build(out: Path) -> None:
+def build_library(out: Path, sources: tuple[Path, ...] = SOURCES) -> None:
+    """Compile `sources` (the library's own by default) into the shared library `out`, atomically."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++/c++) on PATH")
@@ -69,9 +70,9 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {', '.join(map(str, SOURCES))}:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on {', '.join(map(str, sources))}:\n{proc.stderr[-2000:]}")
         os.replace(tmp, out)  # atomic: concurrent first uses (other processes too) never load a half-written library
     finally:
         if os.path.exists(tmp):
@@ -105,11 +106,17 @@ def _load() -> ctypes.CDLL | None:
     path = cache_root() / "kernels" / f"packed_linear-{digest}.so"
     try:
         if not path.is_file():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
+            build_library(path)
+        return open_library(path)
     except (RuntimeError, OSError) as exc:
         log.warning("our CPU kernels are unavailable, using torch's: %s", exc)
         return None
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a build of the kernel library and declare its functions' signatures (the benchmarks also open older
+    builds, to time them against this one in one process)."""
+    lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.adaflash_pack.argtypes = [ptr, i64, i64, ptr, i32]
     lib.adaflash_pack.restype = None
