@@ -1,6 +1,7 @@
 """Static, slot-based KV cache and the ragged batch that addresses it.
 
-One preallocated tensor per K and V: [layers, slots, kv_heads, max_len, head_dim]. A sequence owns a slot;
+One preallocated tensor per K and V: [layers, slots, kv_heads, max_len, head_dim], in the model's dtype or a narrower
+one (the int8 target keeps fp16, as llama.cpp does: queries and attention stay fp32). A sequence owns a slot;
 its length is a host-side integer, so rolling back after a rejected draft is a free integer store: the
 stale entries past the length are never read (attention masks by position) and get overwritten later.
 """
@@ -153,7 +154,8 @@ class RaggedAttention:
         return allowed[:, None]
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, kv_heads, head_dim] for the batch's new tokens."""
+        """k, v: [T, kv_heads, head_dim] for the batch's new tokens (rounded to the cache's dtype)."""
+        k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
         if self.single:
             end = self.start + k.shape[0]
             cache.k[layer, self.slot, :, self.start : end] = k.transpose(0, 1)
@@ -178,12 +180,12 @@ class RaggedAttention:
         if self.causal and self.qmax > attention_kernel.MAX_QUERIES:  # a prefill in the batch
             return self._attend_each(cache, layer, q)
         if self.single:
-            k = cache.k[layer, self.slot, :, : self.key_len].unsqueeze(0)
-            v = cache.v[layer, self.slot, :, : self.key_len].unsqueeze(0)
+            k = cache.k[layer, self.slot, :, : self.key_len].unsqueeze(0).to(q.dtype)
+            v = cache.v[layer, self.slot, :, : self.key_len].unsqueeze(0).to(q.dtype)
             out = self._grouped_attention(q.transpose(0, 1).unsqueeze(0), k, v)
             return out[0].transpose(0, 1).reshape(t, h * d)
-        k = cache.k[layer][self.slot_range, :, : self.key_len]
-        v = cache.v[layer][self.slot_range, :, : self.key_len]
+        k = cache.k[layer][self.slot_range, :, : self.key_len].to(q.dtype)
+        v = cache.v[layer][self.slot_range, :, : self.key_len].to(q.dtype)
         n = len(self.batch.slots)
         if self.uniform:
             q_pad = q.view(n, self.qmax, h, d)
@@ -196,7 +198,8 @@ class RaggedAttention:
     def rope_and_write(self, cache: KVCache, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        num_heads: int) -> torch.Tensor:
         """One kernel for what the unfused path does in ~25 ops: RoPE on q and k of the fused projection `qkv`
-        [T, (H + 2 KVH) * d], k and v written into the cache; returns q [T, H, d]. fp32 CPU, kernels available."""
+        [T, (H + 2 KVH) * d], k and v written into the (fp32 or fp16) cache; returns q [T, H, d]. fp32 CPU, kernels
+        available."""
         t = qkv.shape[0]
         _, _, kv_heads, max_len, d = cache.k.shape
         token_slots = self.token_slots(cache)
@@ -206,7 +209,8 @@ class RaggedAttention:
         with packed.profiled("adaflash::rope_qkv"):
             packed.library().adaflash_rope_qkv(
                 qkv.data_ptr(), t, num_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), k_layer.data_ptr(),
-                v_layer.data_ptr(), max_len, token_slots.data_ptr(), self.batch.positions.data_ptr(), q.data_ptr())
+                v_layer.data_ptr(), max_len, token_slots.data_ptr(), self.batch.positions.data_ptr(), q.data_ptr(),
+                cache.k.dtype == torch.float16)
         return q
 
     def token_slots(self, cache: KVCache) -> torch.Tensor:
@@ -248,8 +252,8 @@ class RaggedAttention:
         b = self.batch
         outs, offset = [], 0
         for slot, start, n in zip(b.slots, b.starts, b.query_lens):
-            k = cache.k[layer, slot, :, : start + n]
-            v = cache.v[layer, slot, :, : start + n]
+            k = cache.k[layer, slot, :, : start + n].to(q.dtype)
+            v = cache.v[layer, slot, :, : start + n].to(q.dtype)
             groups = heads // k.shape[0]
             if groups > 1:
                 k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)

@@ -132,9 +132,15 @@ class TargetModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model's dtype, or fp16 for the int8 target (llama.cpp's default cache; what
+        batched decoding streams is then halved). Part of that target's numeric definition, the same in every pass."""
+        return torch.float16 if self.int8_activations else self.dtype
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.cache_dtype, self.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_tokens)

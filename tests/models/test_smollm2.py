@@ -110,11 +110,11 @@ def test_quantized_kernels_run_the_ggufs_blocks_and_compute_the_same_target(smol
 
 
 def test_int8_target_is_one_model_in_every_pass_and_speculation_is_lossless_against_it(smollm2_dir, pipeline):
-    """--dtype int8: every GGUF-blocked linear runs with int8-rounded inputs at every row count. Another model than
-    the fp32 target (close: most argmaxes agree), but one model: a position's logits are bitwise the same from a
-    prefill, a verification or a decode step (int8 prefills run the ragged attention kernel too), and speculative
-    decoding with the shipped drafter - the reference loop and the engine, its drafter rounded to Q8_0 - reproduces
-    its own AR output."""
+    """--dtype int8: every GGUF-blocked linear runs with int8-rounded inputs at every row count, the KV cache holds
+    fp16. Another model than the fp32 target (close: most argmaxes agree), but one model: a position's logits are
+    bitwise the same from a prefill, a verification or a decode step (int8 prefills run the ragged attention kernel
+    too), and speculative decoding with the shipped drafter - the reference loop and the engine, its drafter rounded to
+    Q8_0 - reproduces its own AR output."""
     from adaflash.models.drafter_checkpoint import load_drafter
     from adaflash.models.kernels.selection import fast_linears_available
     from adaflash.models.registry import shipped_drafter
@@ -126,6 +126,8 @@ def test_int8_target_is_one_model_in_every_pass_and_speculation_is_lossless_agai
     assert int8.int8_activations and int8.fast_lm_head.choices[0] == "Q8_0xint8"
     assert all(f.choices[0] == "Q4_1xint8" and f.kernel_for(4096) is not None
                for layer in int8.layers for f in layer.fast.values())
+    assert int8.new_cache(1, 4).k.dtype == torch.float16  # its KV cache, as llama.cpp's
+    assert pipeline.target.new_cache(1, 4).k.dtype == pipeline.target.dtype
     ids = pipeline.encode(messages=[{"role": "user", "content": "Name three prime numbers."}])
     n = len(ids)
     whole = int8(torch.tensor(ids), RaggedBatch.build([0], [0], [n]), int8.new_cache(1, n)).logits

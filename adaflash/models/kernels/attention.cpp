@@ -6,6 +6,9 @@
 // [n, heads, qmax, key_len] batch ran at ~4 GB/s here. Each query row's result depends only on that row, its keys
 // and their order (never on the other rows or sequences of the batch), so a token gets bitwise the same attention
 // alone or in any batch this kernel runs (RaggedAttention sends a batch with a prefill-length query to SDPA).
+//
+// The cache holds fp32, or fp16 (the int8 target's: what batched decode streams is halved, as in llama.cpp's
+// default cache); fp16 values widen exactly, so the arithmetic after the load is the same for both.
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -41,12 +44,16 @@ inline float softmax_in_place(float* scores, int64_t len, float max) {
   return sum;
 }
 
+// 8 cache values as fp32 (fp16 widened exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // R query rows that read the same keys (the query heads of one token that share a KV head, GQA): out_r[d] = sum_j
 // softmax(q_r . k_j * scale)_j v_j over keys j < len. d % 8 == 0. Each key and value row is loaded once for all R rows
 // (a row at a time read the KV head G times). Every row's arithmetic is the same whatever R: each score one FMA chain
 // over d in order, then the same reduction tree; each output lane one FMA chain over the keys in order.
-template <int R>
-void attend_rows(const float* const* q, const float* k, const float* v, int64_t len, int64_t d, float scale,
+template <int R, typename KV>
+void attend_rows(const float* const* q, const KV* k, const KV* v, int64_t len, int64_t d, float scale,
                  float* const* scores, float* const* out) {
   // Scores, 4 keys at a time for the R rows (3 x 4 accumulators, the rows' q vectors and a key vector: 16 registers).
   __m128 vmax4[R];
@@ -67,7 +74,7 @@ void attend_rows(const float* const* q, const float* k, const float* v, int64_t 
       for (int r = 0; r < R; ++r) qi[r] = _mm256_loadu_ps(q[r] + i);
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
-        const __m256 ku = _mm256_loadu_ps(k + (j0 + u) * d + i);
+        const __m256 ku = load8(k + (j0 + u) * d + i);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(qi[r], ku, acc[r][u]);
       }
@@ -90,9 +97,9 @@ void attend_rows(const float* const* q, const float* k, const float* v, int64_t 
     float max = lanes[0];
     for (int u = 1; u < 4; ++u) max = lanes[u] > max ? lanes[u] : max;
     for (int64_t j = blocked; j < len; ++j) {  // the last len % 8 keys one by one
-      const float* kj = k + j * d;
+      const KV* kj = k + j * d;
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), _mm256_loadu_ps(kj + i), acc);
+      for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), load8(kj + i), acc);
       const float sc = hsum(acc) * scale;
       scores[r][j] = sc;
       max = sc > max ? sc : max;
@@ -111,11 +118,11 @@ void attend_rows(const float* const* q, const float* k, const float* v, int64_t 
       __m256 p[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) p[r] = _mm256_set1_ps(scores[r][jj]);
-      const float* vj = v + jj * d + i0;
+      const KV* vj = v + jj * d + i0;
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
         if (u < vecs) {
-          const __m256 vu = _mm256_loadu_ps(vj + u * 8);
+          const __m256 vu = load8(vj + u * 8);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(p[r], vu, acc[r][u]);
         }
@@ -129,21 +136,17 @@ void attend_rows(const float* const* q, const float* k, const float* v, int64_t 
   }
 }
 
-using AttendRows = void (*)(const float* const*, const float*, const float*, int64_t, int64_t, float, float* const*,
-                            float* const*);
 constexpr int kMaxRows = 3;
-constexpr AttendRows kAttendRows[kMaxRows + 1] = {nullptr, attend_rows<1>, attend_rows<2>, attend_rows<3>};
 
-}  // namespace
-
-extern "C" {
-
-// q: [T, heads, d] (the batch's new tokens, sequence by sequence); k, v: one layer of the slot cache,
-// [slots, kv_heads, max_len, d]; sequence s owns tokens [token_start[s], token_start[s + 1]) and cache slot
-// slot[s]; token t attends keys [0, key_len[t]) of its slot. out: [T, heads, d]. heads % kv_heads == 0, d % 8 == 0.
-void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const float* k, const float* v,
-                               int64_t kv_heads, int64_t max_len, int64_t num_seqs, const int64_t* token_start,
-                               const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads) {
+// The cache's rows for every query token of the batch (see adaflash_ragged_attention), with KV its element type.
+template <typename KV>
+void ragged_attention(const float* q, int64_t heads, int64_t d, const KV* k, const KV* v, int64_t kv_heads,
+                      int64_t max_len, int64_t num_seqs, const int64_t* token_start, const int64_t* slot,
+                      const int64_t* key_len, float scale, float* out, int threads) {
+  using AttendRows = void (*)(const float* const*, const KV*, const KV*, int64_t, int64_t, float, float* const*,
+                              float* const*);
+  static constexpr AttendRows kAttendRows[kMaxRows + 1] = {nullptr, attend_rows<1, KV>, attend_rows<2, KV>,
+                                                           attend_rows<3, KV>};
   const int64_t groups = heads / kv_heads;
   // A token's query heads of one KV head in chunks of up to kMaxRows rows, as even as they go (4 heads: 2 + 2).
   const int64_t chunks = (groups + kMaxRows - 1) / kMaxRows, per_chunk = (groups + chunks - 1) / chunks;
@@ -158,8 +161,8 @@ void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const f
 #pragma omp for schedule(dynamic, 1) collapse(2)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < kv_heads; ++h) {
-        const float* ks = k + (slot[s] * kv_heads + h) * max_len * d;
-        const float* vs = v + (slot[s] * kv_heads + h) * max_len * d;
+        const KV* ks = k + (slot[s] * kv_heads + h) * max_len * d;
+        const KV* vs = v + (slot[s] * kv_heads + h) * max_len * d;
         for (int64_t t = token_start[s]; t < token_start[s + 1]; ++t) {
           for (int64_t g0 = 0; g0 < groups; g0 += per_chunk) {
             const int rows = static_cast<int>(groups - g0 < per_chunk ? groups - g0 : per_chunk);
@@ -176,6 +179,26 @@ void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const f
       }
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q: [T, heads, d] (the batch's new tokens, sequence by sequence); k, v: one layer of the slot cache,
+// [slots, kv_heads, max_len, d], fp32 or (kv_half) fp16; sequence s owns tokens [token_start[s], token_start[s + 1])
+// and cache slot slot[s]; token t attends keys [0, key_len[t]) of its slot. out: [T, heads, d]. heads % kv_heads ==
+// 0, d % 8 == 0.
+void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const void* k, const void* v,
+                               int64_t kv_heads, int64_t max_len, int64_t num_seqs, const int64_t* token_start,
+                               const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads,
+                               int kv_half) {
+  if (kv_half)
+    ragged_attention(q, heads, d, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), kv_heads, max_len,
+                     num_seqs, token_start, slot, key_len, scale, out, threads);
+  else
+    ragged_attention(q, heads, d, static_cast<const float*>(k), static_cast<const float*>(v), kv_heads, max_len,
+                     num_seqs, token_start, slot, key_len, scale, out, threads);
 }
 
 }  // extern "C"

@@ -16,19 +16,21 @@ def available(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_start: torch.Tensor,
                      slots: torch.Tensor, key_len: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, d]; k, v one layer of the cache [slots, KVH, max_len, d]; sequence s owns tokens
+    """q [T, H, d]; k, v one layer of the cache [slots, KVH, max_len, d] (fp32 or fp16); sequence s owns tokens
     [token_start[s], token_start[s + 1]) and cache slot slots[s]; token t sees keys [0, key_len[t]). -> [T, H * d]."""
     t, heads, d = q.shape
     _, kv_heads, max_len, _ = k.shape
     if not (k.is_contiguous() and v.is_contiguous()) or heads % kv_heads or k.shape != v.shape or k.shape[-1] != d:
         raise ValueError(f"ragged attention needs contiguous [slots, kv_heads, len, {d}] cache layers and heads "
                          f"divisible by KV heads, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if {q.dtype, k.dtype, v.dtype} != {torch.float32} or {token_start.dtype, slots.dtype, key_len.dtype} != {torch.long}:
-        raise ValueError("ragged attention needs fp32 q/k/v and int64 index tensors")
+    if (q.dtype != torch.float32 or k.dtype != v.dtype or k.dtype not in (torch.float32, torch.float16)
+            or {token_start.dtype, slots.dtype, key_len.dtype} != {torch.long}):
+        raise ValueError("ragged attention needs fp32 queries, an fp32 or fp16 cache and int64 index tensors")
     q = q.contiguous()
     out = torch.empty(t, heads * d, dtype=torch.float32)
     with packed.profiled("adaflash::ragged_attention"):
         packed.library().adaflash_ragged_attention(
             q.data_ptr(), heads, d, k.data_ptr(), v.data_ptr(), kv_heads, max_len, slots.numel(),
-            token_start.data_ptr(), slots.data_ptr(), key_len.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+            token_start.data_ptr(), slots.data_ptr(), key_len.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
+            k.dtype == torch.float16)
     return out

@@ -11,6 +11,44 @@
 
 #include "simd_math.h"
 
+namespace {
+
+// A cache element from an fp32 value: itself, or fp16 rounded to nearest even (as torch's .to(float16)).
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) {
+  *dst = static_cast<uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x), _MM_FROUND_TO_NEAREST_INT), 0));
+}
+
+template <typename KV>
+void rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
+              const float* sin, KV* k_cache, KV* v_cache, int64_t max_len, const int64_t* slot,
+              const int64_t* position, float* q_out) {
+  const int64_t half = hd / 2, width = (nq + 2 * nkv) * hd;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = qkv + t * width;
+    const float* c = cos + t * hd;
+    const float* s = sin + t * hd;
+    for (int64_t h = 0; h < nq + nkv; ++h) {
+      const float* x = row + h * hd;
+      const auto rotate = [&](auto* y) {
+        for (int64_t i = 0; i < half; ++i) store(y + i, x[i] * c[i] + (-x[i + half]) * s[i]);
+        for (int64_t i = half; i < hd; ++i) store(y + i, x[i] * c[i] + x[i - half] * s[i]);
+      };
+      if (h < nq)
+        rotate(q_out + (t * nq + h) * hd);
+      else
+        rotate(k_cache + ((slot[t] * nkv + (h - nq)) * max_len + position[t]) * hd);
+    }
+    for (int64_t h = 0; h < nkv; ++h) {
+      const float* x = row + (nq + nkv + h) * hd;
+      KV* y = v_cache + ((slot[t] * nkv + h) * max_len + position[t]) * hd;
+      for (int64_t i = 0; i < hd; ++i) store(y + i, x[i]);
+    }
+  }
+}
+
+}  // namespace
+
 extern "C" {
 
 void adaflash_rms_norm(const float* x, int64_t rows, int64_t d, const float* w, float eps, float* out, int threads) {
@@ -38,29 +76,19 @@ void adaflash_rms_norm(const float* x, int64_t rows, int64_t d, const float* w, 
 }
 
 // The fused q/k/v projection's output [T, (nq + 2 nkv) * hd] -> RoPE'd queries q_out [T, nq, hd], RoPE'd keys and
-// the values written into one layer of the slot cache ([slots, nkv, max_len, hd]) at each token's slot and position.
-// RoPE (half-split, as HF checkpoints use): y = x * cos + rotate_half(x) * sin, each product and the sum rounded
-// as torch computes them (built with -ffp-contract=off), so the values are bitwise the unfused path's.
+// the values written into one layer of the slot cache ([slots, nkv, max_len, hd], fp32 or (kv_half) fp16) at each
+// token's slot and position. RoPE (half-split, as HF checkpoints use): y = x * cos + rotate_half(x) * sin, each
+// product and the sum rounded as torch computes them (built with -ffp-contract=off), so the values are bitwise the
+// unfused path's (an fp16 cache: then rounded as torch's .to(float16)).
 void adaflash_rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
-                       const float* sin, float* k_cache, float* v_cache, int64_t max_len, const int64_t* slot,
-                       const int64_t* position, float* q_out) {
-  const int64_t half = hd / 2, width = (nq + 2 * nkv) * hd;
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* row = qkv + t * width;
-    const float* c = cos + t * hd;
-    const float* s = sin + t * hd;
-    for (int64_t h = 0; h < nq + nkv; ++h) {
-      const float* x = row + h * hd;
-      float* y = h < nq ? q_out + (t * nq + h) * hd : k_cache + ((slot[t] * nkv + (h - nq)) * max_len + position[t]) * hd;
-      for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + (-x[i + half]) * s[i];
-      for (int64_t i = half; i < hd; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
-    }
-    for (int64_t h = 0; h < nkv; ++h) {
-      const float* x = row + (nq + nkv + h) * hd;
-      float* y = v_cache + ((slot[t] * nkv + h) * max_len + position[t]) * hd;
-      for (int64_t i = 0; i < hd; ++i) y[i] = x[i];
-    }
-  }
+                       const float* sin, void* k_cache, void* v_cache, int64_t max_len, const int64_t* slot,
+                       const int64_t* position, float* q_out, int kv_half) {
+  if (kv_half)
+    rope_qkv(qkv, tokens, nq, nkv, hd, cos, sin, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache),
+             max_len, slot, position, q_out);
+  else
+    rope_qkv(qkv, tokens, nq, nkv, hd, cos, sin, static_cast<float*>(k_cache), static_cast<float*>(v_cache), max_len,
+             slot, position, q_out);
 }
 
 // The MLP's activation over the fused gate/up projection [rows, 2 * inter] (gate first, as the weights are stacked):

@@ -11,11 +11,12 @@
 extern "C" {
 void adaflash_rms_norm(const float* x, int64_t rows, int64_t d, const float* w, float eps, float* out, int threads);
 void adaflash_rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
-                       const float* sin, float* k_cache, float* v_cache, int64_t max_len, const int64_t* slot,
-                       const int64_t* position, float* q_out);
-void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const float* k, const float* v,
+                       const float* sin, void* k_cache, void* v_cache, int64_t max_len, const int64_t* slot,
+                       const int64_t* position, float* q_out, int kv_half);
+void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const void* k, const void* v,
                                int64_t kv_heads, int64_t max_len, int64_t num_seqs, const int64_t* token_start,
-                               const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads);
+                               const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads,
+                               int kv_half);
 void adaflash_silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* out, int threads);
 void adaflash_packed_linear(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
                             float* y, int threads);
@@ -55,9 +56,10 @@ struct Shape {
 };
 
 struct Batch {
-  int64_t tokens, num_seqs, max_len, layer_stride;  // layer_stride: floats per layer of the K (and V) cache
-  float* k_cache;
-  float* v_cache;
+  int64_t tokens, num_seqs, max_len, layer_stride;  // layer_stride: elements per layer of the K (and V) cache
+  int64_t kv_half;                                  // the cache holds fp16 (else fp32)
+  void* k_cache;
+  void* v_cache;
   const float* cos;  // [tokens, head_dim]
   const float* sin;
   const int64_t* token_slot;   // per token: its cache slot
@@ -76,6 +78,11 @@ void run_linear(const Linear& l, const float* x, int64_t m, float* y, int thread
   else
     adaflash_quantized_linear(x, m, l.k, static_cast<const uint8_t*>(l.packed), static_cast<int>(l.format), l.n,
                               l.bias, y, threads);
+}
+
+// One layer of the K or V cache.
+void* layer_of(const Batch* b, void* cache, int64_t layer) {
+  return static_cast<char*>(cache) + layer * b->layer_stride * (b->kv_half ? 2 : 4);
 }
 
 // h += y, as torch's h + y rounds it.
@@ -102,8 +109,8 @@ void adaflash_decoder_layer(float* h, const Layer* layer, int64_t layer_index, c
   float* ctx = q + t * attn;                                    // [t, H hd]
   float* gate_up = ctx + t * attn;                              // [t, 2 I]
   float* act = gate_up + t * 2 * s->intermediate;               // [t, I]
-  float* k_cache = b->k_cache + layer_index * b->layer_stride;
-  float* v_cache = b->v_cache + layer_index * b->layer_stride;
+  void* k_cache = layer_of(b, b->k_cache, layer_index);
+  void* v_cache = layer_of(b, b->v_cache, layer_index);
 
   adaflash_rms_norm(h, t, d, layer->input_norm, s->eps, x, threads);
   run_linear(layer->qkv, x, t, qkv, threads);
@@ -115,9 +122,10 @@ void adaflash_decoder_layer(float* h, const Layer* layer, int64_t layer_index, c
     if (layer->k_norm) adaflash_rms_norm(keys, s->kv_heads, s->head_dim, layer->k_norm, s->eps, keys, threads);
   }
   adaflash_rope_qkv(qkv, t, s->heads, s->kv_heads, s->head_dim, b->cos, b->sin, k_cache, v_cache, b->max_len,
-                    b->token_slot, b->position, q);
+                    b->token_slot, b->position, q, static_cast<int>(b->kv_half));
   adaflash_ragged_attention(q, s->heads, s->head_dim, k_cache, v_cache, s->kv_heads, b->max_len, b->num_seqs,
-                            b->token_start, b->seq_slot, b->key_len, s->scale, ctx, threads);
+                            b->token_start, b->seq_slot, b->key_len, s->scale, ctx, threads,
+                            static_cast<int>(b->kv_half));
   run_linear(layer->o, ctx, t, x, threads);
   add_into(h, x, t * d);
   adaflash_rms_norm(h, t, d, layer->post_norm, s->eps, x, threads);
@@ -161,8 +169,9 @@ void adaflash_drafter_context(const float* features, const Linear* fc, const flo
     for (int64_t i = 0; i < t && layers[l].k_norm; ++i)
       adaflash_rms_norm(kv + i * kv_width, s->kv_heads, s->head_dim, layers[l].k_norm, s->eps, kv + i * kv_width,
                         threads);
-    adaflash_rope_qkv(kv, t, 0, s->kv_heads, s->head_dim, b->cos, b->sin, b->k_cache + l * b->layer_stride,
-                      b->v_cache + l * b->layer_stride, b->max_len, b->token_slot, b->position, nullptr);
+    adaflash_rope_qkv(kv, t, 0, s->kv_heads, s->head_dim, b->cos, b->sin, layer_of(b, b->k_cache, l),
+                      layer_of(b, b->v_cache, l), b->max_len, b->token_slot, b->position, nullptr,
+                      static_cast<int>(b->kv_half));
   }
 }
 

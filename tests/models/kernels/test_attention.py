@@ -39,6 +39,18 @@ def test_matches_a_float64_reference_on_a_ragged_batch(heads, kv_heads, d):
     torch.testing.assert_close(out, _reference(q, k, v, slots, token_start, key_len), atol=2e-6, rtol=1e-5)
 
 
+def test_an_fp16_cache_is_read_as_the_same_values_widened():
+    """The int8 target's fp16 cache: bitwise what the kernel computes over an fp32 cache of the same values."""
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(3, 3, 200, 64, generator=g) * 4).half(), (torch.randn(3, 3, 200, 64, generator=g) * 4).half()
+    q = torch.randn(6, 9, 64, generator=g)
+    index = torch.tensor([0, 1, 5, 6]), torch.tensor([2, 0, 1]), torch.tensor([37, 120, 121, 122, 123, 200])
+    half = attention.ragged_attention(q, k, v, *index, scale=0.125)
+    assert torch.equal(half, attention.ragged_attention(q, k.float(), v.float(), *index, scale=0.125))
+    with pytest.raises(ValueError, match="fp32 or fp16 cache"):
+        attention.ragged_attention(q, k, v.float(), *index, scale=0.125)
+
+
 def test_a_tokens_attention_does_not_depend_on_the_rest_of_the_batch():
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(4, 3, 128, 64, generator=g), torch.randn(4, 3, 128, 64, generator=g)
@@ -52,10 +64,11 @@ def test_a_tokens_attention_does_not_depend_on_the_rest_of_the_batch():
         assert torch.equal(alone, together[t : t + 1])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
-def test_ragged_attention_runs_the_kernel_for_short_queries_and_agrees_with_sdpa(causal, monkeypatch):
+def test_ragged_attention_runs_the_kernel_for_short_queries_and_agrees_with_sdpa(causal, cache_dtype, monkeypatch):
     g = torch.Generator().manual_seed(4)
-    cache = KVCache(num_layers=1, num_slots=3, max_len=64, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    cache = KVCache(num_layers=1, num_slots=3, max_len=64, num_kv_heads=2, head_dim=16, dtype=cache_dtype)
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     batch = RaggedBatch.build([2, 0], [20, 33], [3, 1])
