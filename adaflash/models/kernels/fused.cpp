@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <omp.h>
 
 #include "simd_math.h"
 
@@ -144,6 +145,28 @@ void adaflash_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t* o
     }
     out[r] = at;
   }
+}
+
+// The benchmarks' memory-bandwidth probe: reads bytes (a multiple of 128) once with AVX2 loads on `threads` threads,
+// each a contiguous share, and returns a checksum that keeps the reads (runtime_speed.py takes the faster of this and
+// torch's fp32 sum, whose adds may bound it below the memory's speed).
+uint64_t adaflash_stream_read(const uint8_t* p, int64_t bytes, int threads) {
+  uint64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t lines = bytes / 128, lo = lines * t / n * 128, hi = lines * (t + 1) / n * 128;
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t i = lo; i < hi; i += 128) {
+      const __m256i* q = reinterpret_cast<const __m256i*>(p + i);
+      acc = _mm256_add_epi8(acc, _mm256_add_epi8(_mm256_add_epi8(_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)),
+                                                 _mm256_add_epi8(_mm256_loadu_si256(q + 2), _mm256_loadu_si256(q + 3))));
+    }
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+    total += lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+  }
+  return total;
 }
 
 }  // extern "C"

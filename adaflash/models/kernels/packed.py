@@ -147,6 +147,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.adaflash_silu_mul.restype = None
     lib.adaflash_argmax_rows.argtypes = [ptr, i64, i64, ptr, i32]
     lib.adaflash_argmax_rows.restype = None
+    lib.adaflash_stream_read.argtypes = [ptr, i64, i32]
+    lib.adaflash_stream_read.restype = ctypes.c_uint64
     lib.adaflash_layer_scratch_floats.argtypes = [ptr, i64]
     lib.adaflash_layer_scratch_floats.restype = i64
     lib.adaflash_decoder_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i32]

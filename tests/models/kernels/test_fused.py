@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,3 +75,23 @@ def test_rope_and_write_is_bitwise_the_unfused_path(slots, starts, lens, cache_d
     RaggedAttention(batch, causal=True).write(caches[1], 1, k, qkv[:, (nq + nkv) * d :].view(t, nkv, d))
     assert torch.equal(fused, q)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stream_read_reads_every_byte(threads):
+    """The benchmarks' bandwidth probe: its checksum is the byte-lane sums of each thread's share (so no read can be
+    optimised away), checked against numpy."""
+    lib = packed.library()
+    data = torch.randint(0, 256, (128 * 1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+    def share_checksum(share: np.ndarray) -> int:
+        lanes = share.reshape(-1, 4, 32).astype(np.uint64).sum(axis=(0, 1)) % 256  # 32 byte lanes, wrapping adds
+        words = lanes.astype(np.uint8).view(np.uint64)
+        return int(words[0] ^ words[1] ^ words[2] ^ words[3])
+
+    lines = data.numel() // 128
+    shares = [data.numpy()[lines * t // threads * 128: lines * (t + 1) // threads * 128] for t in range(threads)]
+    expected = sum(share_checksum(s) for s in shares) % 2**64
+    assert lib.adaflash_stream_read(data.data_ptr(), data.numel(), threads) == expected
+    data[777] += 1
+    assert lib.adaflash_stream_read(data.data_ptr(), data.numel(), threads) != expected
