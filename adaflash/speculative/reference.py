@@ -25,6 +25,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per target pass, incl. bonus
     draft_lengths: list[int] = field(default_factory=list)  # drafted tokens verified per target pass
     elapsed_s: float = 0.0
+    first_token_s: float = 0.0  # of elapsed_s: the prompt's prefill and the first token's pick
 
     @property
     def accept_len_mean(self) -> float:
@@ -37,6 +38,7 @@ class GenerationStats:
             "draft_tokens": self.draft_tokens,
             "tokens_per_s": num_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0,
             "elapsed_s": self.elapsed_s,
+            "first_token_s": self.first_token_s,
         }
 
 
@@ -89,6 +91,7 @@ def autoregressive_generate(
     start = time.perf_counter()
     out = target(torch.tensor(prompt_ids), RaggedBatch.build([0], [0], [n]), cache, logit_indices=torch.tensor([n - 1]))
     tokens = [_pick(out.logits[0], sampling, generator)]
+    stats.first_token_s = time.perf_counter() - start
     while not _done(tokens, max_new_tokens, stop_token_ids):
         batch = RaggedBatch.build([0], [n + len(tokens) - 1], [1])
         out = target(torch.tensor(tokens[-1:]), batch, cache)
@@ -131,6 +134,7 @@ def speculative_generate(
     out = target(torch.tensor(prompt_ids), prompt, target_cache, capture_layers=layers, logit_indices=torch.tensor([n - 1]))
     proposer.add_context(draft_cache, out.hidden, prompt)
     tokens = [_pick(out.logits[0], sampling, generator)]
+    stats.first_token_s = time.perf_counter() - start
 
     while not _done(tokens, max_new_tokens, stop_token_ids):
         anchor_pos = n + len(tokens) - 1  # the last committed token: in neither cache yet
