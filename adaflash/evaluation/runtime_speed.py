@@ -108,6 +108,7 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
     # The VM's memory speed moves with its neighbours over minutes: probed before every round of runs, and the limit
     # takes the median of the rounds' fastest probes.
     probes = [measure_read_bandwidth()]
+    peer_runs: list[dict] = []  # llama-bench's decode, one run a round
     results = {
         "command": f"python -m adaflash.evaluation.runtime_speed --model {model_name} --dtypes {','.join(dtype_names)} "
         f"--max-new-tokens {max_new_tokens} --repeats {repeats}",
@@ -152,6 +153,9 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
         with tqdm(total=repeats * len(prompts) * (len(ours) + 1), desc=f"runtime vs HF ({name})", unit="run") as bar:
             for _ in range(repeats):
                 probes.append(measure_read_bandwidth())
+                peer = llama_bench_decode(model_name, max_new_tokens, torch.get_num_threads(), repeats=1)
+                if peer is not None:  # once a round, between ours: the VM's speed drifts over minutes
+                    peer_runs.append(peer)
                 for ids in prompts:
                     outputs = {}
                     for variant, model in ours.items():
@@ -211,7 +215,10 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
         del ours, chosen, hf
     results["machine"]["read_bandwidth_GBps"] = round(bandwidth, 2)
     results["machine"]["read_bandwidth_probes_GBps"] = [{k: round(v, 2) for k, v in p.items()} for p in probes]
-    results["llama_cpp"] = llama_bench_decode(model_name, max_new_tokens, torch.get_num_threads())
+    results["llama_cpp"] = None
+    if peer_runs:
+        runs = [r["tokens_per_s"] for r in peer_runs]
+        results["llama_cpp"] = {**peer_runs[0], "tokens_per_s": round(statistics.median(runs), 2), "runs": runs}
     if results["llama_cpp"]:
         peer = results["llama_cpp"]["tokens_per_s"]
         for r in results["by_dtype"].values():
@@ -274,7 +281,8 @@ def to_markdown(results: dict) -> str:
     peer = results.get("llama_cpp")
     if peer:
         lines += ["", f"llama.cpp (`{peer['command']}`, the same {peer['gguf']} our quantized kernels stream): "
-                  f"{peer['tokens_per_s']} tok/s; ours (decode tok/s) / llama.cpp: "
+                  f"{peer['tokens_per_s']} tok/s (median of {len(peer.get('runs', [1]))} runs, one a round between "
+                  "ours); ours (decode tok/s) / llama.cpp: "
                   + ", ".join(f"{n} {r['ours_over_llama_cpp']:.2f}x" for n, r in results["by_dtype"].items())
                   + "".join(f", {n} {INT8_VARIANT} {r['int8_over_llama_cpp']:.2f}x"
                             for n, r in results["by_dtype"].items() if "int8_over_llama_cpp" in r)]
