@@ -17,7 +17,7 @@ def engine_config(args: argparse.Namespace):
 
     return EngineConfig(method=args.method, length_policy=args.length_policy, max_batch=args.max_batch,
                         max_queue=args.max_queue, max_len=args.max_len, record_dir=args.record,
-                        prompt_lookup=prompt_lookup_of(args))
+                        prompt_lookup=prompt_lookup_of(args), max_prefill_tokens=args.max_prefill_tokens)
 
 
 def build_runner(args: argparse.Namespace):
@@ -137,6 +137,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s")
     p.add_argument("--max-len", type=int, default=2048,
                    help="KV cache length per slot: prompt + output + drafts (at most the model's positions)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="prompt tokens one prefill pass takes at most: admitted prompts are prefilled in passes of up "
+                   "to this many (vLLM's --max-num-batched-tokens for prompts)")
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     p.add_argument("--watch-versions", default=None, metavar="DIR",
                    help="serve DIR's LATEST drafter version and hot-swap each newly published one between steps")

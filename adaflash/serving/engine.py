@@ -1,6 +1,6 @@
 """The continuous-batching speculative engine (token ids only; HTTP lives in the server).
 
-One step: admit waiting requests and prefill them in one ragged pass; then, for every other running
+One step: admit waiting requests and prefill them in ragged passes of up to `max_prefill_tokens`; then, for every other running
 request, ask the length policy how many drafts it gets, run one batched drafter pass, one batched target
 verification over the ragged per-request lengths (linear layers see only real tokens), verify each
 request with the pure verifier, commit, roll the caches back and feed accepted features to the drafter.
@@ -41,12 +41,19 @@ class Engine:
         capture_layers: Sequence[int] | None = None,
         prompt_lookup: PromptLookup | None = None,
         lookup_cost: CostModel | CalibratedCost | None = None,
+        max_prefill_tokens: int = 2048,
     ) -> None:
         """`capture_layers`: target layers whose features a plain (drafter-less) engine returns to requests that
         ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers.
         `prompt_lookup`: n-gram drafts first; a request without a match (or whose match does not pay) goes to the
         drafter and its length policy (without a proposer: decodes one token). `lookup_cost`: the verify costs that
-        size the lookups (`LookupLength`), needed unless `prompt_lookup.length` is "all"."""
+        size the lookups (`LookupLength`), needed unless `prompt_lookup.length` is "all". `max_prefill_tokens`: the
+        most prompt tokens one prefill pass takes (admitted prompts go in passes of up to that many; a longer prompt
+        alone): a 64-prompt pass ran ~0.8x the tokens a second of 500-2000-token passes (its intermediates outgrow the
+        caches and glibc's reused heap, and are faulted in afresh; docs/results/session17/prefill_pass_size.txt)."""
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.max_prefill_tokens = max_prefill_tokens
         self.target, self.proposer, self.prompt_lookup = target, proposer, prompt_lookup
         self.lookup_length = None
         if prompt_lookup is not None and prompt_lookup.length == "throughput":
@@ -170,9 +177,27 @@ class Engine:
                 self.draft_cache.rollback(r.slot, keep)
             if self.prefixes is not None:
                 self.prefixes.forget(r.slot)  # the slot is being rewritten; _release records what it holds then
-        lengths = [len(r.prompt_ids) - keep for r, keep in zip(requests, kept)]
         self.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
         self.prompt_tokens_reused += sum(kept)
+        outputs = []
+        for group in self._prefill_passes([len(r.prompt_ids) - keep for r, keep in zip(requests, kept)]):
+            outputs += self._prefill_pass([requests[i] for i in group], [kept[i] for i in group])
+        return outputs
+
+    def _prefill_passes(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Consecutive groups of request indices, each within max_prefill_tokens (a longer prompt alone)."""
+        groups: list[list[int]] = []
+        total = 0
+        for i, n in enumerate(lengths):
+            if not groups or total + n > self.max_prefill_tokens:
+                groups.append([])
+                total = 0
+            groups[-1].append(i)
+            total += n
+        return groups
+
+    def _prefill_pass(self, requests: Sequence[Request], kept: Sequence[int]) -> list[StepOutput]:
+        lengths = [len(r.prompt_ids) - keep for r, keep in zip(requests, kept)]
         batch = RaggedBatch.build([r.slot for r in requests], kept, lengths)
         ids = torch.tensor([t for r, keep in zip(requests, kept) for t in r.prompt_ids[keep:]])
         out = self.target(ids, batch, self.target_cache, self.capture, batch.last_token_indices())

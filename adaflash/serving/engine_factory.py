@@ -57,6 +57,7 @@ class EngineConfig:
     max_batch: int = 8  # requests decoded together (batch slots)
     max_queue: int = 64  # requests waiting for a slot before QueueFullError
     max_len: int = 2048  # KV cache positions per slot (prompt + output + drafts); capped at the model's positions
+    max_prefill_tokens: int = 2048  # prompt tokens one prefill pass takes at most (vLLM's max_num_batched_tokens)
     record_dir: str | None = None  # on-policy buffer (serving/recorder.py): trajectories and verification outcomes
     prompt_lookup: PromptLookup | None = None  # n-gram drafts first (with `ar`: the only drafts, vLLM's `ngram`)
 
@@ -66,6 +67,8 @@ class EngineConfig:
             raise ValueError("--length-policy applies to --method dflash or adaflash only")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.policy_spec is not None:
             check_length_policy(self.policy_spec)
 
@@ -137,7 +140,7 @@ def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolic
                                       record_outcomes=proposer is not None)
     return Engine(models.target, proposer, policy, max_batch=config.max_batch, max_queue=config.max_queue,
                   max_len=max_len, recorder=recorder, prompt_lookup=config.prompt_lookup,
-                  lookup_cost=lookup_cost(config, models, proposer))
+                  lookup_cost=lookup_cost(config, models, proposer), max_prefill_tokens=config.max_prefill_tokens)
 
 
 def lookup_cost(config: EngineConfig, models: EngineModels, proposer: DFlashProposer | None) -> CostModel | None:

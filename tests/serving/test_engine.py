@@ -146,6 +146,30 @@ def test_autoregressive_engine_equals_reference(target):
     assert _run(engine, {0: _requests()}) == expected
 
 
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_admitted_prompts_prefill_in_passes_of_at_most_max_prefill_tokens(target, proposer, with_drafter):
+    """Five prompts of 4 / 2 / 7 / 1 / 6 tokens admitted together, at most 8 prompt tokens a pass: passes of
+    [4, 2], [7, 1], [6] tokens (a pass takes at least one prompt), and every request still equals the reference."""
+    expected = {f"r{i}": autoregressive_generate(target, p, n, stop_token_ids=(1,)).token_ids
+                for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))}
+    engine = Engine(target, proposer if with_drafter else None, max_batch=5, max_len=128, max_prefill_tokens=8)
+    passes, forward = [], target.forward
+
+    def spy(token_ids, batch, *args, **kwargs):
+        if batch.query_lens != tuple([1] * len(batch.query_lens)) and 0 in batch.starts:
+            passes.append(list(batch.query_lens))
+        return forward(token_ids, batch, *args, **kwargs)
+
+    target.forward = spy
+    try:
+        assert _run(engine, {0: _requests()}) == expected
+    finally:
+        del target.forward
+    assert passes[:3] == [[4, 2], [7, 1], [6]]
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        Engine(target, None, max_prefill_tokens=0)
+
+
 def test_sampling_engine_preserves_the_target_law(target, proposer):
     """Many seeded sampling requests batched together: the law of their first 3 tokens equals the target's."""
     params = SamplingParams(temperature=1.0, top_k=3)

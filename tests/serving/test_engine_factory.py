@@ -43,6 +43,7 @@ def test_each_method_has_a_default_policy():
     (dict(method="ar", length_policy="fixed:2"), "--length-policy applies to --method dflash or adaflash only"),
     (dict(method="dflash", length_policy="fastest"), "unknown length policy"),
     (dict(method="dflash", max_batch=0), "max_batch"),
+    (dict(method="ar", max_prefill_tokens=0), "max_prefill_tokens"),
 ])
 def test_bad_settings_fail_when_the_config_is_made(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -74,6 +74,9 @@ def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):
     with pytest.raises(ValueError, match="unknown length policy"):
         args = _parse(["--model", tiny_chat_checkpoint, "--drafter", random_drafter, "--length-policy", "fastest"])
         args.func(args)
+    with pytest.raises(ValueError, match="max_prefill_tokens must be >= 1"):
+        args = _parse(["--model", tiny_chat_checkpoint, "--method", "ar", "--max-prefill-tokens", "0"])
+        args.func(args)
 
 
 def test_serve_adaflash_records_and_watches_versions(served, tiny_chat_checkpoint, adaflash_drafter, tmp_path, capsys):
