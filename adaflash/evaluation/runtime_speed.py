@@ -262,7 +262,8 @@ def to_markdown(results: dict) -> str:
             limit = m["read_bandwidth_GBps"] * 1e3 / v["decode_weight_MB"]
             lines.append(f"| {name} | {variant} | {v['tokens_per_s']} | {v['decode_tokens_per_s']} | "
                          f"{v['decode_weight_MB']} | {limit:.1f} | {v['decode_tokens_per_s'] / limit:.0%} | "
-                         f"{v['tokens_per_s'] / r['transformers_tokens_per_s']:.2f}x | {v['runs_identical_to_chosen']} |")
+                         f"{v['tokens_per_s'] / r['transformers_tokens_per_s']:.2f}x | "
+                         f"{v['runs_identical_to_chosen']} |")
         lines.append(f"| {name} | transformers `generate` | {r['transformers_tokens_per_s']} | | | | | 1.00x | |")
     lines += ["", "Token agreement with transformers (chosen kernels): "
               + ", ".join(f"{n} {r['token_agreement_with_transformers']:.0%}" for n, r in results["by_dtype"].items())

@@ -1,7 +1,7 @@
 """The continuous-batching speculative engine (token ids only; HTTP lives in the server).
 
-One step: admit waiting requests and prefill them in ragged passes of up to `max_prefill_tokens`; then, for every other running
-request, ask the length policy how many drafts it gets, run one batched drafter pass, one batched target
+One step: admit waiting requests and prefill them in ragged passes of up to `max_prefill_tokens`; then, for every
+other running request, ask the length policy how many drafts it gets, run one batched drafter pass, one batched target
 verification over the ragged per-request lengths (linear layers see only real tokens), verify each
 request with the pure verifier, commit, roll the caches back and feed accepted features to the drafter.
 The scheduler (slots, queue) knows nothing of drafting; the proposer nothing of scheduling.
@@ -49,7 +49,7 @@ class Engine:
         drafter and its length policy (without a proposer: decodes one token). `lookup_cost`: the verify costs that
         size the lookups (`LookupLength`), needed unless `prompt_lookup.length` is "all". `max_prefill_tokens`: the
         most prompt tokens one prefill pass takes (admitted prompts go in passes of up to that many; a longer prompt
-        alone): a 64-prompt pass ran ~0.8x the tokens a second of 500-2000-token passes (its intermediates outgrow the
+        alone): a 64-prompt pass ran ~0.8x the tokens a second of 450-1800-token passes (its intermediates outgrow the
         caches and glibc's reused heap, and are faulted in afresh; docs/results/session17/prefill_pass_size.txt)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")

@@ -31,6 +31,6 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_st
     with packed.profiled("adaflash::ragged_attention"):
         packed.library().adaflash_ragged_attention(
             q.data_ptr(), heads, d, k.data_ptr(), v.data_ptr(), kv_heads, max_len, slots.numel(),
-            token_start.data_ptr(), slots.data_ptr(), key_len.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
-            k.dtype == torch.float16)
+            token_start.data_ptr(), slots.data_ptr(), key_len.data_ptr(), scale, out.data_ptr(),
+            torch.get_num_threads(), k.dtype == torch.float16)
     return out

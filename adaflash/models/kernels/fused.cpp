@@ -159,8 +159,9 @@ uint64_t adaflash_stream_read(const uint8_t* p, int64_t bytes, int threads) {
     __m256i acc = _mm256_setzero_si256();
     for (int64_t i = lo; i < hi; i += 128) {
       const __m256i* q = reinterpret_cast<const __m256i*>(p + i);
-      acc = _mm256_add_epi8(acc, _mm256_add_epi8(_mm256_add_epi8(_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)),
-                                                 _mm256_add_epi8(_mm256_loadu_si256(q + 2), _mm256_loadu_si256(q + 3))));
+      const __m256i a = _mm256_add_epi8(_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1));
+      const __m256i b = _mm256_add_epi8(_mm256_loadu_si256(q + 2), _mm256_loadu_si256(q + 3));
+      acc = _mm256_add_epi8(acc, _mm256_add_epi8(a, b));
     }
     alignas(32) uint64_t lanes[4];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);

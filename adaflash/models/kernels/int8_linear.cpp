@@ -90,8 +90,8 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
   const int64_t k = nb * kBlock;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // Larger tiles take one half of the panel (8 outputs) at a time over all of k, so up to 8 rows keep their int16 sums
-  // in registers (both halves at once needed twice the registers and spilled at every step: 1.2-1.3x slower at 4-64
-  // rows, docs/results/session16/int8_tile_ab.txt). The second half re-reads the panel from L1/L2.
+  // in registers (both halves at once spill them there, see kBothHalvesRows). The second half re-reads the panel from
+  // L1/L2.
   for (int h0 = 0; h0 < 2; h0 += H) {
     __m256 acc[R][H];
 #pragma GCC unroll 8

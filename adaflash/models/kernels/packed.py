@@ -229,7 +229,7 @@ class PackedLinear(_Packed):
         self.format_code = 0  # layer_step.cpp's code for this kernel
         self.label = f"adaflash::packed_linear[{n}x{k}]"  # what torch.profiler shows for a call (ctypes is invisible)
         w = weight.detach().contiguous()
-        self.packed = weight_arena.empty(n * k, torch.float32)
+        self.packed = torch.empty(n * k, dtype=torch.float32, device="cpu")
         lib.adaflash_pack(w.data_ptr(), n, k, self.packed.data_ptr(), torch.get_num_threads())
         self.bias = _check_bias(bias, n)
 
@@ -252,7 +252,7 @@ class QuantizedLinear(_Packed):
         self._lib, self.n, self.k, self.fmt, self.format_code = lib, n, k, fmt, spec.code
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}]"  # runtime_profile buckets by this prefix
         src = blocks.detach().contiguous()
-        self.packed = weight_arena.empty(n // PANEL * (k // BLOCK) * spec.packed_block_bytes, torch.uint8)
+        self.packed = torch.empty(n // PANEL * (k // BLOCK) * spec.packed_block_bytes, dtype=torch.uint8)
         lib.adaflash_pack_quantized(src.data_ptr(), n, k, spec.code, self.packed.data_ptr(), torch.get_num_threads())
         self.bias = _check_bias(bias, n)
 
@@ -282,6 +282,8 @@ class Int8Linear(_Packed):
         self.format_code, self._code = INT8_CODE_OFFSET + code, code
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}xint8]"
         src = blocks.detach().contiguous()
+        # In huge pages (weight_arena.py). Only here: the other kernels' copies may be dropped by the per-machine
+        # choice, and a weight carved from a shared chunk frees no memory until the whole chunk does.
         self.packed = weight_arena.empty(n // PANEL * (k // BLOCK) * lib.adaflash_int8_block_bytes(code), torch.uint8)
         lib.adaflash_pack_int8(src.data_ptr(), n, k, code, self.packed.data_ptr(), torch.get_num_threads())
         self.bias = _check_bias(bias, n)

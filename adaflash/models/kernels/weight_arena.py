@@ -1,11 +1,13 @@
-"""Packed weights laid out in 2 MB pages, in the order they are packed (which is the order a forward reads them).
+"""The int8 kernel's packed weights laid out in 2 MB pages, in the order they are packed (the order a forward reads
+them).
 
 Why: a decode step streams every weight once from memory (~97 MB for SmolLM2 with `--dtype int8`, three times the
-L3). With 4 KB pages that stream walks a TLB miss every 4 KB; transparent huge pages (`madvise`, the default setting
-of most kernels) make it one per 2 MB: the 120 layer linears of a 1-row pass ran 1.07-1.14x faster
-(docs/results/session17/huge_pages_ab.txt). Weights are carved from 64 MB chunks in packing order, so a layer's four
-linears sit next to each other too. Where the kernel has no transparent huge pages the pages stay 4 KB (still correct);
-ADAFLASH_HUGE_PAGES=0 (read at packing) allocates each weight on its own, as before.
+L3); with 4 KB pages that stream walks a TLB miss every 4 KB, with transparent huge pages (`madvise`, the default
+setting of most kernels) one per 2 MB. Measured: 0.98-0.99x a decode step (docs/results/session17/huge_pages_ab.txt)
+- small. Weights are carved from 64 MB chunks in packing order, so a layer's four linears sit next to each other; a
+chunk's memory is freed only when every weight carved from it is, so this suits weights kept for the model's life
+(not the kernel choice's candidates, some of which are dropped). Where the kernel has no transparent huge pages the
+pages stay 4 KB (still correct); ADAFLASH_HUGE_PAGES=0 (read at packing) allocates each weight on its own.
 """
 
 from __future__ import annotations

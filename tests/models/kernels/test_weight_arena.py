@@ -37,7 +37,7 @@ def test_weights_are_aligned_disjoint_and_keep_their_values():
     assert all(bool((t == i + 1).all()) for i, t in enumerate(tensors))
 
 
-def test_a_weight_past_half_a_chunk_gets_its_own_pages_and_a_chunk_outlives_nothing_it_holds():
+def test_a_weight_past_half_a_chunk_gets_its_own_pages_and_freeing_it_leaves_the_others_intact():
     big = weight_arena.empty(weight_arena.CHUNK // 2 + 1, torch.uint8)
     assert big.numel() == weight_arena.CHUNK // 2 + 1
     if sys.platform.startswith("linux"):
