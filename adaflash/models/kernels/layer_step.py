@@ -100,7 +100,9 @@ class LayerSteps:
         self.layers = list(layers)
         self.shape = _Shape(hidden, heads, kv_heads, head_dim, intermediate, eps, head_dim ** -0.5)
         self.head_dim = head_dim
-        self._by_bucket: dict[int, tuple[ctypes.Array, list]] = {}  # bucket -> (structures, (weight, version)s)
+        # bucket -> (structures, the weights and biases, their versions when packed)
+        self._by_bucket: dict[int, tuple[ctypes.Array, list[torch.Tensor], list[int]]] = {}
+        self._no_captures = (ctypes.c_void_p * len(self.layers))()  # all null: the common call captures nothing
 
     def _layers_at(self, rows: int) -> ctypes.Array | None:
         """The layers' structures for `rows` rows, or None if some linear runs torch's kernel there or has weights
@@ -111,8 +113,8 @@ class LayerSteps:
             return None
         cached = self._by_bucket.get(bucket)
         if cached is not None:  # one version counter per weight: far cheaper than asking each FastLinear
-            structs, sources = cached
-            return structs if all(version_of(t) == v for t, v in sources) else None
+            structs, tensors, versions = cached
+            return structs if [t._version for t in tensors] == versions else None
         kernels = []
         for layer in self.layers:
             row = [layer.linears[name].kernel_for(rows) if name in layer.linears else None for name in LINEARS]
@@ -125,9 +127,10 @@ class LayerSteps:
             s.q_norm, s.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
             for name, kernel in zip(LINEARS, row):
                 setattr(s, name, _linear_struct(kernel))
-        sources = [(t, version_of(t)) for layer in self.layers for f in layer.linears.values()
-                   for t in (f.weight, f.bias) if t is not None]
-        self._by_bucket[bucket] = (structs, sources)
+        # (an inference tensor has no version counter: it cannot change outside inference mode, so it is not watched)
+        tensors = [t for layer in self.layers for f in layer.linears.values() for t in (f.weight, f.bias)
+                   if t is not None and version_of(t) is not None]
+        self._by_bucket[bucket] = (structs, tensors, [t._version for t in tensors])
         return structs
 
     def run(self, h: torch.Tensor, attention, cache, cos: torch.Tensor, sin: torch.Tensor,
@@ -153,8 +156,8 @@ class LayerSteps:
         wanted = sorted(i for i in capture if 0 <= i < len(structs))
         captured = [torch.empty_like(h) for _ in wanted]
         by_layer = dict(zip(wanted, captured))
-        targets = (ctypes.c_void_p * len(structs))(*(by_layer[i].data_ptr() if i in by_layer else None
-                                                     for i in range(len(structs))))
+        targets = self._no_captures if not wanted else (ctypes.c_void_p * len(structs))(
+            *(by_layer[i].data_ptr() if i in by_layer else None for i in range(len(structs))))
         with packed.profiled("adaflash::decoder_layers"):
             lib.adaflash_decoder_layers(h.data_ptr(), structs, len(structs), ctypes.byref(self.shape),
                                         ctypes.byref(batch), scratch.data_ptr(), targets, torch.get_num_threads())
