@@ -109,6 +109,7 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
     # takes the median of the rounds' fastest probes.
     probes = [measure_read_bandwidth()]
     peer_runs: list[dict] = []  # llama-bench's decode, one run a round
+    weight_bytes_of: dict[str, int] = {}  # per dtype: the weight bytes a decode step streams
     results = {
         "command": f"python -m adaflash.evaluation.runtime_speed --model {model_name} --dtypes {','.join(dtype_names)} "
         f"--max-new-tokens {max_new_tokens} --repeats {repeats}",
@@ -181,24 +182,20 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
                         ours_ids = ours_ids[: ours_ids.index(tokenizer.eos_token_id)]
                     agree.append(sum(a == b for a, b in zip(hf_ids, ours_ids)) / max(1, len(ours_ids)))
                     bar.update(1)
-        bandwidth = statistics.median(max(p.values()) for p in probes)
         hf_med = statistics.median(hf_tps)
         costs = {}
         for variant, model in ours.items():
             with environment(modes[variant]):
                 costs[variant] = forward_cost_ms(model, 256)
         chosen = ours["chosen"]
-        weight_bytes = chosen.streamed_weight_bytes(1)
+        weight_bytes = weight_bytes_of[name] = chosen.streamed_weight_bytes(1)
         ours_med = statistics.median(tps["chosen"])
-        limit = bandwidth * 1e9 / weight_bytes
         results["by_dtype"][name] = {
             "ours_tokens_per_s": round(ours_med, 2),
             "transformers_tokens_per_s": round(hf_med, 2),
             "speedup": round(ours_med / hf_med, 3),
             "transformers_runs": [round(x, 2) for x in hf_tps],
             "decode_weight_MB": round(weight_bytes / 1e6, 1),
-            "bandwidth_limit_tokens_per_s": round(limit, 1),
-            "fraction_of_bandwidth_limit": round(statistics.median(decode_tps["chosen"]) / limit, 3),
             "token_agreement_with_transformers": round(statistics.mean(agree), 4),
             "variants": {
                 variant: {
@@ -213,7 +210,13 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
             },
         }
         del ours, chosen, hf
+    # One bandwidth for every dtype's limit: the median over all rounds of each round's fastest probe.
+    bandwidth = statistics.median(max(p.values()) for p in probes)
     results["machine"]["read_bandwidth_GBps"] = round(bandwidth, 2)
+    for name, r in results["by_dtype"].items():
+        limit = bandwidth * 1e9 / weight_bytes_of[name]
+        r["bandwidth_limit_tokens_per_s"] = round(limit, 1)
+        r["fraction_of_bandwidth_limit"] = round(r["variants"]["chosen"]["decode_tokens_per_s"] / limit, 3)
     results["machine"]["read_bandwidth_probes_GBps"] = [{k: round(v, 2) for k, v in p.items()} for p in probes]
     results["llama_cpp"] = None
     if peer_runs:

@@ -29,7 +29,8 @@ class Scheduler:
 
     def admit(self, choose_slot: Callable[[Request, list[int]], int] | None = None) -> list[Request]:
         """Move waiting requests into free slots; returns the newly admitted (they need a prefill). `choose_slot`
-        picks one of the free slots for a request (default: the lowest free one)."""
+        picks one of the free slots for a request (default: the last in `free_slots`: low slots first, then the most
+        recently freed)."""
         admitted = []
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()

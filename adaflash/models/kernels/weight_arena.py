@@ -66,5 +66,4 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     the kernel gives them."""
     if os.environ.get("ADAFLASH_HUGE_PAGES") == "0":
         return torch.empty(numel, dtype=dtype)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return _ARENA.take(numel * itemsize)[:numel * itemsize].view(dtype)
+    return _ARENA.take(numel * dtype.itemsize)[:numel * dtype.itemsize].view(dtype)
