@@ -87,3 +87,31 @@ def test_ragged_attention_runs_the_kernel_for_short_queries_and_agrees_with_sdpa
     monkeypatch.setenv("ADAFLASH_KERNELS", "auto")
     RaggedAttention(long, causal=causal).attend(cache, 0, torch.randn(attention.MAX_QUERIES + 1, 4, 16, generator=g))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_split_passes_and_token_parts_give_the_bits_of_one_pass_per_group(threads):
+    """A batch-1 step over a long cache splits each KV head's keys and lanes over the threads, and a verification's
+    tokens spread over them: the same bits as a token in a batch of many sequences (one task per sequence's head)."""
+    g = torch.Generator().manual_seed(6)
+    k, v = (torch.randn(6, 3, 1100, 64, generator=g)).half(), (torch.randn(6, 3, 1100, 64, generator=g)).half()
+    q = torch.randn(5, 9, 64, generator=g)
+    lens = torch.tensor([1037, 600, 1099, 770, 513])  # several 256-key tasks, tails of 5 / 0 / 3 / 2 / 1 keys
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # Five sequences of one token each (15 groups: one pass per group) against each token alone (3 groups).
+        batch = attention.ragged_attention(q, k, v, torch.arange(6), torch.tensor([5, 1, 2, 3, 4]), lens, scale=0.125)
+        for t in range(5):
+            alone = attention.ragged_attention(q[t : t + 1], k, v, torch.tensor([0, 1]), torch.tensor([[5, 1, 2, 3, 4][t]]),
+                                               lens[t : t + 1], scale=0.125)
+            assert torch.equal(alone, batch[t : t + 1])
+        # One sequence's 5 tokens (a verification: its tokens in parts over the threads) against the same batch.
+        verify = attention.ragged_attention(q, k, v, torch.tensor([0, 5]), torch.tensor([1]), lens, scale=0.125)
+        one_slot = attention.ragged_attention(q, k, v, torch.arange(6), torch.ones(5, dtype=torch.long), lens,
+                                              scale=0.125)
+        assert torch.equal(verify, one_slot)
+    finally:
+        torch.set_num_threads(previous)
+    reference = _reference(q, k.float(), v.float(), torch.ones(5, dtype=torch.long), torch.arange(6), lens)
+    torch.testing.assert_close(one_slot, reference, atol=2e-6, rtol=1e-5)
