@@ -77,112 +77,103 @@ inline __m256i bcast4(const int8_t* p) {
 // (docs/results/session17/int8_prefetch_ab.txt; 4-16 KB and the L1 / L2 / non-temporal hints measured alike).
 constexpr int64_t kPrefetchAhead = 8192;
 
-// Tiles of up to this many rows run both halves of the panel in one pass: each activation broadcast then serves 16
-// outputs and the panel is read once: 1-4 rows 0.82-0.89x the time. Tiles of 8 rows that way spill their sums (16-64
-// rows 1.07-1.12x the time); 5-7 measured within noise (docs/results/session17/int8_both_halves_ab.txt).
-constexpr int kBothHalvesRows = 4;
-
 template <int Format, int R>
 void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, const float* bias, float* y,
           int64_t ldy, const uint8_t* end) {
   constexpr int64_t bytes = Format == kQ4_1 ? kQ4_1Packed : kQ8_0Packed;
-  constexpr int H = R <= kBothHalvesRows ? 2 : 1;  // halves per pass
+  constexpr int H = 2;  // both halves of the panel in one pass: each activation broadcast serves 16 outputs
   const int64_t k = nb * kBlock;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  // Larger tiles take one half of the panel (8 outputs) at a time over all of k, so up to 8 rows keep their int16 sums
-  // in registers (both halves at once spill them there, see kBothHalvesRows). The second half re-reads the panel from
-  // L1/L2.
-  for (int h0 = 0; h0 < 2; h0 += H) {
-    __m256 acc[R][H];
+  __m256 acc[R][H];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      for (int hh = 0; hh < H; ++hh) acc[r][hh] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = panel + b * bytes;
-      if (h0 == 0 && r0 == 0 && blk + kPrefetchAhead < end)  // the first pass over a block asks for the one 8 KB on
-        for (int64_t c = 0; c < bytes; c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchAhead + c), _MM_HINT_T0);
-      __m256i sum[R][H];
-      if (Format == kQ4_1) {
-        // The block's 8 steps add their int16 pairs in int16 (an int16 lane then holds 16 products, |sum| <= 16 x 15
-        // x 127 = 30480: no overflow) and widen once.
-        __m256i pairs16[R][H];
+  for (int r = 0; r < R; ++r)
+    for (int hh = 0; hh < H; ++hh) acc[r][hh] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = panel + b * bytes;
+    if (r0 == 0 && blk + kPrefetchAhead < end)  // the first pass over a block asks for the one 8 KB on
+      for (int64_t c = 0; c < bytes; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchAhead + c), _MM_HINT_T0);
+    __m256i sum[R][H];
+    if (Format == kQ4_1) {
+      // The block's 8 steps add their int16 pairs in int16 (an int16 lane then holds 16 products, |sum| <= 16 x 15
+      // x 127 = 30480: no overflow) and widen once.
+      __m256i pairs16[R][H];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          for (int hh = 0; hh < H; ++hh) pairs16[r][hh] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r)
+        for (int hh = 0; hh < H; ++hh) pairs16[r][hh] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-        for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
+      for (int l = 0; l < 4; ++l) {  // low nibbles: k step l, high nibbles: step l + 4
 #pragma GCC unroll 2
-          for (int hh = 0; hh < H; ++hh) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + l * 64 + (h0 + hh) * 32));
-            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int hh = 0; hh < H; ++hh) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + l * 64 + hh * 32));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
 #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) {
-              const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
-              pairs16[r][hh] = _mm256_add_epi16(pairs16[r][hh],
-                                                _mm256_add_epi16(pairs<Format>(lo, bcast4(x + 4 * l)),
-                                                                 pairs<Format>(hi, bcast4(x + 4 * l + 16))));
-              // Pin the running sum: gcc otherwise re-associates the exact int16 adds into all 32 products live at
-              // once and spills them to the stack.
-              asm("" : "+x"(pairs16[r][hh]));
-            }
-          }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          for (int hh = 0; hh < H; ++hh) sum[r][hh] = _mm256_madd_epi16(pairs16[r][hh], _mm256_set1_epi16(1));
-      } else {  // Q8_0's pairs reach 32512: each step widens on its own
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          for (int hh = 0; hh < H; ++hh) sum[r][hh] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int s = 0; s < 8; ++s) {
-#pragma GCC unroll 2
-          for (int hh = 0; hh < H; ++hh) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + s * 64 + (h0 + hh) * 32));
-#pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) {
-              sum[r][hh] = widen_add(sum[r][hh], pairs<Format>(v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s)));
-              asm("" : "+x"(sum[r][hh]));  // as above: one running sum per row, not 64 live products
-            }
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
+            pairs16[r][hh] = _mm256_add_epi16(pairs16[r][hh],
+                                              _mm256_add_epi16(pairs<Format>(lo, bcast4(x + 4 * l)),
+                                                               pairs<Format>(hi, bcast4(x + 4 * l + 16))));
+            // Pin the running sum: gcc otherwise re-associates the exact int16 adds into all 32 products live at
+            // once and spills them to the stack.
+            asm("" : "+x"(pairs16[r][hh]));
           }
         }
       }
-#pragma GCC unroll 2
-      for (int hh = 0; hh < H; ++hh) {
-        const int h = h0 + hh;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + h * 16)));
-        const __m256 mw = Format == kQ4_1
-                              ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + h * 16)))
-                              : _mm256_setzero_ps();
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const int64_t i = (r0 + r) * nb + b;
-          acc[r][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][hh]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[i])),
-                                       acc[r][hh]);
-          if (Format == kQ4_1) acc[r][hh] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[r][hh]);
+      for (int r = 0; r < R; ++r)
+        for (int hh = 0; hh < H; ++hh) sum[r][hh] = _mm256_madd_epi16(pairs16[r][hh], _mm256_set1_epi16(1));
+    } else {  // Q8_0's pairs reach 32512: each step widens on its own
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        for (int hh = 0; hh < H; ++hh) sum[r][hh] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+#pragma GCC unroll 2
+        for (int hh = 0; hh < H; ++hh) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + s * 64 + hh * 32));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            sum[r][hh] = widen_add(sum[r][hh], pairs<Format>(v, bcast4(a.q + (r0 + r) * k + b * kBlock + 4 * s)));
+            asm("" : "+x"(sum[r][hh]));  // as above: one running sum per row, not 64 live products
+          }
         }
       }
     }
+#pragma GCC unroll 2
+    for (int hh = 0; hh < H; ++hh) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + hh * 16)));
+      const __m256 mw = Format == kQ4_1
+                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + hh * 16)))
+                            : _mm256_setzero_ps();
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-      for (int hh = 0; hh < H; ++hh) {
-        __m256 out = acc[r][hh];
-        if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + (h0 + hh) * 8));
-        _mm256_storeu_ps(y + (r0 + r) * ldy + (h0 + hh) * 8, out);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * nb + b;
+        acc[r][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][hh]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[i])),
+                                     acc[r][hh]);
+        if (Format == kQ4_1) acc[r][hh] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), acc[r][hh]);
       }
+    }
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    for (int hh = 0; hh < H; ++hh) {
+      __m256 out = acc[r][hh];
+      if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + hh * 8));
+      _mm256_storeu_ps(y + (r0 + r) * ldy + hh * 8, out);
+    }
 }
 
-// One panel for every row: tiles of up to kRows rows (8 rows' int16 pair sums in registers; their float accumulators,
-// touched once per block, may live on the stack).
-constexpr int kRows = 8;
+// One panel for every row: tiles of up to kRows rows, the panel read from memory by the first and from L1 by the
+// rest. 4 rows' int16 sums for both halves fill the registers. Tiles of 8 rows taking one half a pass (session 17)
+// were a little slower: passes of 8-64 rows take 0.94-0.99x their time this way (with the parallel rounding below,
+// docs/results/session18/int8_tile_rows_ab.txt); 3-row tiles measured alike.
+constexpr int kRows = 4;
 
 template <int Format>
 void panel_rows(const Activations& a, int64_t m, const uint8_t* panel, int64_t nb, const float* bias, float* y,
                 int64_t n, const uint8_t* end) {
-  static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>, tile<Format, 4>,
-                                            tile<Format, 5>, tile<Format, 6>, tile<Format, 7>, tile<Format, 8>};
+  static constexpr Tile tiles[kRows + 1] = {nullptr, tile<Format, 1>, tile<Format, 2>, tile<Format, 3>,
+                                            tile<Format, 4>};
   run_tiles(tiles, kRows, a, m, panel, nb, bias, y, n, end);
 }
 
@@ -319,16 +310,20 @@ struct Scratch {
   std::vector<int32_t> qsum;
 };
 
-Activations quantize(const float* x, int64_t m, int64_t k, int threads, Scratch& buf) {
+// The scratch sized for m rows of k, as the kernel's activations (filled by quantize_blocks).
+Activations reserve(int64_t m, int64_t k, Scratch& buf) {
   const int64_t nb = k / kBlock;
   if (static_cast<int64_t>(buf.q.size()) < m * k) buf.q.resize(m * k);
   if (static_cast<int64_t>(buf.d.size()) < m * nb) buf.d.resize(m * nb), buf.s.resize(m * nb), buf.qsum.resize(m * nb);
-  int8_t* q = buf.q.data();
-  float *d = buf.d.data(), *s = buf.s.data();
-  int32_t* qsum = buf.qsum.data();
-#pragma omp parallel for schedule(static) num_threads(threads) if (m * k >= (1 << 16))
-  for (int64_t i = 0; i < m * nb; ++i) quantize_block(x + i * kBlock, q + i * kBlock, d[i], s[i], qsum[i]);
-  return {q, d, s, qsum};
+  return {buf.q.data(), buf.d.data(), buf.s.data(), buf.qsum.data()};
+}
+
+// Blocks [i0, i1) of x (m x k, in blocks of 32 along each row) into a.
+inline void quantize_blocks(const float* x, const Activations& a, int64_t i0, int64_t i1) {
+  int8_t* q = const_cast<int8_t*>(a.q);
+  float *d = const_cast<float*>(a.d), *s = const_cast<float*>(a.s);
+  int32_t* qsum = const_cast<int32_t*>(a.qsum);
+  for (int64_t i = i0; i < i1; ++i) quantize_block(x + i * kBlock, q + i * kBlock, d[i], s[i], qsum[i]);
 }
 
 }  // namespace
@@ -376,28 +371,37 @@ void adaflash_pack_int8(const uint8_t* src, int64_t n, int64_t k, int format, ui
 
 // Rows per chunk of a long input (128 x k int8 activations stay in L2; 64-512 measured alike on a 3650-row prefill).
 constexpr int64_t kRowChunk = 128;
+// From this many blocks of activations on, the threads round them in parallel (one decode row's 18-48 blocks take
+// ~0.5 us alone; a 16-row verification's ~300-800 blocks ~10 us, a serial part of every call).
+constexpr int64_t kParallelQuantizeBlocks = 128;
 
 // x [m, k] fp32 row-major, packed from adaflash_pack_int8, y [m, n], bias [n] or null.
 void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int format, int64_t n,
                           const float* bias, float* y, int threads) {
   if (m < 1) return;
   static thread_local Scratch scratch;
-  const Activations a = quantize(x, m, k, threads, scratch);
+  const Activations a = reserve(m, k, scratch);
   const int64_t nb = k / kBlock, stride = nb * adaflash_int8_block_bytes(format), panels = n / kPanel;
+  const bool parallel_quantize = threads > 1 && m * nb >= kParallelQuantizeBlocks;
+  if (!parallel_quantize) quantize_blocks(x, a, 0, m * nb);
   // One panel per task: tiles of several panels (more independent chains) measured slower at every row count here
   // (AMD EPYC, 2 threads: a whole decode step's linears 4.0 ms with one, 4.8 with four at one row).
   const PanelRows rows = (has_vnni() ? vnni::kPanelRows : avx2::kPanelRows)[format == kQ4_1 ? 0 : 1];
-  // A prefill's thousands of rows go in chunks whose int8 activations stay in L2 while every panel passes over them:
-  // one pass of all rows per panel streamed the whole activation matrix from L3 once per panel (a 3650-row prefill
-  // ran its linears at ~80% of the 64-row speed). A row's arithmetic does not depend on its chunk.
-  for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
-    const int64_t rows_here = m - r0 < kRowChunk ? m - r0 : kRowChunk;
-    const Activations chunk = {a.q + r0 * k, a.d + r0 * nb, a.s + r0 * nb, a.qsum + r0 * nb};
 #pragma omp parallel num_threads(threads)
-    {
-      // Contiguous shares, as schedule(static) gives, computed here so each thread knows where its own ends.
-      const int t = omp_get_thread_num(), T = omp_get_num_threads();
-      const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
+  {
+    const int t = omp_get_thread_num(), T = omp_get_num_threads();
+    if (parallel_quantize) {  // the same blocks, each rounded by one thread, then every thread reads all of them
+      quantize_blocks(x, a, m * nb * t / T, m * nb * (t + 1) / T);
+#pragma omp barrier
+    }
+    // Contiguous shares, as schedule(static) gives, computed here so each thread knows where its own ends.
+    const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
+    // A prefill's thousands of rows go in chunks whose int8 activations stay in L2 while the thread's panels pass
+    // over them: one pass of all rows per panel streamed the whole activation matrix from L3 once per panel (a
+    // 3650-row prefill ran its linears at ~80% of the 64-row speed). A row's arithmetic does not depend on its chunk.
+    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
+      const int64_t rows_here = m - r0 < kRowChunk ? m - r0 : kRowChunk;
+      const Activations chunk = {a.q + r0 * k, a.d + r0 * nb, a.s + r0 * nb, a.qsum + r0 * nb};
       for (int64_t p = p0; p < p1; ++p)
         rows(chunk, rows_here, packed + p * stride, nb, bias ? bias + p * kPanel : nullptr, y + r0 * n + p * kPanel, n,
              packed + p1 * stride);

@@ -90,3 +90,24 @@ def test_int8_runs_every_row_count_where_blocks_exist_and_nothing_else_changes()
     assert "xint8" not in bf16.choices[0]  # no int8 kernel for BF16 blocks: chosen as fp32 would be
     with pytest.raises(ValueError, match="no kernel for 'BF16'"):
         packed.Int8Linear(raw, "BF16", 64)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_round_and_multiply_to_the_bits_of_one_thread(threads):
+    """From 128 blocks of activations the threads round them in parallel, and 200 rows run as two row chunks in one
+    threaded region: the same bits as one thread, and as each row alone."""
+    raw, _ = _gguf_blocks("Q4_1", 96, 576, seed=9)
+    kernel = packed.Int8Linear(raw, "Q4_1", 576, None)
+    g = torch.Generator().manual_seed(9)
+    x, other = torch.randn(200, 576, generator=g), torch.randn(200, 576, generator=g)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel(other)  # the rounding scratch now holds other rows: a block no thread rounds would keep them
+        threaded = kernel(x)
+        rows = [kernel(x[i : i + 1]) for i in (0, 127, 128, 199)]
+    finally:
+        torch.set_num_threads(previous)
+    one = kernel(x)
+    assert torch.equal(threaded, one)
+    assert all(torch.equal(row, one[i : i + 1]) for row, i in zip(rows, (0, 127, 128, 199)))
