@@ -90,9 +90,9 @@ def test_ragged_attention_runs_the_kernel_for_short_queries_and_agrees_with_sdpa
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_the_split_passes_and_token_parts_give_the_bits_of_one_pass_per_group(threads):
-    """A batch-1 step over a long cache splits each KV head's keys and lanes over the threads, and a verification's
-    tokens spread over them: the same bits as a token in a batch of many sequences (one task per sequence's head)."""
+def test_token_parts_over_threads_give_the_bits_of_one_token_at_a_time(threads):
+    """With several threads a verification's tokens are spread over them in parts, and few sequences' KV heads are
+    split likewise: every token gets the bits it gets alone, or in a batch of many sequences (one task each)."""
     g = torch.Generator().manual_seed(6)
     k, v = (torch.randn(6, 3, 1100, 64, generator=g)).half(), (torch.randn(6, 3, 1100, 64, generator=g)).half()
     q = torch.randn(5, 9, 64, generator=g)
