@@ -21,7 +21,7 @@ from adaflash.models.config import TransformerConfig
 from adaflash.models.dtype import int8_activations, resolve_dtype
 from adaflash.models.gguf_blocks import QuantizedWeight, quantized_weights
 from adaflash.models.kernels import attention as attention_kernel
-from adaflash.models.kernels.layer_step import LayerSteps, StepLayer
+from adaflash.models.kernels.layer_step import LayerSteps, StepHead, StepLayer
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
 from adaflash.models.layers import apply_rope, fused_kernels_available, linear, rms_norm, rope_cos_sin, silu_mul
@@ -177,16 +177,23 @@ class TargetModel(nn.Module):
         attention = RaggedAttention(batch, causal=True, device=self.device, ragged_prefill=self.int8_activations)
         cos, sin = rope_cos_sin(batch.positions.to(self.device), cfg.head_dim, cfg.rope_theta, self.dtype)
         capture = set(capture_layers)
-        h = self.embed(token_ids.to(self.device))
-        fused = self.layer_steps.run(h, attention, cache, cos, sin, capture) if self.layer_steps is not None else None
-        h, captured = fused if fused is not None else self._layer_loop(h, attention, cache, cos, sin, capture)
+        logits = None
+        fused = None
+        if self.layer_steps is not None:  # embedding, layers and logits in one kernel call where they can
+            head = StepHead(self.final_norm, self.fast_lm_head) if compute_logits and self.fast_lm_head else None
+            fused = self.layer_steps.forward(token_ids.to(self.device), self.embed_tokens, attention, cache, cos, sin,
+                                             capture, head, logit_indices)
+        if fused is not None:
+            h, logits, captured = fused
+        else:
+            h = self.embed(token_ids.to(self.device))
+            h, captured = self._layer_loop(h, attention, cache, cos, sin, capture)
         attention.commit_lengths(cache)
         hidden = None
         if capture_layers:
             by_layer = dict(zip(sorted(capture), captured))
             hidden = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
-        logits = None
-        if compute_logits:
+        if compute_logits and logits is None:
             selected = h if logit_indices is None else h[logit_indices.to(self.device)]
             logits = self.logits(rms_norm(selected, self.final_norm, cfg.rms_norm_eps))
         return ForwardOutput(logits=logits, hidden=hidden)

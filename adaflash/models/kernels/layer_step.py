@@ -138,30 +138,79 @@ class LayerSteps:
         """Every layer over the residual stream `h` [T, hidden] of a RaggedAttention batch (causal or not); returns
         the final stream and the stream after each layer in `capture` (ascending), or None where the step cannot run
         (the caller runs its Python loop)."""
-        t = h.shape[0]
-        if (not enabled() or h.dtype != torch.float32 or h.device.type != "cpu"
+        call = self._prepare(h.shape[0], h.dtype, h.device, attention, cache, cos, sin, capture)
+        if call is None:
+            return None
+        h = h.clone()  # updated in place, layer by layer
+        with packed.profiled("adaflash::decoder_layers"):
+            packed.library().adaflash_decoder_layers(h.data_ptr(), *call.layer_args)
+        return h, call.captured
+
+    def forward(self, token_ids: torch.Tensor, embed: torch.Tensor, attention, cache, cos: torch.Tensor,
+                sin: torch.Tensor, capture: set[int], head: "StepHead | None",
+                logit_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None:
+        """A target's forward in one kernel call: the embedding rows of `token_ids`, every layer, and - with `head`,
+        where its linear has a packed kernel at that row count - the logits of rows `logit_rows` (all if None).
+        Returns (the final stream, the logits or None, the captured streams), or None where the layers cannot run.
+        The same bits as embedding, run() and the head's FastLinear called one by one (tested)."""
+        t = token_ids.shape[0]
+        if embed.dtype != torch.float32 or not embed.is_contiguous():
+            return None
+        call = self._prepare(t, embed.dtype, embed.device, attention, cache, cos, sin, capture)
+        if call is None:
+            return None
+        rows = torch.arange(t) if logit_rows is None else logit_rows.to(torch.long).contiguous()
+        kernel = head.linear.kernel_for(rows.shape[0]) if head is not None else None  # None: torch's, the caller's
+        tokens = token_ids.to(torch.long).contiguous()
+        h = torch.empty(t, self.shape.hidden, dtype=torch.float32)
+        logits = torch.empty(rows.shape[0], kernel.n, dtype=torch.float32) if kernel is not None else None
+        with packed.profiled("adaflash::decoder_forward"):
+            status = packed.library().adaflash_decoder_forward(
+                tokens.data_ptr(), embed.data_ptr(), embed.shape[0], h.data_ptr(), *call.layer_args[:-1],
+                _ptr(head.norm) if kernel is not None else None, rows.data_ptr(), rows.shape[0],
+                ctypes.byref(_linear_struct(kernel)) if kernel is not None else None, _ptr(logits),
+                call.layer_args[-1])
+        if status != 0:
+            raise IndexError(f"token ids {token_ids.tolist()} out of the embedding's {embed.shape[0]} rows")
+        return h, logits, call.captured
+
+    def _prepare(self, t: int, dtype: torch.dtype, device: torch.device, attention, cache, cos: torch.Tensor,
+                 sin: torch.Tensor, capture: set[int]) -> "_Call | None":
+        if (not enabled() or dtype != torch.float32 or device.type != "cpu"
                 or attention.qmax > attention_kernel.MAX_QUERIES
-                or not attention_kernel.available(h.dtype, h.device, self.head_dim)):
+                or not attention_kernel.available(dtype, device, self.head_dim)):
             return None
         structs = self._layers_at(t)
-        if structs is None:
-            return None
-        if not _cache_ok(cache):
+        if structs is None or not _cache_ok(cache):
             return None
         cos, sin = cos.contiguous(), sin.contiguous()
-        batch = _batch_struct(attention, cache, cos, sin, attention.kernel_index(cache))
+        index = attention.kernel_index(cache)
+        batch = _batch_struct(attention, cache, cos, sin, index)
         lib = packed.library()
         scratch = torch.empty(lib.adaflash_layer_scratch_floats(ctypes.byref(self.shape), t), dtype=torch.float32)
-        h = h.clone()  # updated in place, layer by layer
         wanted = sorted(i for i in capture if 0 <= i < len(structs))
-        captured = [torch.empty_like(h) for _ in wanted]
+        captured = [torch.empty(t, self.shape.hidden, dtype=torch.float32) for _ in wanted]
         by_layer = dict(zip(wanted, captured))
         targets = self._no_captures if not wanted else (ctypes.c_void_p * len(structs))(
             *(by_layer[i].data_ptr() if i in by_layer else None for i in range(len(structs))))
-        with packed.profiled("adaflash::decoder_layers"):
-            lib.adaflash_decoder_layers(h.data_ptr(), structs, len(structs), ctypes.byref(self.shape),
-                                        ctypes.byref(batch), scratch.data_ptr(), targets, torch.get_num_threads())
-        return h, captured
+        # (the tensors and structures the pointers refer to stay referenced by the _Call until the call returns)
+        return _Call((structs, len(structs), ctypes.byref(self.shape), ctypes.byref(batch), scratch.data_ptr(), targets,
+                      torch.get_num_threads()), captured, (cos, sin, index, batch, scratch))
+
+
+@dataclass(frozen=True)
+class StepHead:
+    """A target's logits as LayerSteps.forward computes them: the final RMSNorm weight, then the LM head."""
+
+    norm: torch.Tensor
+    linear: FastLinear
+
+
+@dataclass(frozen=True)
+class _Call:
+    layer_args: tuple  # adaflash_decoder_layers' arguments after h
+    captured: list[torch.Tensor]
+    keep: tuple  # what the pointers in layer_args refer to
 
 
 class ContextStep:

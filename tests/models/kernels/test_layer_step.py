@@ -27,26 +27,29 @@ def test_silu_mul_keeps_torchs_kernel_under_autograd():
     assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
 
 
-def _spy_on_the_step(monkeypatch) -> list[bool]:
-    """Records, per LayerSteps.run call, whether the step ran (True) or left it to the caller's loop."""
-    ran, run = [], layer_step.LayerSteps.run
+def _spy_on_the_step(monkeypatch, method: str = "forward") -> list[bool | str]:
+    """Records, per LayerSteps.forward call (the target's; "run": the drafter's block pass), whether the step ran:
+    "logits" where the kernel call computed the logits too, True where only the layers, False where it left them to
+    the caller's loop."""
+    ran, wrapped = [], getattr(layer_step.LayerSteps, method)
 
     def spy(self, *args):
-        out = run(self, *args)
-        ran.append(out is not None)
+        out = wrapped(self, *args)
+        ran.append(out is not None and ("logits" if method == "forward" and out[1] is not None else True))
         return out
 
-    monkeypatch.setattr(layer_step.LayerSteps, "run", spy)
+    monkeypatch.setattr(layer_step.LayerSteps, method, spy)
     return ran
 
 
 def _steps(model):
-    """Prefill (20 tokens: past the step's 16 queries, the loop), a 3-token verify with captures, a decode step,
-    a ragged batch joining two new sequences, and a mixed batch over all three."""
+    """Prefill (20 tokens: past the step's 16 queries, the loop), a 3-token verify with captures and logits of two
+    of its rows, a decode step, a ragged batch joining two new sequences, and a mixed batch over all three."""
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(0))
     cache = model.new_cache(3, 64)
     outs = [model(ids[:20], RaggedBatch.build([0], [0], [20]), cache, capture_layers=(1, 3)),
-            model(ids[20:23], RaggedBatch.build([0], [20], [3]), cache, capture_layers=(3, 0)),
+            model(ids[20:23], RaggedBatch.build([0], [20], [3]), cache, capture_layers=(3, 0),
+                  logit_indices=torch.tensor([2, 0])),
             model(ids[23:24], RaggedBatch.build([0], [23], [1]), cache),
             model(ids[24:30], RaggedBatch.build([2, 1], [0, 0], [2, 4]), cache, capture_layers=(2,)),
             model(ids[30:40], RaggedBatch.build([0, 1, 2], [24, 4, 2], [5, 1, 4]), cache)]
@@ -65,12 +68,23 @@ def test_the_step_is_bitwise_the_layer_loop(tiny_checkpoints, name, monkeypatch)
     ran.clear()
     monkeypatch.setenv("ADAFLASH_LAYER_STEP", "1")
     fused, fused_cache = _steps(model)
-    assert ran == [False, True, True, True, True]  # the 20-token prefill stays on the loop
+    assert ran == [False] + ["logits"] * 4  # the 20-token prefill stays on the loop
     for a, b in zip(loop, fused):
         assert torch.equal(a.logits, b.logits)
         assert (a.hidden is None) == (b.hidden is None) and (a.hidden is None or torch.equal(a.hidden, b.hidden))
     assert torch.equal(loop_cache.k, fused_cache.k) and torch.equal(loop_cache.v, fused_cache.v)
     assert loop_cache.lengths == fused_cache.lengths
+
+
+def test_a_token_id_past_the_vocabulary_is_an_index_error_on_both_paths(tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
+    model = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ADAFLASH_LAYER_STEP", flag)
+        cache = model.new_cache(1, 8)
+        with pytest.raises(IndexError):
+            model(torch.tensor([5, model.config.vocab_size]), RaggedBatch.build([0], [0], [2]), cache)
+        assert cache.lengths == [0]
 
 
 def test_the_step_steps_aside_where_a_piece_has_no_kernel(tiny_checkpoints, monkeypatch):
@@ -141,7 +155,7 @@ def test_the_drafters_block_pass_runs_the_step_and_agrees_with_its_loop(monkeypa
         monkeypatch.setenv("ADAFLASH_LAYER_STEP", flag)
         return drafter.draft_hidden(cache, block, [0, 1])
 
-    ran = _spy_on_the_step(monkeypatch)
+    ran = _spy_on_the_step(monkeypatch, "run")
     torch.testing.assert_close(draft("1"), draft("0"), atol=1e-5, rtol=1e-4)
     assert ran == [True, False]
     with torch.no_grad():
