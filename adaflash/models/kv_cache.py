@@ -73,7 +73,9 @@ class RaggedBatch:
             raise ValueError(f"slots and starts must be >= 0, got {list(slots)} and {list(starts)}")
         if min(query_lens) < 1:
             raise ValueError(f"every sequence needs at least one new token, got {list(query_lens)}")
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens)])
+        # One tensor op either way (an arange per sequence then a cat cost ~2 us a sequence: ~0.1 ms a batched step).
+        positions = (torch.arange(starts[0], starts[0] + query_lens[0]) if len(slots) == 1 else
+                     torch.tensor([p for s, n in zip(starts, query_lens) for p in range(s, s + n)], dtype=torch.long))
         return cls(tuple(slots), tuple(starts), tuple(query_lens), positions)
 
     @property
@@ -107,8 +109,7 @@ class RaggedAttention:
         self.batch = batch
         self.causal = causal
         self.ragged_prefill = ragged_prefill
-        self._kernel_index: tuple[torch.Tensor, ...] | None = None  # (token starts, slots, key lengths), lazy
-        self._token_slots: torch.Tensor | None = None  # each token's cache slot (rope_and_write), lazy
+        self._indices: tuple[torch.Tensor, ...] | None = None  # _all_indices(), lazy
         self.single = len(batch.slots) == 1
         self.key_len = max(batch.ends)
         n, qmax = len(batch.slots), max(batch.query_lens)
@@ -215,15 +216,11 @@ class RaggedAttention:
 
     def token_slots(self, cache: KVCache) -> torch.Tensor:
         """Each token's cache slot, once the batch is known to fit the cache (the kernels write unchecked)."""
-        if self._token_slots is None:
-            b = self.batch
-            if max(b.slots) >= cache.num_slots or max(b.ends) > cache.max_len:
-                raise ValueError(f"batch slots {b.slots} / ends {b.ends} exceed the cache's "
-                                 f"{cache.num_slots} slots of {cache.max_len} positions")
-            # (one sequence: a fill, several times cheaper than repeat_interleave at batch 1's few tokens)
-            self._token_slots = (torch.full((b.query_lens[0],), b.slots[0], dtype=torch.long) if self.single else
-                                 torch.repeat_interleave(torch.tensor(b.slots), torch.tensor(b.query_lens)))
-        return self._token_slots
+        b = self.batch
+        if max(b.slots) >= cache.num_slots or max(b.ends) > cache.max_len:
+            raise ValueError(f"batch slots {b.slots} / ends {b.ends} exceed the cache's "
+                             f"{cache.num_slots} slots of {cache.max_len} positions")
+        return self._all_indices()[0]
 
     def kernel_index(self, cache: KVCache) -> tuple[torch.Tensor, ...]:
         """What the whole-layer step (kernels/layer_step.py) reads: each token's slot, then _index()'s three."""
@@ -232,17 +229,27 @@ class RaggedAttention:
     def _index(self) -> tuple[torch.Tensor, ...]:
         """For the ragged kernel: each sequence's first token, its slot, and each token's key count (causal: up to
         its own position; non-causal: its sequence's end)."""
-        if self._kernel_index is None:
-            b = self.batch
-            starts = list(accumulate(b.query_lens, initial=0))  # host ints: one tensor, not cumsum + cat
-            if self.causal:
-                key_len = b.positions + 1
-            elif self.single:
-                key_len = torch.full((b.query_lens[0],), b.ends[0], dtype=torch.long)
-            else:
-                key_len = torch.repeat_interleave(torch.tensor(b.ends), torch.tensor(b.query_lens))
-            self._kernel_index = (torch.tensor(starts), torch.tensor(b.slots), key_len.to(torch.long).contiguous())
-        return self._kernel_index
+        return self._all_indices()[1:]
+
+    def _all_indices(self) -> tuple[torch.Tensor, ...]:
+        """(token slots, token starts, sequence slots, key lengths) as views of one tensor built from host ints: one
+        tensor op where there were ~6 (each ~5-30 us in a decode step, run cold after the kernels)."""
+        if self._indices is not None:
+            return self._indices
+        b = self.batch
+        pairs = list(zip(b.starts, b.query_lens))
+        token_slots = [slot for slot, n in zip(b.slots, b.query_lens) for _ in range(n)]
+        starts = list(accumulate(b.query_lens, initial=0))
+        if self.causal:  # each token up to its own position
+            key_len = [p + 1 for s, n in pairs for p in range(s, s + n)]
+        else:  # each token up to its sequence's end
+            key_len = [s + n for s, n in pairs for _ in range(n)]
+        flat = torch.tensor(token_slots + starts + list(b.slots) + key_len, dtype=torch.long)
+        slots_at = len(token_slots) + len(starts)
+        key_len_at = slots_at + len(b.slots)
+        self._indices = (flat[: len(token_slots)], flat[len(token_slots) : slots_at], flat[slots_at:key_len_at],
+                         flat[key_len_at:])
+        return self._indices
 
     def _attend_each(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Causal SDPA sequence by sequence over its own keys: a batched prefill pads no prompt to the longest (the

@@ -91,11 +91,16 @@ def _kernel_library():
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, first: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, 1, head_dim] for absolute positions (half-split layout, as HF checkpoints use): rows of one table
     per (head_dim, theta, dtype, device), grown to the largest position asked so far - one gather a call where
-    computing them costs ~9 small ops (~3 a decode step: target, drafter context, draft block)."""
+    computing them costs ~9 small ops (~3 a decode step: target, drafter context, draft block). `first`: the
+    positions are first, first + 1, ... (one sequence's): the same rows as views, no gather."""
+    if first is not None:
+        t = positions.numel()
+        cos, sin = _rope_table(head_dim, theta, dtype, positions.device, first + t)
+        return cos[first : first + t, None, :], sin[first : first + t, None, :]
     needed = int(positions.max()) + 1 if positions.numel() else 0
     cos, sin = _rope_table(head_dim, theta, dtype, positions.device, needed)
     return cos[positions][:, None, :], sin[positions][:, None, :]

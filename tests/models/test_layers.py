@@ -25,6 +25,9 @@ def test_rope_table_rows_are_the_formulas_bits(head_dim, theta, dtype):
         formula = _rope_formula(positions, head_dim, theta, dtype)
         assert ours[0].shape == (len(positions), 1, head_dim)
         assert torch.equal(ours[0], formula[0]) and torch.equal(ours[1], formula[1])
+        if torch.equal(positions, torch.arange(int(positions[0]), int(positions[0]) + len(positions))):
+            rows = rope_cos_sin(positions, head_dim, theta, dtype, first=int(positions[0]))  # views, no gather
+            assert rows[0].is_contiguous() and torch.equal(rows[0], ours[0]) and torch.equal(rows[1], ours[1])
 
 
 def test_rope_table_serves_training_passes():
