@@ -155,9 +155,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.adaflash_decoder_layer.restype = None
     lib.adaflash_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i32]
     lib.adaflash_decoder_layers.restype = None
-    lib.adaflash_decoder_forward.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
-                                             i32]
-    lib.adaflash_decoder_forward.restype = ctypes.c_int
+    if hasattr(lib, "adaflash_decoder_forward"):  # (builds before session 18 lack it)
+        lib.adaflash_decoder_forward.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
+                                                 ptr, i32]
+        lib.adaflash_decoder_forward.restype = ctypes.c_int
     lib.adaflash_context_scratch_floats.argtypes = [ptr, i64]
     lib.adaflash_context_scratch_floats.restype = i64
     lib.adaflash_drafter_context.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
