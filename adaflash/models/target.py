@@ -181,12 +181,17 @@ class TargetModel(nn.Module):
         logits = None
         fused = None
         if self.layer_steps is not None:  # embedding, layers and logits in one kernel call where they can
-            head = StepHead(self.final_norm, self.fast_lm_head) if compute_logits and self.fast_lm_head else None
+            head = (StepHead(self.final_norm, self.fast_lm_head)
+                    if compute_logits and self.fast_lm_head is not None else None)
             fused = self.layer_steps.forward(token_ids.to(self.device), self.embed_tokens, attention, cache, cos, sin,
                                              capture, head, logit_indices)
         if fused is not None:
             h, logits, captured = fused
         else:
+            t = token_ids.shape[0]
+            if logit_indices is not None and logit_indices.numel() and not (
+                    -t <= int(logit_indices.min()) and int(logit_indices.max()) < t):  # before the cache is written
+                raise IndexError(f"logit rows {logit_indices.tolist()} out of the step's {t} tokens")
             h = self.embed(token_ids.to(self.device))
             h, captured = self._layer_loop(h, attention, cache, cos, sin, capture)
         attention.commit_lengths(cache)

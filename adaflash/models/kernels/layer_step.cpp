@@ -152,7 +152,8 @@ void adaflash_decoder_layers(float* h, const Layer* layers, int64_t num_layers, 
 // then the head's linear). The same kernels on the same values as the Python path (F.embedding, the layer stack,
 // rms_norm, the head's FastLinear), so the same bits (tested). Why: after a step's weights have streamed through the
 // caches, each of the ~25 torch / ctypes calls around the layer stack ran cold - ~0.9 ms a batch-1 decode step of
-// SmolLM2 (4.3 ms) against ~0.25 ms warm. Returns 0, or -1 (computing nothing) where a token id is not below vocab.
+// SmolLM2 (4.3 ms) against ~0.25 ms warm. Returns 0; or, computing nothing, -1 where a token id is not below vocab and
+// -2 where a row is not in [-t, t) (negative rows count from the end, as torch indexes). num_rows <= t.
 int adaflash_decoder_forward(const int64_t* tokens, const float* embed, int64_t vocab, float* h, const Layer* layers,
                              int64_t num_layers, const Shape* s, const Batch* b, float* scratch,
                              float* const* captures, const float* final_norm, const int64_t* rows, int64_t num_rows,
@@ -160,13 +161,17 @@ int adaflash_decoder_forward(const int64_t* tokens, const float* embed, int64_t 
   const int64_t t = b->tokens, d = s->hidden;
   for (int64_t i = 0; i < t; ++i)
     if (tokens[i] < 0 || tokens[i] >= vocab) return -1;
+  for (int64_t r = 0; head != nullptr && r < num_rows; ++r)
+    if (rows[r] < -t || rows[r] >= t) return -2;
   for (int64_t i = 0; i < t; ++i)
     for (int64_t j = 0; j < d; ++j) h[i * d + j] = embed[tokens[i] * d + j];
   adaflash_decoder_layers(h, layers, num_layers, s, b, scratch, captures, threads);
   if (head == nullptr) return 0;
-  float* selected = scratch;  // [num_rows, d]: the layers are done with their scratch (num_rows <= t)
-  for (int64_t r = 0; r < num_rows; ++r)
-    for (int64_t j = 0; j < d; ++j) selected[r * d + j] = h[rows[r] * d + j];
+  float* selected = scratch;  // [num_rows, d]: the layers are done with their scratch
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t row = rows[r] < 0 ? rows[r] + t : rows[r];
+    for (int64_t j = 0; j < d; ++j) selected[r * d + j] = h[row * d + j];
+  }
   float* normed = scratch + num_rows * d;  // the scratch holds >= 2 t d floats
   adaflash_rms_norm(selected, num_rows, d, final_norm, s->eps, normed, threads);
   run_linear(*head, normed, num_rows, logits, threads);

@@ -160,7 +160,10 @@ class LayerSteps:
         if call is None:
             return None
         rows = torch.arange(t) if logit_rows is None else logit_rows.to(torch.long).contiguous()
-        kernel = head.linear.kernel_for(rows.shape[0]) if head is not None else None  # None: torch's, the caller's
+        # The head here where it has its packed kernel at this row count, its norm weight is contiguous fp32 and the
+        # selected rows fit the call's scratch (no more than t); else the caller computes the logits from h.
+        kernel = (head.linear.kernel_for(rows.shape[0]) if head is not None and rows.shape[0] <= t
+                  and head.norm.dtype == torch.float32 and head.norm.is_contiguous() else None)
         tokens = token_ids.to(torch.long).contiguous()
         h = torch.empty(t, self.shape.hidden, dtype=torch.float32)
         logits = torch.empty(rows.shape[0], kernel.n, dtype=torch.float32) if kernel is not None else None
@@ -170,8 +173,10 @@ class LayerSteps:
                 _ptr(head.norm) if kernel is not None else None, rows.data_ptr(), rows.shape[0],
                 ctypes.byref(_linear_struct(kernel)) if kernel is not None else None, _ptr(logits),
                 call.layer_args[-1])
-        if status != 0:
+        if status == -1:
             raise IndexError(f"token ids {token_ids.tolist()} out of the embedding's {embed.shape[0]} rows")
+        if status == -2:
+            raise IndexError(f"logit rows {rows.tolist()} out of the step's {t} tokens")
         return h, logits, call.captured
 
     def _prepare(self, t: int, dtype: torch.dtype, device: torch.device, attention, cache, cos: torch.Tensor,

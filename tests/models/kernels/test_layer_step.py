@@ -76,15 +76,23 @@ def test_the_step_is_bitwise_the_layer_loop(tiny_checkpoints, name, monkeypatch)
     assert loop_cache.lengths == fused_cache.lengths
 
 
-def test_a_token_id_past_the_vocabulary_is_an_index_error_on_both_paths(tiny_checkpoints, monkeypatch):
+def test_logit_rows_index_as_torch_does_and_bad_ids_are_index_errors_on_both_paths(tiny_checkpoints, monkeypatch):
+    """Negative and repeated logit rows (more rows than tokens: the caller's head) give the loop's bits; a token id
+    past the vocabulary or a row past the tokens is an IndexError whether the one-call step or the loop runs."""
     monkeypatch.setenv("ADAFLASH_KERNELS", "packed")
     model = load_target(tiny_checkpoints["llama"], dtype=torch.float32)
+    ids, batch = torch.tensor([5, 9, 2]), RaggedBatch.build([0], [0], [3])
+    outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("ADAFLASH_LAYER_STEP", flag)
-        cache = model.new_cache(1, 8)
-        with pytest.raises(IndexError):
-            model(torch.tensor([5, model.config.vocab_size]), RaggedBatch.build([0], [0], [2]), cache)
-        assert cache.lengths == [0]
+        outs[flag] = [model(ids, batch, model.new_cache(1, 8), logit_indices=rows).logits
+                      for rows in (torch.tensor([-1, 0]), torch.tensor([2, 2, 1, 0, 1]))]
+        for bad_ids, rows in ((torch.tensor([5, model.config.vocab_size, 2]), None), (ids, torch.tensor([3]))):
+            cache = model.new_cache(1, 8)
+            with pytest.raises(IndexError):
+                model(bad_ids, batch, cache, logit_indices=rows)
+            assert cache.lengths == [0]
+    assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["0"]))
 
 
 def test_the_step_steps_aside_where_a_piece_has_no_kernel(tiny_checkpoints, monkeypatch):
