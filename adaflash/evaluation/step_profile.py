@@ -5,8 +5,8 @@
 
 The engine `serve` runs (one slot) generates greedily for the same prompts under AR and under each fixed draft length
 k, alternating, in one process. Timers around the engine's parts split every decode step's wall time: the drafter's
-context feed (the target features of the last accepted tokens), the drafter's block pass, the draft LM head, the
-target's verify pass, and the rest (verification, commit, cache rollback, Python). From a step's cost and the tokens
+context feed (the target features of the last accepted tokens), the drafter's block pass, the draft LM head (with
+the block pass where the two run as one kernel call, `DFlashProposer.draft_logits`: then 0), the target's verify pass, and the rest (verification, commit, cache rollback, Python). From a step's cost and the tokens
 it commits follow tokens/s and the ratio to AR; the acceptance a draft needs to pay is the arithmetic below the
 table. Prefill steps are left out. Run with nothing else on the cores.
 """
@@ -56,7 +56,9 @@ def instrumented(engine, timers: PartTimers):
     """Timers around the engine's parts, as instance attributes that shadow the methods (removed on exit)."""
     patched = [(engine, "feed_context", "context_feed"), (engine.target, "forward", "target_pass")]
     if engine.proposer is not None:
-        patched += [(engine.proposer, "draft_hidden", "draft_pass"), (engine.proposer, "draft_tokens", "draft_head")]
+        # (where the drafter pass and the draft head run as one kernel call, draft_logits, both count as draft_pass)
+        patched += [(engine.proposer, "draft_hidden", "draft_pass"), (engine.proposer, "draft_tokens", "draft_head"),
+                    (engine.proposer, "draft_logits", "draft_pass")]
     for obj, name, part in patched:
         object.__setattr__(obj, name, timers.timed(getattr(obj, name), part))
     try:

@@ -21,7 +21,7 @@ from adaflash.models.config import TransformerConfig, rope_theta_of
 from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
 from adaflash.models.gguf_blocks import exact_bf16_blocks, q8_0_blocks
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
-from adaflash.models.kernels.layer_step import ContextStep, LayerSteps, StepLayer
+from adaflash.models.kernels.layer_step import ContextStep, LayerSteps, StepHead, StepLayer
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable, version_of
 from adaflash.models.layers import apply_rope, rms_norm, rope_cos_sin
 
@@ -372,6 +372,25 @@ class DFlashDrafter(nn.Module):
             h = h + attn.o_proj(attention.attend(cache, i, attn.queries(x, cos, sin)))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h).view(r, b, d)
+
+    @torch.inference_mode()
+    def draft_logits(self, cache: KVCache, block_ids: torch.Tensor, slots: Sequence[int], embed: torch.Tensor,
+                     head: FastLinear, rows: torch.Tensor) -> torch.Tensor | None:
+        """draft_hidden over the blocks of token ids [R, B] (their rows of `embed`), then the final norm and `head` on
+        the flat block rows `rows`, in one kernel call (LayerSteps.forward); None, running nothing, where that call
+        cannot run here or `head` has no packed kernel at that row count (the caller takes draft_hidden's path)."""
+        r, b = block_ids.shape
+        if not self._steps_current(self._layer_steps) or head.kernel_for(rows.shape[0]) is None:
+            return None
+        batch = RaggedBatch.build(slots, [cache.lengths[s] for s in slots], [b] * r)
+        if max(batch.ends) > cache.max_len:
+            raise ValueError(f"block end {max(batch.ends)} exceeds the drafter cache's {cache.max_len} positions")
+        attention = RaggedAttention(batch, causal=False, device=self.device)
+        cos, sin = self._rope(batch.positions)
+        # Block K/V land past the context length (overwritten by the next context): nothing commits lengths.
+        out = self._layer_steps.forward(block_ids.reshape(-1), embed, attention, cache, cos, sin, set(),
+                                        StepHead(self.norm.weight, head), rows)
+        return None if out is None else out[1]
 
     def forward(self, context_features: torch.Tensor, block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The training pass (so DDP's hooks see it); inference uses extend_context / draft_hidden."""

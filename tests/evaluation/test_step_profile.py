@@ -32,7 +32,8 @@ def test_parts_are_timed_and_tokens_are_the_targets(tiny_checkpoints):
     ar, spec = rows["ar"], rows["fixed:2"]
     assert ar["ms"]["target_pass"] > 0 and ar["ms"]["draft_pass"] == 0 and ar["tokens_per_step"] == 1
     assert ar["drafts_per_step"] == 0 and 0 < spec["drafts_per_step"] <= 2
-    assert all(spec["ms"][p] > 0 for p in PARTS)
+    # The draft head runs inside the block pass's one kernel call here (draft_logits): its time is the pass's.
+    assert all(spec["ms"][p] > 0 for p in PARTS if p != "draft_head") and spec["ms"]["draft_head"] == 0
     assert abs(sum(spec["ms"].values()) - spec["step_ms"]) < 1e-2  # the parts and the rest add up to the step
     ar.update(vs_ar=1.0, identical_to_ar=True)
     spec.update(vs_ar=0.5, identical_to_ar=True, calibration={"scale": 1.1, "per_draft_ms": 2.5})
