@@ -5,10 +5,11 @@
 
 The engine `serve` runs (one slot) generates greedily for the same prompts under AR and under each fixed draft length
 k, alternating, in one process. Timers around the engine's parts split every decode step's wall time: the drafter's
-context feed (the target features of the last accepted tokens), the drafter's block pass, the draft LM head (with
-the block pass where the two run as one kernel call, `DFlashProposer.draft_logits`: then 0), the target's verify pass, and the rest (verification, commit, cache rollback, Python). From a step's cost and the tokens
-it commits follow tokens/s and the ratio to AR; the acceptance a draft needs to pay is the arithmetic below the
-table. Prefill steps are left out. Run with nothing else on the cores.
+context feed (the target features of the last accepted tokens), the drafter's block pass, the draft LM head (counted
+with the block pass where the two run as one kernel call, `DFlashProposer.draft_logits`: then 0), the target's verify
+pass, and the rest (verification, commit, cache rollback, Python). From a step's cost and the tokens it commits follow
+tokens/s and the ratio to AR; the acceptance a draft needs to pay is the arithmetic below the table. Prefill steps
+are left out. Run with nothing else on the cores.
 """
 
 from __future__ import annotations
