@@ -328,14 +328,16 @@ class DFlashDrafter(nn.Module):
         c = self.config
         return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions.to(self.device), self.config.head_dim, self.config.rope_theta, self.dtype)
+    def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin of the batch's positions (one sequence's: views of the table, no gather)."""
+        return rope_cos_sin(batch.positions.to(self.device), self.config.head_dim, self.config.rope_theta, self.dtype,
+                            first=batch.starts[0] if len(batch.slots) == 1 else None)
 
     @torch.inference_mode()
     def extend_context(self, cache: KVCache, features: torch.Tensor, batch: RaggedBatch) -> None:
         """Append target features [T, n * d] of newly committed positions to the context cache."""
         features = features.to(device=self.device, dtype=self.dtype)
-        cos, sin = self._rope(batch.positions)
+        cos, sin = self._rope(batch)
         attention = RaggedAttention(batch, causal=False, device=self.device)
         if self._steps_current(self._context_step) and self._context_step.run(features, attention, cache, cos, sin):
             attention.commit_lengths(cache)
@@ -357,7 +359,7 @@ class DFlashDrafter(nn.Module):
         if max(batch.ends) > cache.max_len:
             raise ValueError(f"block end {max(batch.ends)} exceeds the drafter cache's {cache.max_len} positions")
         attention = RaggedAttention(batch, causal=False, device=self.device)
-        cos, sin = self._rope(batch.positions)
+        cos, sin = self._rope(batch)
         h = block_embeds.to(device=self.device, dtype=self.dtype).reshape(r * b, d)
         # Block K/V land past the context length (overwritten by the next context): neither path commits lengths.
         fused = (self._layer_steps.run(h, attention, cache, cos, sin, set())
@@ -386,7 +388,7 @@ class DFlashDrafter(nn.Module):
         if max(batch.ends) > cache.max_len:
             raise ValueError(f"block end {max(batch.ends)} exceeds the drafter cache's {cache.max_len} positions")
         attention = RaggedAttention(batch, causal=False, device=self.device)
-        cos, sin = self._rope(batch.positions)
+        cos, sin = self._rope(batch)
         # Block K/V land past the context length (overwritten by the next context): nothing commits lengths.
         out = self._layer_steps.forward(block_ids.reshape(-1), embed, attention, cache, cos, sin, set(),
                                         StepHead(self.norm.weight, head), rows)
