@@ -331,7 +331,7 @@ class DFlashDrafter(nn.Module):
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin of the batch's positions (one sequence's: views of the table, no gather)."""
         return rope_cos_sin(batch.positions.to(self.device), self.config.head_dim, self.config.rope_theta, self.dtype,
-                            first=batch.starts[0] if len(batch.slots) == 1 else None)
+                            first=batch.single_start)
 
     @torch.inference_mode()
     def extend_context(self, cache: KVCache, features: torch.Tensor, batch: RaggedBatch) -> None:
@@ -355,11 +355,7 @@ class DFlashDrafter(nn.Module):
         Each block attends to its whole context and to all of its own positions (non-causal).
         """
         r, b, d = block_embeds.shape
-        batch = RaggedBatch.build(slots, [cache.lengths[s] for s in slots], [b] * r)
-        if max(batch.ends) > cache.max_len:
-            raise ValueError(f"block end {max(batch.ends)} exceeds the drafter cache's {cache.max_len} positions")
-        attention = RaggedAttention(batch, causal=False, device=self.device)
-        cos, sin = self._rope(batch)
+        attention, cos, sin = self._block_pass(cache, slots, r, b)
         h = block_embeds.to(device=self.device, dtype=self.dtype).reshape(r * b, d)
         # Block K/V land past the context length (overwritten by the next context): neither path commits lengths.
         fused = (self._layer_steps.run(h, attention, cache, cos, sin, set())
@@ -375,20 +371,23 @@ class DFlashDrafter(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h).view(r, b, d)
 
+    def _block_pass(self, cache: KVCache, slots: Sequence[int], r: int,
+                    b: int) -> tuple[RaggedAttention, torch.Tensor, torch.Tensor]:
+        """The attention and RoPE of R blocks of B positions starting at each slot's context length (non-causal)."""
+        batch = RaggedBatch.build(slots, [cache.lengths[s] for s in slots], [b] * r)
+        if max(batch.ends) > cache.max_len:
+            raise ValueError(f"block end {max(batch.ends)} exceeds the drafter cache's {cache.max_len} positions")
+        return (RaggedAttention(batch, causal=False, device=self.device), *self._rope(batch))
+
     @torch.inference_mode()
     def draft_logits(self, cache: KVCache, block_ids: torch.Tensor, slots: Sequence[int], embed: torch.Tensor,
                      head: FastLinear, rows: torch.Tensor) -> torch.Tensor | None:
         """draft_hidden over the blocks of token ids [R, B] (their rows of `embed`), then the final norm and `head` on
         the flat block rows `rows`, in one kernel call (LayerSteps.forward); None, running nothing, where that call
         cannot run here or `head` has no packed kernel at that row count (the caller takes draft_hidden's path)."""
-        r, b = block_ids.shape
         if not self._steps_current(self._layer_steps) or head.kernel_for(rows.shape[0]) is None:
             return None
-        batch = RaggedBatch.build(slots, [cache.lengths[s] for s in slots], [b] * r)
-        if max(batch.ends) > cache.max_len:
-            raise ValueError(f"block end {max(batch.ends)} exceeds the drafter cache's {cache.max_len} positions")
-        attention = RaggedAttention(batch, causal=False, device=self.device)
-        cos, sin = self._rope(batch)
+        attention, cos, sin = self._block_pass(cache, slots, *block_ids.shape)
         # Block K/V land past the context length (overwritten by the next context): nothing commits lengths.
         out = self._layer_steps.forward(block_ids.reshape(-1), embed, attention, cache, cos, sin, set(),
                                         StepHead(self.norm.weight, head), rows)

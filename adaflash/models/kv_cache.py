@@ -83,6 +83,11 @@ class RaggedBatch:
         return int(self.positions.numel())
 
     @property
+    def single_start(self) -> int | None:
+        """The first position of a one-sequence batch (its positions then run on from it, contiguous), else None."""
+        return self.starts[0] if len(self.slots) == 1 else None
+
+    @property
     def ends(self) -> tuple[int, ...]:
         return tuple(s + n for s, n in zip(self.starts, self.query_lens))
 

@@ -176,7 +176,7 @@ class TargetModel(nn.Module):
         # int8: every pass, prefills too, on the ragged kernel (one model at every split: exact prefix reuse).
         attention = RaggedAttention(batch, causal=True, device=self.device, ragged_prefill=self.int8_activations)
         cos, sin = rope_cos_sin(batch.positions.to(self.device), cfg.head_dim, cfg.rope_theta, self.dtype,
-                                first=batch.starts[0] if len(batch.slots) == 1 else None)
+                                first=batch.single_start)
         capture = set(capture_layers)
         logits = None
         fused = None

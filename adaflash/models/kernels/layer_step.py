@@ -159,19 +159,21 @@ class LayerSteps:
         call = self._prepare(t, embed.dtype, embed.device, attention, cache, cos, sin, capture)
         if call is None:
             return None
-        rows = torch.arange(t) if logit_rows is None else logit_rows.to(torch.long).contiguous()
-        # The head here where it has its packed kernel at this row count, its norm weight is contiguous fp32 and the
-        # selected rows fit the call's scratch (no more than t); else the caller computes the logits from h.
-        kernel = (head.linear.kernel_for(rows.shape[0]) if head is not None and rows.shape[0] <= t
-                  and head.norm.dtype == torch.float32 and head.norm.is_contiguous() else None)
+        rows, kernel = None, None
+        if head is not None:
+            rows = torch.arange(t) if logit_rows is None else logit_rows.to(torch.long).contiguous()
+            # The head here where it has its packed kernel at this row count, its norm weight is contiguous fp32 and
+            # the selected rows fit the call's scratch (no more than t); else the caller computes the logits from h.
+            if rows.shape[0] <= t and head.norm.dtype == torch.float32 and head.norm.is_contiguous():
+                kernel = head.linear.kernel_for(rows.shape[0])
         tokens = token_ids.to(torch.long).contiguous()
         h = torch.empty(t, self.shape.hidden, dtype=torch.float32)
         logits = torch.empty(rows.shape[0], kernel.n, dtype=torch.float32) if kernel is not None else None
         with packed.profiled("adaflash::decoder_forward"):
             status = packed.library().adaflash_decoder_forward(
                 tokens.data_ptr(), embed.data_ptr(), embed.shape[0], h.data_ptr(), *call.layer_args[:-1],
-                _ptr(head.norm) if kernel is not None else None, rows.data_ptr(), rows.shape[0],
-                ctypes.byref(_linear_struct(kernel)) if kernel is not None else None, _ptr(logits),
+                *((head.norm.data_ptr(), rows.data_ptr(), rows.shape[0], ctypes.byref(_linear_struct(kernel)),
+                   logits.data_ptr()) if kernel is not None else (None, None, 0, None, None)),
                 call.layer_args[-1])
         if status == -1:
             raise IndexError(f"token ids {token_ids.tolist()} out of the embedding's {embed.shape[0]} rows")
