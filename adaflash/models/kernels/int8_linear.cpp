@@ -18,23 +18,12 @@
 #include <cstring>
 #include <vector>
 
+#include "int8_linear.h"
+
 namespace {
 
-constexpr int kPanel = 16, kBlock = 32;
-enum Format { kQ4_1 = 1, kQ8_0 = 2 };  // the codes of packed_linear.cpp
-constexpr int64_t kQ4_1Src = 20, kQ4_1Packed = 64 + 256, kQ8_0Src = 34, kQ8_0Packed = 32 + 512;
+using namespace adaflash::int8;
 
-// A batch of rows rounded to 8 bits: q [m][k], and per (row, block) d, d * sum(q) (Q4_1's offset term), sum(q).
-struct Activations {
-  const int8_t* q;
-  const float* d;
-  const float* s;
-  const int32_t* qsum;
-};
-
-// The trailing argument: the end of the calling thread's share of the weight (its software prefetch stops there).
-using PanelRows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
-                           const uint8_t*);
 // A tile of r rows from row r0 of one panel: (a, r0, panel, nb, bias, y, ldy, end).
 using Tile = void (*)(const Activations&, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t,
                       const uint8_t*);
@@ -71,12 +60,6 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// Software prefetch distance in the weight stream. One core here reads ~18 GB/s from memory and its tile computes
-// ~28 GB/s of Q4_1 at one row, but the two barely overlapped (a 1-row pass streamed ~23 GB/s on two cores): the
-// hardware prefetcher does not run far enough ahead. Asking 8 KB ahead: 1.1x at one row, 1.2x at 4 rows
-// (docs/results/session17/int8_prefetch_ab.txt; 4-16 KB and the L1 / L2 / non-temporal hints measured alike).
-constexpr int64_t kPrefetchAhead = 8192;
-
 template <int Format, int R>
 void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, const float* bias, float* y,
           int64_t ldy, const uint8_t* end) {
@@ -90,9 +73,7 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
     for (int hh = 0; hh < H; ++hh) acc[r][hh] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * bytes;
-    if (r0 == 0 && blk + kPrefetchAhead < end)  // the first pass over a block asks for the one 8 KB on
-      for (int64_t c = 0; c < bytes; c += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchAhead + c), _MM_HINT_T0);
+    if (r0 == 0) prefetch_ahead<_MM_HINT_T0>(blk, bytes, end);
     __m256i sum[R][H];
     if (Format == kQ4_1) {
       // The block's 8 steps add their int16 pairs in int16 (an int16 lane then holds 16 products, |sum| <= 16 x 15
@@ -188,7 +169,7 @@ namespace vnni {
 // sum takes 128 * sum(q_x) back off - the same integers as maddubs.
 template <int Format, int R>
 void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, const float* bias, float* y,
-          int64_t ldy, const uint8_t*) {  // no software prefetch: not measured on a VNNI machine
+          int64_t ldy, const uint8_t* end) {
   constexpr int64_t bytes = Format == kQ4_1 ? kQ4_1Packed : kQ8_0Packed;
   const int64_t k = nb * kBlock;
   __m512 acc[R];
@@ -197,6 +178,7 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = panel + b * bytes;
+    if (r0 == 0) prefetch_ahead<_MM_HINT_T1>(blk, bytes, end);
     __m512i sum[R], sum2[R];  // two chains per row (the dot's latency), added exactly at the end
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) sum[r] = sum2[r] = _mm512_setzero_si512();
@@ -269,8 +251,18 @@ bool cpu_has_vnni() {
   return yes;
 }
 
-bool allow_vnni = true;  // tests turn it off to run the AVX2 path on a VNNI CPU
-bool has_vnni() { return allow_vnni && cpu_has_vnni(); }
+// The integer dot's instruction sets, in order: each one's results are the bits of the one before.
+enum Isa { kAvx2 = 0, kVnni = 1, kAmx = 2 };
+int isa_limit = kAmx;  // tests lower it to run a lesser path on a CPU that has a better one
+
+int best_isa() {
+  const int here = cpu_has_vnni() ? (amx::available() ? kAmx : kVnni) : kAvx2;
+  return here < isa_limit ? here : isa_limit;
+}
+
+// From this many rows on, AMX runs a Q8_0 pass (where the CPU has it); fewer go to AVX512-VNNI, as Q4_1 always does
+// (int8_amx.cpp says why). 8 rows: 0.92x, 12-16 rows: 0.77x the VNNI pass's time (docs/results/session19/).
+constexpr int64_t kAmxMinRows = 8;
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -313,7 +305,7 @@ struct Scratch {
 // The scratch sized for m rows of k, as the kernel's activations (filled by quantize_blocks).
 Activations reserve(int64_t m, int64_t k, Scratch& buf) {
   const int64_t nb = k / kBlock;
-  if (static_cast<int64_t>(buf.q.size()) < m * k) buf.q.resize(m * k);
+  if (static_cast<int64_t>(buf.q.size()) < (m + kPadRows) * k) buf.q.resize((m + kPadRows) * k);
   if (static_cast<int64_t>(buf.d.size()) < m * nb) buf.d.resize(m * nb), buf.s.resize(m * nb), buf.qsum.resize(m * nb);
   return {buf.q.data(), buf.d.data(), buf.s.data(), buf.qsum.data()};
 }
@@ -330,11 +322,12 @@ inline void quantize_blocks(const float* x, const Activations& a, int64_t i0, in
 
 extern "C" {
 
-// 1 where the integer dot runs as AVX512-VNNI here (else AVX2); for the record - the results are the same.
-int adaflash_int8_uses_vnni() { return has_vnni() ? 1 : 0; }
+// The best instruction set the integer dot runs on here: 0 AVX2, 1 AVX512-VNNI, 2 AMX (passes of several rows; one row
+// runs VNNI); for the record - the results are the same.
+int adaflash_int8_isa() { return best_isa(); }
 
-// allow = 0 runs the AVX2 path even where VNNI exists (to test that both give the same bits); 1 restores the default.
-void adaflash_int8_allow_vnni(int allow) { allow_vnni = allow != 0; }
+// Runs no better path than `isa` (to test that every path gives the same bits); 2 restores the default.
+void adaflash_int8_limit_isa(int isa) { isa_limit = isa; }
 
 // Bytes of one packed (panel, block), or 0 for a format without this kernel.
 int64_t adaflash_int8_block_bytes(int format) {
@@ -386,7 +379,10 @@ void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* p
   if (!parallel_quantize) quantize_blocks(x, a, 0, m * nb);
   // One panel per task: tiles of several panels (more independent chains) measured slower at every row count here
   // (AMD EPYC, 2 threads: a whole decode step's linears 4.0 ms with one, 4.8 with four at one row).
-  const PanelRows rows = (has_vnni() ? vnni::kPanelRows : avx2::kPanelRows)[format == kQ4_1 ? 0 : 1];
+  const int isa = best_isa();
+  const bool tiles = isa == kAmx && format == kQ8_0 && m >= kAmxMinRows;
+  const PanelRows rows = tiles ? amx::kQ8_0Rows
+                               : (isa == kAvx2 ? avx2::kPanelRows : vnni::kPanelRows)[format == kQ4_1 ? 0 : 1];
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -394,6 +390,7 @@ void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* p
       quantize_blocks(x, a, m * nb * t / T, m * nb * (t + 1) / T);
 #pragma omp barrier
     }
+    if (tiles) amx::begin();
     // Contiguous shares, as schedule(static) gives, computed here so each thread knows where its own ends.
     const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
     // A prefill's thousands of rows go in chunks whose int8 activations stay in L2 while the thread's panels pass
@@ -406,6 +403,7 @@ void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* p
         rows(chunk, rows_here, packed + p * stride, nb, bias ? bias + p * kPanel : nullptr, y + r0 * n + p * kPanel, n,
              packed + p1 * stride);
     }
+    if (tiles) amx::end();
   }
 }
 

@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f)
-                     for f in ("attention.cpp", "fused.cpp", "layer_step.cpp", "int8_linear.cpp")))  # one library
-HEADERS = (Path(__file__).with_name("simd_math.h"),)
+                     for f in ("attention.cpp", "fused.cpp", "layer_step.cpp", "int8_linear.cpp", "int8_amx.cpp")))  # one library
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_linear.h"))
 # -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
@@ -132,10 +132,11 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.adaflash_pack_int8.restype = None
     lib.adaflash_int8_linear.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, ptr, i32]
     lib.adaflash_int8_linear.restype = None
-    lib.adaflash_int8_uses_vnni.argtypes = []
-    lib.adaflash_int8_uses_vnni.restype = i32
-    lib.adaflash_int8_allow_vnni.argtypes = [i32]
-    lib.adaflash_int8_allow_vnni.restype = None
+    if hasattr(lib, "adaflash_int8_isa"):  # (builds before session 19 lack it)
+        lib.adaflash_int8_isa.argtypes = []
+        lib.adaflash_int8_isa.restype = i32
+        lib.adaflash_int8_limit_isa.argtypes = [i32]
+        lib.adaflash_int8_limit_isa.restype = None
     lib.adaflash_ragged_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float,
                                               ptr, i32, i32]
     lib.adaflash_ragged_attention.restype = None
@@ -298,7 +299,22 @@ class Int8Linear(_Packed):
                                        torch.get_num_threads())
 
 
-def int8_uses_vnni() -> bool:
-    """Whether the int8 kernel's integer dot runs as AVX512-VNNI here (else AVX2; the same results)."""
+INT8_ISAS = ("avx2", "avx512-vnni", "amx")  # the int8 kernel's paths, by adaflash_int8_isa's code
+
+
+def int8_isa() -> str | None:
+    """The best instruction set the int8 kernel's integer dot runs on here (AMX: passes of several rows; one row runs
+    AVX512-VNNI), or None without the library. Every path gives the same bits."""
     lib = library()
-    return bool(lib is not None and lib.adaflash_int8_uses_vnni())
+    return None if lib is None else INT8_ISAS[lib.adaflash_int8_isa()]
+
+
+@contextlib.contextmanager
+def int8_isa_limit(isa: str):
+    """Runs the int8 kernel on no better path than `isa` inside the block (tests compare the paths' bits)."""
+    lib = library()
+    lib.adaflash_int8_limit_isa(INT8_ISAS.index(isa))
+    try:
+        yield
+    finally:
+        lib.adaflash_int8_limit_isa(len(INT8_ISAS) - 1)

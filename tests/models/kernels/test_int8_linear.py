@@ -1,6 +1,6 @@
 """The int8-activation linear (`--dtype int8`): llama.cpp's arithmetic over a GGUF's Q4_1 / Q8_0 blocks, checked
 against a float64 reference of that arithmetic, row-independent (decode = verify), the same bits on its AVX2 and
-AVX512-VNNI paths, and what the kernel choice runs with it."""
+AVX512-VNNI / AMX paths, and what the kernel choice runs with it."""
 
 from __future__ import annotations
 
@@ -61,21 +61,25 @@ def test_int8_kernel_is_the_int8_arithmetic_and_row_independent(fmt, n, k):
                 assert torch.equal(kernel(x[start:stop]), together[start:stop]), (start, stop)
 
 
-@pytest.mark.skipif(not packed.int8_uses_vnni(), reason="the CPU has no AVX512-VNNI: only the AVX2 path runs here")
+@pytest.mark.skipif(packed.int8_isa() == "avx2", reason="the CPU has no AVX512-VNNI: only the AVX2 path runs here")
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_avx2_and_vnni_paths_give_the_same_bits(fmt):
-    raw, _ = _gguf_blocks(fmt, 96, 320, seed=7)
-    x = torch.randn(9, 320, generator=torch.Generator().manual_seed(3))
-    kernel = packed.Int8Linear(raw, fmt, 320)
-    vnni = kernel(x)
-    lib = packed.library()
-    lib.adaflash_int8_allow_vnni(0)
-    try:
-        assert not packed.int8_uses_vnni()
-        avx2 = kernel(x)
-    finally:
-        lib.adaflash_int8_allow_vnni(1)
-    assert torch.equal(avx2, vnni)
+@pytest.mark.parametrize("k", [320, 288])  # an even and an odd number of blocks (AMX multiplies two at a time)
+def test_every_instruction_set_gives_the_same_bits(fmt, k):
+    """AVX2, AVX512-VNNI and (where the CPU has it) AMX: the same bits at every row count - AMX's 16-row tiles full,
+    partial and several, in one 128-row chunk and across two."""
+    raw, _ = _gguf_blocks(fmt, 96, k, seed=7)
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(3))
+    kernel = packed.Int8Linear(raw, fmt, k)
+    best = packed.int8_isa()
+    paths = packed.INT8_ISAS[: packed.INT8_ISAS.index(best) + 1]
+    for rows in (1, 2, 5, 16, 17, 40, 150):
+        results = {}
+        for isa in paths:
+            with packed.int8_isa_limit(isa):
+                results[isa] = kernel(x[:rows])
+        assert packed.int8_isa() == best
+        for isa in paths[1:]:
+            assert torch.equal(results[isa], results["avx2"]), (isa, rows)
 
 
 def test_int8_runs_every_row_count_where_blocks_exist_and_nothing_else_changes():
