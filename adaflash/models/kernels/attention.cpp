@@ -158,15 +158,79 @@ void output_lanes(const float* const* p, const KV* v, int64_t len, int64_t d, in
   }
 }
 
-// R rows over keys [0, len) in one go: scores, softmax, outputs (the K/V head stays in this core's caches).
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+// The output pass in 16-lane vectors where the CPU has AVX-512: each lane's FMA chain over the keys and its division
+// are the same instructions on the same values, so the same bits (tested). A 16-token verification's attention
+// 0.89-0.96x the time, batched decode 0.97-0.99x (docs/results/session19/attention_ab.txt). The score pass with two
+// keys a vector (each key's 8-lane chain kept) measured 1.02-1.13x slower on top of it, and stays 8 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int R, int V, typename KV>
+void output_vecs(const float* const* p, const KV* v, int64_t len, int64_t d, int64_t i0, const float* sum,
+                 float* const* out) {
+  __m512 acc[R][V];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int u = 0; u < V; ++u) acc[r][u] = _mm512_setzero_ps();
+  for (int64_t jj = 0; jj < len; ++jj) {
+    __m512 pj[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) pj[r] = _mm512_set1_ps(p[r][jj]);
+    const KV* vj = v + jj * d + i0;
+#pragma GCC unroll 4
+    for (int u = 0; u < V; ++u) {
+      const __m512 vu = load16(vj + u * 16);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(pj[r], vu, acc[r][u]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512 denom = _mm512_set1_ps(sum[r]);
+#pragma GCC unroll 4
+    for (int u = 0; u < V; ++u) _mm512_storeu_ps(out[r] + i0 + u * 16, _mm512_div_ps(acc[r][u], denom));
+  }
+}
+
+// As ::output_lanes, in 16-lane vectors (a last 8 lanes by the 8-lane version).
 template <int R, typename KV>
+void output_lanes(const float* const* p, const KV* v, int64_t len, int64_t d, int64_t i0, const float* sum,
+                  float* const* out) {
+  const int64_t lanes = d - i0 < 32 ? d - i0 : 32;
+  if (lanes >= 32) return output_vecs<R, 2>(p, v, len, d, i0, sum, out);
+  if (lanes >= 16) output_vecs<R, 1>(p, v, len, d, i0, sum, out);
+  if (lanes % 16) ::output_vecs<R, 1>(p, v, len, d, i0 + lanes / 16 * 16, sum, out);
+}
+}  // namespace avx512
+#pragma GCC pop_options
+
+bool cpu_has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+bool allow_avx512 = true;  // tests turn it off to compare the 8-lane path's bits on an AVX-512 CPU
+
+// R rows over keys [0, len) in one go: scores, softmax, outputs (the K/V head stays in this core's caches). Wide: the
+// output pass in 16-lane vectors.
+template <int R, bool Wide, typename KV>
 void attend_rows(const float* const* q, const KV* k, const KV* v, int64_t len, int64_t d, float scale,
                  float* const* scores, float* const* out) {
   float max[R], sum[R];
   score_keys<R>(q, k, v, len, d, scale, scores, max);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) sum[r] = softmax_in_place(scores[r], len, max[r]);
-  for (int64_t i0 = 0; i0 < d; i0 += 32) output_lanes<R>(scores, v, len, d, i0, sum, out);
+  for (int64_t i0 = 0; i0 < d; i0 += 32) {
+    if (Wide)
+      avx512::output_lanes<R>(scores, v, len, d, i0, sum, out);
+    else
+      output_lanes<R>(scores, v, len, d, i0, sum, out);
+  }
 }
 
 constexpr int kMaxRows = 3;
@@ -178,8 +242,11 @@ void ragged_attention(const float* q, int64_t heads, int64_t d, const KV* k, con
                       const int64_t* key_len, float scale, float* out, int threads) {
   using AttendRows = void (*)(const float* const*, const KV*, const KV*, int64_t, int64_t, float, float* const*,
                               float* const*);
-  static constexpr AttendRows kAttendRows[kMaxRows + 1] = {nullptr, attend_rows<1, KV>, attend_rows<2, KV>,
-                                                           attend_rows<3, KV>};
+  static constexpr AttendRows kNarrow[kMaxRows + 1] = {nullptr, attend_rows<1, false, KV>,
+                                                       attend_rows<2, false, KV>, attend_rows<3, false, KV>};
+  static constexpr AttendRows kWide[kMaxRows + 1] = {nullptr, attend_rows<1, true, KV>, attend_rows<2, true, KV>,
+                                                     attend_rows<3, true, KV>};
+  const AttendRows* attend = allow_avx512 && cpu_has_avx512() ? kWide : kNarrow;
   const int64_t groups = heads / kv_heads;
   // A token's query heads of one KV head in chunks of up to kMaxRows rows, as even as they go (4 heads: 2 + 2).
   const int64_t chunks = (groups + kMaxRows - 1) / kMaxRows, per_chunk = (groups + chunks - 1) / chunks;
@@ -214,7 +281,7 @@ void ragged_attention(const float* q, int64_t heads, int64_t d, const KV* k, con
                 q_rows[r] = q + row * d;
                 out_rows[r] = out + row * d;
               }
-              kAttendRows[rows](q_rows, ks, vs, key_len[t], d, scale, score_rows, out_rows);
+              attend[rows](q_rows, ks, vs, key_len[t], d, scale, score_rows, out_rows);
             }
           }
         }
@@ -231,6 +298,10 @@ extern "C" {
 // [slots, kv_heads, max_len, d], fp32 or (kv_half) fp16; sequence s owns tokens [token_start[s], token_start[s + 1])
 // and cache slot slot[s]; token t attends keys [0, key_len[t]) of its slot. out: [T, heads, d]. heads % kv_heads ==
 // 0, d % 8 == 0.
+// allow = 0 runs the 8-lane (AVX2) output pass even where AVX-512 exists (to test that both give the same bits); 1
+// restores the default.
+void adaflash_attention_allow_avx512(int allow) { allow_avx512 = allow != 0; }
+
 void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const void* k, const void* v,
                                int64_t kv_heads, int64_t max_len, int64_t num_seqs, const int64_t* token_start,
                                const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads,

@@ -140,6 +140,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.adaflash_ragged_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float,
                                               ptr, i32, i32]
     lib.adaflash_ragged_attention.restype = None
+    if hasattr(lib, "adaflash_attention_allow_avx512"):  # (builds before session 19 lack it)
+        lib.adaflash_attention_allow_avx512.argtypes = [i32]
+        lib.adaflash_attention_allow_avx512.restype = None
     lib.adaflash_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, i32]
     lib.adaflash_rms_norm.restype = None
     lib.adaflash_rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]

@@ -64,6 +64,26 @@ def test_a_tokens_attention_does_not_depend_on_the_rest_of_the_batch():
         assert torch.equal(alone, together[t : t + 1])
 
 
+@pytest.mark.skipif("avx512f" not in packed._cpu_flags(), reason="the CPU has no AVX-512: only the 8-lane path runs")
+@pytest.mark.parametrize("d", [64, 40, 8, 24])  # 32-lane parts of 2 x 16, 16 + 8, 8 and 16 + 8 lanes
+@pytest.mark.parametrize("half", [False, True])
+def test_the_16_lane_output_pass_gives_the_8_lane_bits(d, half):
+    g = torch.Generator().manual_seed(d)
+    k, v = torch.randn(2, 2, 150, d, generator=g), torch.randn(2, 2, 150, d, generator=g)
+    if half:
+        k, v = k.half(), v.half()
+    q = torch.randn(5, 6, d, generator=g)
+    index = torch.tensor([0, 2, 5]), torch.tensor([1, 0]), torch.tensor([1, 149, 60, 61, 150])
+    wide = attention.ragged_attention(q, k, v, *index, scale=d ** -0.5)
+    lib = packed.library()
+    lib.adaflash_attention_allow_avx512(0)
+    try:
+        narrow = attention.ragged_attention(q, k, v, *index, scale=d ** -0.5)
+    finally:
+        lib.adaflash_attention_allow_avx512(1)
+    assert torch.equal(wide, narrow)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 def test_ragged_attention_runs_the_kernel_for_short_queries_and_agrees_with_sdpa(causal, cache_dtype, monkeypatch):
