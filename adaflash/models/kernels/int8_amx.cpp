@@ -8,10 +8,11 @@
 // B0, B1 = 8 rows x 64 bytes: row g holds the 16 outputs' weights for k = 4g .. 4g + 3, 4 bytes per output - the
 // packed Q8_0 block's own layout, loaded in place.
 //
-// Why only Q8_0: Q4_1's nibbles must be widened to bytes in memory before a tile load, and with that the AMX pass
-// measured 1.0-1.2x the AVX512-VNNI one at 16-256 rows (the VNNI path with its prefetch; docs/results/session19/).
-// On this CPU the tile instructions and the AVX-512 scaling do not overlap (a 16-row block: ~27 cycles of tile work
-// plus ~46 of scaling), so the tile path gains only what it saves of the dot instructions.
+// Why only Q8_0: Q4_1's nibbles must be widened to bytes in memory before a tile load, and with that the AMX pass was
+// never faster than the AVX512-VNNI one (1.4-1.8x slower at 2-4 rows, alike at 8-32, 1.16-1.20x slower at 64-256
+// once the VNNI path prefetched; docs/results/session19/int8_tried_and_dropped.txt). On session 19's Xeon the tile
+// instructions and the AVX-512 scaling do not overlap (a 16-row block: ~31-36 cycles of tile work, then ~46 of
+// scaling; amx_overlap_bench.cpp there), so the tile path gains only what it saves of the dot instructions.
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>

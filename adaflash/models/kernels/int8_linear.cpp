@@ -261,7 +261,8 @@ int best_isa() {
 }
 
 // From this many rows on, AMX runs a Q8_0 pass (where the CPU has it); fewer go to AVX512-VNNI, as Q4_1 always does
-// (int8_amx.cpp says why). 8 rows: 0.92x, 12-16 rows: 0.77x the VNNI pass's time (docs/results/session19/).
+// (int8_amx.cpp says why). The LM head: 0.87x the VNNI pass's time at 8 rows, 0.62-0.87x at 12-128
+// (docs/results/session19/int8_amx.txt).
 constexpr int64_t kAmxMinRows = 8;
 
 inline float hmax(__m256 v) {
@@ -380,8 +381,8 @@ void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* p
   // One panel per task: tiles of several panels (more independent chains) measured slower at every row count here
   // (AMD EPYC, 2 threads: a whole decode step's linears 4.0 ms with one, 4.8 with four at one row).
   const int isa = best_isa();
-  const bool tiles = isa == kAmx && format == kQ8_0 && m >= kAmxMinRows;
-  const PanelRows rows = tiles ? amx::kQ8_0Rows
+  const bool use_amx = isa == kAmx && format == kQ8_0 && m >= kAmxMinRows;
+  const PanelRows rows = use_amx ? amx::kQ8_0Rows
                                : (isa == kAvx2 ? avx2::kPanelRows : vnni::kPanelRows)[format == kQ4_1 ? 0 : 1];
 #pragma omp parallel num_threads(threads)
   {
@@ -390,7 +391,7 @@ void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* p
       quantize_blocks(x, a, m * nb * t / T, m * nb * (t + 1) / T);
 #pragma omp barrier
     }
-    if (tiles) amx::begin();
+    if (use_amx) amx::begin();
     // Contiguous shares, as schedule(static) gives, computed here so each thread knows where its own ends.
     const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
     // A prefill's thousands of rows go in chunks whose int8 activations stay in L2 while the thread's panels pass
@@ -403,7 +404,7 @@ void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* p
         rows(chunk, rows_here, packed + p * stride, nb, bias ? bias + p * kPanel : nullptr, y + r0 * n + p * kPanel, n,
              packed + p1 * stride);
     }
-    if (tiles) amx::end();
+    if (use_amx) amx::end();
   }
 }
 

@@ -1,5 +1,6 @@
-// What int8_linear.cpp (the AVX2 / AVX512-VNNI paths and the driver) and int8_amx.cpp (the AMX path for Q8_0) share: the packed
-// layout's sizes, the rounded activations, the per-panel entry point. The layout is described in int8_linear.cpp.
+// What int8_linear.cpp (the AVX2 / AVX512-VNNI paths and the driver) and int8_amx.cpp (the AMX path for Q8_0) share:
+// the packed layout's sizes, the rounded activations, the per-panel entry point, the weight stream's prefetch. The
+// layout is described in int8_linear.cpp.
 #pragma once
 #include <immintrin.h>
 

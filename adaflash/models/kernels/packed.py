@@ -30,8 +30,8 @@ from adaflash.models.kernels import weight_arena
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
-SOURCES = (SOURCE, *(Path(__file__).with_name(f)
-                     for f in ("attention.cpp", "fused.cpp", "layer_step.cpp", "int8_linear.cpp", "int8_amx.cpp")))  # one library
+SOURCES = (SOURCE, *(Path(__file__).with_name(f)  # one library
+                     for f in ("attention.cpp", "fused.cpp", "layer_step.cpp", "int8_linear.cpp", "int8_amx.cpp")))
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_linear.h"))
 # -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
