@@ -165,6 +165,8 @@ namespace avx512 {
 // are the same instructions on the same values, so the same bits (tested). A 16-token verification's attention
 // 0.89-0.96x the time, batched decode 0.97-0.99x (docs/results/session19/attention_ab.txt). The score pass with two
 // keys a vector (each key's 8-lane chain kept) measured 1.02-1.13x slower on top of it, and stays 8 lanes.
+// (::output_vecs in 16-lane types, not one template over both: a template defined under this target would compile the
+// 8-lane path with AVX-512 too, and that path must run on AVX2-only CPUs.)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

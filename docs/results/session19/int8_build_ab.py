@@ -5,34 +5,19 @@ build, and whether all give the same bits.
 
     python docs/results/session19/int8_build_ab.py ROWS REPEATS THREADS BASE.so OTHER.so [...]
 """
-import os, statistics, sys, time
+import statistics, sys, time
 
 import numpy as np
 
 from adaflash.models.kernels import packed
+from int8_weight_set import FORMAT, SHAPES, packed_weights
 
 rows = [int(m) for m in sys.argv[1].split(",")]
 repeats, threads = int(sys.argv[2]), int(sys.argv[3])
 paths = sys.argv[4:]
 libs = [packed.open_library(p) for p in paths]
-SHAPES, LAYERS, FORMAT = [(960, 576), (576, 576), (3072, 576), (576, 1536)], int(os.environ.get("LAYERS", 30)), 1
-if os.environ.get("HEAD"):
-    SHAPES, LAYERS, FORMAT = [(49152, 576)], 1, 2
-rng = np.random.default_rng(0)
-weights = []  # (n, k, [packed per build])
-for layer in range(LAYERS):
-    for n, k in SHAPES:
-        nb = k // 32
-        raw = rng.integers(0, 256, (n, nb, 20 if FORMAT == 1 else 34), dtype=np.uint8)
-        raw[:, :, 0:2] = np.frombuffer(np.full(n * nb, 0.01, np.float16).tobytes(), np.uint8).reshape(n, nb, 2)
-        if FORMAT == 1:
-            raw[:, :, 2:4] = np.frombuffer(np.full(n * nb, -0.05, np.float16).tobytes(), np.uint8).reshape(n, nb, 2)
-        bufs = []
-        for lib in libs:
-            buf = np.zeros((n // 16) * nb * lib.adaflash_int8_block_bytes(FORMAT), np.uint8)
-            lib.adaflash_pack_int8(raw.ctypes.data, n, k, FORMAT, buf.ctypes.data, threads)
-            bufs.append(buf)
-        weights.append((n, k, bufs))
+weights = packed_weights(libs, threads)  # (n, k, [packed per build])
+rng = np.random.default_rng(1)  # the activations
 total = sum(w[2][0].nbytes for w in weights)
 print(f"{len(weights)} weights, {total / 1e6:.1f} MB packed, {threads} threads; builds: {', '.join(paths)}")
 for m in rows:
