@@ -163,8 +163,9 @@ void output_lanes(const float* const* p, const KV* v, int64_t len, int64_t d, in
 namespace avx512 {
 // The output pass in 16-lane vectors where the CPU has AVX-512: each lane's FMA chain over the keys and its division
 // are the same instructions on the same values, so the same bits (tested). A 16-token verification's attention
-// 0.89-0.96x the time, batched decode 0.97-0.99x (docs/results/session19/attention_ab.txt). The score pass with two
-// keys a vector (each key's 8-lane chain kept) measured 1.02-1.13x slower on top of it, and stays 8 lanes.
+// 0.89-0.96x the time, batched decode 0.97-0.99x (docs/results/session19/attention_ab.txt). The score pass stays 8
+// lanes: with two keys a vector (each key's 8-lane chain kept) it measured 1.02-1.13x slower on top of this, with two
+// tokens' chains a vector 0.97-1.03x.
 // (::output_vecs in 16-lane types, not one template over both: a template defined under this target would compile the
 // 8-lane path with AVX-512 too, and that path must run on AVX2-only CPUs.)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -296,14 +297,14 @@ void ragged_attention(const float* q, int64_t heads, int64_t d, const KV* k, con
 
 extern "C" {
 
-// q: [T, heads, d] (the batch's new tokens, sequence by sequence); k, v: one layer of the slot cache,
-// [slots, kv_heads, max_len, d], fp32 or (kv_half) fp16; sequence s owns tokens [token_start[s], token_start[s + 1])
-// and cache slot slot[s]; token t attends keys [0, key_len[t]) of its slot. out: [T, heads, d]. heads % kv_heads ==
-// 0, d % 8 == 0.
 // allow = 0 runs the 8-lane (AVX2) output pass even where AVX-512 exists (to test that both give the same bits); 1
 // restores the default.
 void adaflash_attention_allow_avx512(int allow) { allow_avx512 = allow != 0; }
 
+// q: [T, heads, d] (the batch's new tokens, sequence by sequence); k, v: one layer of the slot cache,
+// [slots, kv_heads, max_len, d], fp32 or (kv_half) fp16; sequence s owns tokens [token_start[s], token_start[s + 1])
+// and cache slot slot[s]; token t attends keys [0, key_len[t]) of its slot. out: [T, heads, d]. heads % kv_heads ==
+// 0, d % 8 == 0.
 void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const void* k, const void* v,
                                int64_t kv_heads, int64_t max_len, int64_t num_seqs, const int64_t* token_start,
                                const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads,
