@@ -110,8 +110,14 @@ $(PEER_VENV)/.installed: $(PEER)/.src
 	$(PEER_PY) -c "import gguf; assert hasattr(gguf.MODEL_ARCH, 'DFLASH'), gguf.__file__"
 	touch $@
 
+# The CPU flags of the build: native by default. Where llama.cpp's AMX kernel faults (an AMX Xeon VM, session 19),
+# `make peer PEER_ARCH='$(PEER_ARCH_NO_AMX)'` builds the AVX-512 kernels without AMX (docs/deploy.md).
+PEER_ARCH ?= -DGGML_NATIVE=ON
+PEER_ARCH_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 peer: peer-src
-	cd $(PEER_TREE) && cmake -B build -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+	cd $(PEER_TREE) && cmake -B build $(PEER_ARCH) -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
 		-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$$ORIGIN'
 	cd $(PEER_TREE) && $(NICE) cmake --build build -j2 --target $(PEER_TARGETS)
 	mkdir -p $(PEER)/bin
