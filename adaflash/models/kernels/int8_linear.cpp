@@ -6,7 +6,8 @@
 // weight to a float and runs fp32 FMAs - bound by that arithmetic at one row (~30% of the bandwidth limit) and by
 // the fp32 peak at 16 (a verification costs ~4.5 decode steps). The integer dot does 4 multiply-adds per byte lane
 // (AVX512-VNNI dpbusd, or AVX2 maddubs + madd where the CPU lacks it - the same integers): fewer instructions per
-// weight streamed at one row, ~4x the multiply-adds per instruction at many rows.
+// weight streamed at one row, ~4x the multiply-adds per instruction at many rows. Q8_0 passes of 8+ rows run their
+// integer sums as AMX tile multiplies where the CPU has them (int8_amx.cpp; the same integers again).
 //
 // Packed per (panel of 16 outputs, block of 32 k), so one 64-byte load feeds a panel's lanes (32 bytes: half of them):
 //   Q4_1: d[16] fp16, m[16] fp16, then [l = 0..3][half h][output j = 0..7][t = 0..3]: low nibble = w[8h + j][4l + t],
