@@ -120,6 +120,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.adaflash_pack.argtypes = [ptr, i64, i64, ptr, i32]
     lib.adaflash_pack.restype = None
+    if hasattr(lib, "adaflash_linear_allow_avx512"):  # (builds before session 19 lack it)
+        lib.adaflash_linear_allow_avx512.argtypes = [i32]
+        lib.adaflash_linear_allow_avx512.restype = None
     lib.adaflash_packed_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
     lib.adaflash_packed_linear.restype = None
     lib.adaflash_pack_quantized.argtypes = [ptr, i64, i64, i32, ptr, i32]

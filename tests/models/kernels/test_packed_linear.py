@@ -139,6 +139,33 @@ def test_bf16_kernel_is_bitwise_the_fp32_kernel_on_bf16_valued_weights(n, k):
     assert bf16.packed.numel() == n * k * 2  # half the packed fp32 copy's bytes
 
 
+@pytest.mark.skipif("avx512bw" not in packed._cpu_flags(), reason="the CPU has no AVX-512: only the 8-lane path runs")
+@pytest.mark.parametrize("fmt", ["fp32", "Q4_1", "Q8_0", "BF16"])
+def test_the_16_lane_few_rows_path_gives_the_8_lane_bits(fmt):
+    """1-4 rows (a decode step, a short verification) run a panel's 16 outputs as one AVX-512 vector where the CPU has
+    it: each output's FMA chain and each weight's dequantisation unchanged, so the same bits."""
+    from adaflash.models.gguf_blocks import exact_bf16_blocks
+
+    n, k = 96, 320
+    raw, deq = _gguf_blocks(fmt if fmt in ("Q4_1", "Q8_0") else "Q8_0", n, k, seed=11)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(12))
+    if fmt == "fp32":
+        kernel = packed.PackedLinear(deq, bias)
+    elif fmt == "BF16":
+        kernel = packed.QuantizedLinear(exact_bf16_blocks(deq.bfloat16().float()).blocks, "BF16", k, bias)
+    else:
+        kernel = packed.QuantizedLinear(raw, fmt, k, bias)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(13))
+    wide = [kernel(x[:rows]) for rows in (1, 2, 3, 4)]
+    lib = packed.library()
+    lib.adaflash_linear_allow_avx512(0)
+    try:
+        narrow = [kernel(x[:rows]) for rows in (1, 2, 3, 4)]
+    finally:
+        lib.adaflash_linear_allow_avx512(1)
+    assert all(torch.equal(a, b) for a, b in zip(wide, narrow))
+
+
 def test_only_exactly_bf16_weights_get_bf16_blocks():
     from adaflash.models.gguf_blocks import exact_bf16_blocks
 
