@@ -274,7 +274,9 @@ void run_few(const Few* few_np, const Few* few_1, const int* panels_per_call, in
 namespace avx512 {
 // few_rows with a panel's 16 outputs in one 16-lane vector where the CPU has AVX-512: each output keeps its one FMA
 // chain over k and each weight its dequantisation (the same instructions per lane), so the outputs are bitwise the
-// 8-lane path's (tested), from half the FMA and dequantisation instructions.
+// 8-lane path's (tested), from half the FMA and dequantisation instructions. (The 8-lane code's shapes again, in
+// 16-lane types: templates shared by both would compile the 8-lane path under this target, and it must run on
+// AVX2-only CPUs.)
 template <int MR, int NP, class Src>
 inline void few_rows(const float* x, int64_t ldx, int64_t k, int64_t block, float* y, int64_t ldy, const float* bias,
                      const Src& src) {
