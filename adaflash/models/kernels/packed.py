@@ -1,6 +1,8 @@
 """Our CPU kernel library and its linears: the packed fp32 linear and the quantized linear over GGUF blocks
-(packed_linear.cpp), the int8-activation linear over GGUF blocks (int8_linear.cpp, `--dtype int8`); the library
-also holds the ragged attention (attention.cpp, wrapped in attention.py), the fused steps (fused.cpp, used by layers.py and kv_cache.py) and the whole-layer step (layer_step.cpp / .py).
+(packed_linear.cpp, its AVX-512 paths in packed_linear_avx512.cpp), the int8-activation linear over GGUF blocks
+(int8_linear.cpp, its AMX path in int8_amx.cpp; `--dtype int8`); the library also holds the ragged attention
+(attention.cpp, wrapped in attention.py), the fused steps (fused.cpp, used by layers.py and kv_cache.py) and the
+whole-layer step (layer_step.cpp / .py).
 
 Built with the system C++ compiler on first use, once per sources/flags, into $ADAFLASH_CACHE/kernels (a second or
 two), loaded with ctypes and linked against the OpenMP runtime torch has already loaded (same soname), so both
@@ -31,8 +33,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f)  # one library
-                     for f in ("attention.cpp", "fused.cpp", "layer_step.cpp", "int8_linear.cpp", "int8_amx.cpp")))
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_linear.h"))
+                     for f in ("packed_linear_avx512.cpp", "attention.cpp", "fused.cpp", "layer_step.cpp",
+                               "int8_linear.cpp", "int8_amx.cpp")))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_linear.h", "packed_linear.h"))
 # -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)

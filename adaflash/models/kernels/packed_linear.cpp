@@ -6,8 +6,8 @@
 // the memory bandwidth; this one streams each panel once for all rows (k-chunks stay in L1 across row blocks).
 // Each output is one FMA chain over k in order, whatever the number of rows, so this kernel gives a row bitwise the
 // same result in a 1-row decode step and in a 16-row verification (where the per-machine choice runs it for both).
-// Where the CPU has AVX-512, 1-4 rows run a panel's 16 outputs as one 16-lane vector: the same chains, fewer
-// instructions (a 4-token forward of the fp32 target 0.86x the time, 1-2 tokens 0.96-0.98x; session 19).
+// Where the CPU has AVX-512 a panel's 16 outputs run as one 16-lane vector (packed_linear_avx512.cpp): the same
+// chains, fewer instructions.
 // n must be a multiple of 16 (the Python side falls back to the stock kernel otherwise).
 //
 // Quantized weights (a GGUF's own Q4_1 / Q8_0 blocks, for targets that ship as GGUF): 4-8x fewer bytes to stream at
@@ -21,11 +21,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "packed_linear.h"
+
 namespace {
 
-constexpr int kPanel = 16;
-// A panel's k-chunk (256 x 16 floats = 16 KB) stays in L1 while every row block uses it.
-constexpr int64_t kChunk = 256;
+using namespace adaflash::packed;
 
 // k in [k0, k1) for MR rows of one panel (`panel` points at row k0 of the panel's [K][16]); partial sums wait in y between chunks (stored and reloaded exactly, so
 // chunking does not change the FMA chain). The bias is added after the last chunk.
@@ -78,19 +78,10 @@ inline void chunk_rows(const float* x, int64_t m, int64_t k, const float* panel,
 
 // GGUF blocks hold 32 consecutive k of one output row. Packed per (panel, block): the 16 outputs' fp16 scales, then
 // per k the 16 outputs' quants side by side.
-constexpr int kBlock = 32;
-enum Format { kQ4_1 = 1, kQ8_0 = 2, kBF16 = 3 };
-// Q4_1 source block: d fp16, m fp16, 16 bytes (byte i: element i low nibble, element i + 16 high nibble).
-// Packed: d[16], m[16] fp16, then per k 8 bytes (byte j: output j low nibble, output j + 8 high nibble).
-constexpr int64_t kQ4_1Src = 20, kQ4_1Packed = 64 + kBlock * 8;
-// Q8_0 source block: d fp16, 32 int8. Packed: d[16] fp16, then per k 16 int8.
-constexpr int64_t kQ8_0Src = 34, kQ8_0Packed = 32 + kBlock * 16;
-// BF16 source "block": 32 bf16 (the row's k in order). Packed: per k the 16 outputs' bf16 side by side, no scales.
-constexpr int64_t kBF16Src = 64, kBF16Packed = kBlock * 32;
+// Source blocks: Q4_1 d fp16, m fp16, 16 bytes (byte i: element i low nibble, element i + 16 high nibble); Q8_0 d
+// fp16, 32 int8; BF16 32 bf16 (the row's k in order). Packed as packed_linear.h says.
+constexpr int64_t kQ4_1Src = 20, kQ8_0Src = 34, kBF16Src = 64;
 
-constexpr int64_t packed_block_bytes(int format) {
-  return format == kQ4_1 ? kQ4_1Packed : format == kQ8_0 ? kQ8_0Packed : kBF16Packed;
-}
 constexpr int64_t source_block_bytes(int format) {
   return format == kQ4_1 ? kQ4_1Src : format == kQ8_0 ? kQ8_0Src : kBF16Src;
 }
@@ -245,11 +236,7 @@ void few_quant(const float* x, int64_t k, const void* panel, int64_t stride, flo
   few_rows<MR, NP>(x, k, k, kBlock, y, n, bias, QuantSource<Format, NP>{static_cast<const uint8_t*>(panel), stride});
 }
 
-using Few = void (*)(const float*, int64_t, const void*, int64_t, float*, int64_t, const float*);
-constexpr int kFewRows = 4;  // row counts up to this take the few-rows path
 constexpr int kFewPanels[kFewRows + 1] = {0, 2, 2, 1, 1};  // NP per row count: 8 accumulators or fewer
-// The 16-lane path's: one accumulator per (row, panel), 4-8 of them to cover the FMA latency.
-constexpr int kFewPanels16[kFewRows + 1] = {0, 4, 4, 2, 2};
 
 // Columns of `few` per row count m in 1..kFewRows; panels [p, p + NP) per call (NP = panels[m]), the remainder one
 // panel at a time.
@@ -269,121 +256,10 @@ void run_few(const Few* few_np, const Few* few_1, const int* panels_per_call, in
   }
 }
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw")
-namespace avx512 {
-// few_rows with a panel's 16 outputs in one 16-lane vector where the CPU has AVX-512: each output keeps its one FMA
-// chain over k and each weight its dequantisation (the same instructions per lane), so the outputs are bitwise the
-// 8-lane path's (tested), from half the FMA and dequantisation instructions. (The 8-lane code's shapes again, in
-// 16-lane types: templates shared by both would compile the 8-lane path under this target, and it must run on
-// AVX2-only CPUs.)
-template <int MR, int NP, class Src>
-inline void few_rows(const float* x, int64_t ldx, int64_t k, int64_t block, float* y, int64_t ldy, const float* bias,
-                     const Src& src) {
-  __m512 acc[MR][NP];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < k; k0 += block) {
-    const auto weights = src.block(k0 / block);
-    for (int64_t j = 0; j < block; ++j) {
-      __m512 a[MR];
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) a[r] = _mm512_set1_ps(x[r * ldx + k0 + j]);
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p) {
-        const __m512 w = weights.load(p, j);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) acc[r][p] = _mm512_fmadd_ps(a[r], w, acc[r][p]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      float* out = y + r * ldy + p * kPanel;
-      _mm512_storeu_ps(out, bias ? _mm512_add_ps(acc[r][p], _mm512_loadu_ps(bias + p * kPanel)) : acc[r][p]);
-    }
-}
-
-struct Fp32Block {
-  const float* w;
-  int64_t stride;  // floats between panels
-  inline __m512 load(int p, int64_t j) const { return _mm512_loadu_ps(w + p * stride + j * kPanel); }
-};
-
-struct Fp32Source {
-  const float* w;
-  int64_t stride;
-  Fp32Block block(int64_t) const { return {w, stride}; }
-};
-
-inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-
-template <int Format, int NP>
-struct QuantBlock {
-  const uint8_t* blk[NP];
-  __m512 d[NP], m[NP];
-  inline __m512 load(int p, int64_t j) const {
-    if (Format == kBF16) {
-      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[p] + j * 32)));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-    }
-    if (Format == kQ4_1) {  // byte i: output i's nibble low, output i + 8's high -> the 16 outputs' quants in order
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk[p] + 64 + j * 8));
-      const __m128i low4 = _mm_set1_epi8(0x0F);
-      const __m128i quants = _mm_unpacklo_epi64(_mm_and_si128(q, low4), _mm_and_si128(_mm_srli_epi16(q, 4), low4));
-      return _mm512_add_ps(_mm512_mul_ps(d[p], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(quants))), m[p]);
-    }
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[p] + 32 + j * 16));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d[p]);
-  }
-};
-
-template <int Format, int NP>
-struct QuantSource {
-  const uint8_t* base;
-  int64_t stride;  // bytes between panels
-  QuantBlock<Format, NP> block(int64_t b) const {
-    constexpr int64_t bytes = packed_block_bytes(Format);
-    QuantBlock<Format, NP> out;
-    for (int p = 0; p < NP; ++p) {
-      out.blk[p] = base + p * stride + b * bytes;
-      if (Format == kBF16) continue;  // no scales
-      out.d[p] = half16(out.blk[p]);
-      if (Format == kQ4_1) out.m[p] = half16(out.blk[p] + 32);
-    }
-    return out;
-  }
-};
-
-template <int MR, int NP>
-void few_fp32(const float* x, int64_t k, const void* panel, int64_t stride, float* y, int64_t n, const float* bias) {
-  few_rows<MR, NP>(x, k, k, k, y, n, bias, Fp32Source{static_cast<const float*>(panel), stride});
-}
-
-template <int Format, int MR, int NP>
-void few_quant(const float* x, int64_t k, const void* panel, int64_t stride, float* y, int64_t n, const float* bias) {
-  few_rows<MR, NP>(x, k, k, kBlock, y, n, bias, QuantSource<Format, NP>{static_cast<const uint8_t*>(panel), stride});
-}
-}  // namespace avx512
-#pragma GCC pop_options
-
-bool allow_avx512 = true;  // tests turn it off to compare the 8-lane path's bits on an AVX-512 CPU
-bool use_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  return allow_avx512 && has;
-}
 
 }  // namespace
 
 extern "C" {
-
-// allow = 0 runs the 8-lane (AVX2) few-rows path even where AVX-512 exists (to test that both give the same bits); 1
-// restores the default.
-void adaflash_linear_allow_avx512(int allow) { allow_avx512 = allow != 0; }
 
 // w: [n, k] row-major -> packed: [n / 16][k][16].
 // threads: torch's count, passed in because an OpenMP region takes the calling thread's count, which is torch's only
@@ -405,22 +281,20 @@ void adaflash_packed_linear(const float* x, int64_t m, int64_t k, const float* p
   if (m <= kFewRows) {
     static constexpr Few np[] = {nullptr, few_fp32<1, 2>, few_fp32<2, 2>, few_fp32<3, 1>, few_fp32<4, 1>};
     static constexpr Few one[] = {nullptr, few_fp32<1, 1>, few_fp32<2, 1>, few_fp32<3, 1>, few_fp32<4, 1>};
-    static constexpr Few np16[] = {nullptr, avx512::few_fp32<1, 4>, avx512::few_fp32<2, 4>, avx512::few_fp32<3, 2>,
-                                   avx512::few_fp32<4, 2>};
-    static constexpr Few one16[] = {nullptr, avx512::few_fp32<1, 1>, avx512::few_fp32<2, 1>, avx512::few_fp32<3, 1>,
-                                    avx512::few_fp32<4, 1>};
-    const bool wide = use_avx512();
-    run_few(wide ? np16 : np, wide ? one16 : one, wide ? kFewPanels16 : kFewPanels, static_cast<int>(m), x, k, packed,
-            k * kPanel * 4, k * kPanel, n, bias, y, threads);
+    const bool wide = avx512::enabled();
+    run_few(wide ? avx512::few_fp32(true) : np, wide ? avx512::few_fp32(false) : one,
+            wide ? avx512::kFewPanels : kFewPanels, static_cast<int>(m), x, k, packed, k * kPanel * 4, k * kPanel, n,
+            bias, y, threads);
     return;
   }
+  const bool wide = avx512::enabled();
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < n / kPanel; ++p) {
     const float* panel = packed + p * k * kPanel;
     const float* b = bias ? bias + p * kPanel : nullptr;
     for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
       const int64_t k1 = k0 + kChunk < k ? k0 + kChunk : k;
-      chunk_rows(x, m, k, panel + k0 * kPanel, k0, k1, y + p * kPanel, n, b);
+      (wide ? avx512::chunk_rows : chunk_rows)(x, m, k, panel + k0 * kPanel, k0, k1, y + p * kPanel, n, b);
     }
   }
 }
@@ -472,36 +346,29 @@ void adaflash_quantized_linear(const float* x, int64_t m, int64_t k, const uint8
                                     few_quant<kBF16, 4, 1>};
     static constexpr Few bf_one[] = {nullptr, few_quant<kBF16, 1, 1>, few_quant<kBF16, 2, 1>, few_quant<kBF16, 3, 1>,
                                      few_quant<kBF16, 4, 1>};
-    static constexpr Few q4_np16[] = {nullptr, avx512::few_quant<kQ4_1, 1, 4>, avx512::few_quant<kQ4_1, 2, 4>,
-                                      avx512::few_quant<kQ4_1, 3, 2>, avx512::few_quant<kQ4_1, 4, 2>};
-    static constexpr Few q4_one16[] = {nullptr, avx512::few_quant<kQ4_1, 1, 1>, avx512::few_quant<kQ4_1, 2, 1>,
-                                       avx512::few_quant<kQ4_1, 3, 1>, avx512::few_quant<kQ4_1, 4, 1>};
-    static constexpr Few q8_np16[] = {nullptr, avx512::few_quant<kQ8_0, 1, 4>, avx512::few_quant<kQ8_0, 2, 4>,
-                                      avx512::few_quant<kQ8_0, 3, 2>, avx512::few_quant<kQ8_0, 4, 2>};
-    static constexpr Few q8_one16[] = {nullptr, avx512::few_quant<kQ8_0, 1, 1>, avx512::few_quant<kQ8_0, 2, 1>,
-                                       avx512::few_quant<kQ8_0, 3, 1>, avx512::few_quant<kQ8_0, 4, 1>};
-    static constexpr Few bf_np16[] = {nullptr, avx512::few_quant<kBF16, 1, 4>, avx512::few_quant<kBF16, 2, 4>,
-                                      avx512::few_quant<kBF16, 3, 2>, avx512::few_quant<kBF16, 4, 2>};
-    static constexpr Few bf_one16[] = {nullptr, avx512::few_quant<kBF16, 1, 1>, avx512::few_quant<kBF16, 2, 1>,
-                                       avx512::few_quant<kBF16, 3, 1>, avx512::few_quant<kBF16, 4, 1>};
-    const bool wide = use_avx512();
-    const Few* np = format == kQ4_1 ? (wide ? q4_np16 : q4_np) : format == kQ8_0 ? (wide ? q8_np16 : q8_np)
-                                                                                 : (wide ? bf_np16 : bf_np);
-    const Few* one = format == kQ4_1 ? (wide ? q4_one16 : q4_one) : format == kQ8_0 ? (wide ? q8_one16 : q8_one)
-                                                                                    : (wide ? bf_one16 : bf_one);
-    run_few(np, one, wide ? kFewPanels16 : kFewPanels, static_cast<int>(m), x, k, packed, nb * bytes, nb * bytes, n,
-            bias, y, threads);
+    const bool wide = avx512::enabled();
+    const Few* np = wide ? avx512::few_quant(format, true) : format == kQ4_1 ? q4_np : format == kQ8_0 ? q8_np : bf_np;
+    const Few* one = wide ? avx512::few_quant(format, false) : format == kQ4_1 ? q4_one : format == kQ8_0 ? q8_one
+                                                                                                       : bf_one;
+    run_few(np, one, wide ? avx512::kFewPanels : kFewPanels, static_cast<int>(m), x, k, packed, nb * bytes, nb * bytes,
+            n, bias, y, threads);
     return;
   }
+  const bool wide = avx512::enabled();
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < n / kPanel; ++p) {
-    alignas(32) float scratch[kChunk * kPanel];  // one k-chunk of this panel, dequantized (16 KB: stays in L1)
+    alignas(64) float scratch[kChunk * kPanel];  // one k-chunk of this panel, dequantized (16 KB: stays in L1)
     const uint8_t* panel = packed + p * nb * bytes;
     const float* b = bias ? bias + p * kPanel : nullptr;
     for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
       const int64_t k1 = k0 + kChunk < k ? k0 + kChunk : k;
-      dequant(format, panel, k0 / kBlock, k1 / kBlock, scratch);
-      chunk_rows(x, m, k, scratch, k0, k1, y + p * kPanel, n, b);
+      if (wide) {
+        avx512::dequant(format, panel, k0 / kBlock, k1 / kBlock, scratch);
+        avx512::chunk_rows(x, m, k, scratch, k0, k1, y + p * kPanel, n, b);
+      } else {
+        dequant(format, panel, k0 / kBlock, k1 / kBlock, scratch);
+        chunk_rows(x, m, k, scratch, k0, k1, y + p * kPanel, n, b);
+      }
     }
   }
 }

@@ -141,9 +141,10 @@ def test_bf16_kernel_is_bitwise_the_fp32_kernel_on_bf16_valued_weights(n, k):
 
 @pytest.mark.skipif("avx512bw" not in packed._cpu_flags(), reason="the CPU has no AVX-512: only the 8-lane path runs")
 @pytest.mark.parametrize("fmt", ["fp32", "Q4_1", "Q8_0", "BF16"])
-def test_the_16_lane_few_rows_path_gives_the_8_lane_bits(fmt):
-    """1-4 rows (a decode step, a short verification) run a panel's 16 outputs as one AVX-512 vector where the CPU has
-    it: each output's FMA chain and each weight's dequantisation unchanged, so the same bits."""
+def test_the_16_lane_paths_give_the_8_lane_bits(fmt):
+    """Where the CPU has AVX-512 a panel's 16 outputs run as one vector - 1-4 rows (a decode step, a short
+    verification) and the blocked path of 5+ rows: each output's FMA chain and each weight's dequantisation
+    unchanged, so the same bits."""
     from adaflash.models.gguf_blocks import exact_bf16_blocks
 
     n, k = 96, 320
@@ -155,12 +156,13 @@ def test_the_16_lane_few_rows_path_gives_the_8_lane_bits(fmt):
         kernel = packed.QuantizedLinear(exact_bf16_blocks(deq.bfloat16().float()).blocks, "BF16", k, bias)
     else:
         kernel = packed.QuantizedLinear(raw, fmt, k, bias)
-    x = torch.randn(4, k, generator=torch.Generator().manual_seed(13))
-    wide = [kernel(x[:rows]) for rows in (1, 2, 3, 4)]
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(13))
+    counts = (1, 2, 3, 4, 5, 13, 70)
+    wide = [kernel(x[:rows]) for rows in counts]
     lib = packed.library()
     lib.adaflash_linear_allow_avx512(0)
     try:
-        narrow = [kernel(x[:rows]) for rows in (1, 2, 3, 4)]
+        narrow = [kernel(x[:rows]) for rows in counts]
     finally:
         lib.adaflash_linear_allow_avx512(1)
     assert all(torch.equal(a, b) for a, b in zip(wide, narrow))

@@ -1,9 +1,9 @@
-"""The fp32 target's 1-4-token forwards (`--dtype fp32`, the per-machine kernel choice) with the 16-lane few-rows
-linear path on and off (packed_linear.cpp, adaflash_linear_allow_avx512), alternating forward by forward in one
+"""The fp32 target's forwards of q tokens (`--dtype fp32`, the per-machine kernel choice) with the fp32 kernels'
+16-lane paths on and off (packed_linear.cpp, adaflash_linear_allow_avx512), alternating forward by forward in one
 process at a 256-token context; also the drafter-free greedy decode of the demo's prompts both ways. Prints medians
 and whether the logits / tokens are identical.
 
-    python docs/results/session19/fp32_few_rows_ab.py [REPEATS]
+    python docs/results/session19/fp32_lanes_ab.py [REPEATS] [QS]     # QS: comma-separated, default 1,2,4
 """
 import statistics, sys, time
 
@@ -17,15 +17,16 @@ from adaflash.models.target import load_target_as
 from adaflash.speculative.reference import autoregressive_generate
 
 repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+qs = [int(q) for q in (sys.argv[2] if len(sys.argv) > 2 else "1,2,4").split(",")]
 path = resolve_target("smollm2-135m")
 model = load_target_as(path, "fp32")
 lib = packed.library()
 context = 256
-cache = model.new_cache(1, context + 8)
+cache = model.new_cache(1, context + max(qs))
 model(torch.arange(context) % 1000 + 100, RaggedBatch.build([0], [0], [context]), cache)
 times, logits = {}, {}
 for _ in range(repeats):
-    for q in (1, 2, 4):
+    for q in qs:
         for wide in (0, 1):
             lib.adaflash_linear_allow_avx512(wide)
             t = time.perf_counter()
@@ -35,7 +36,7 @@ for _ in range(repeats):
             cache.rollback(0, context)
 lib.adaflash_linear_allow_avx512(1)
 print(f"fp32 target, {torch.get_num_threads()} threads, context {context}, medians of {repeats}")
-for q in (1, 2, 4):
+for q in qs:
     a, b = (1e3 * statistics.median(times[(q, w)]) for w in (0, 1))
     print(f"q={q}: 8-lane {a:.2f} ms  16-lane {b:.2f} ms  16/8 {b / a:.3f}  same logits: "
           f"{torch.equal(logits[(q, 0)], logits[(q, 1)])}")
