@@ -3,8 +3,8 @@
 // into its k-chunk. Each output keeps its one FMA chain over k and each weight its dequantisation (the same
 // instructions per lane), so every output is bitwise the 8-lane path's (tested), from about half the instructions.
 // A separate file under its own target: templates shared with the 8-lane code would compile that code for AVX-512
-// too, and it must run on AVX2-only CPUs. Measured on session 19's Xeon: the fp32 target's 1-2-token forwards
-// 0.96-0.98x the time, 4-8 tokens 0.84-0.86x, 16 tokens 0.92x (docs/results/session19/fp32_lanes_ab.txt).
+// too, and it must run on AVX2-only CPUs. Measured on session 19's Xeon: the fp32 target's forwards of 1-2 tokens
+// 0.92-1.00x the time, 4-8 tokens 0.82-0.90x, 16 tokens 0.90-0.94x (docs/results/session19/fp32_lanes_ab.txt).
 #include <immintrin.h>
 
 #include <cstdint>
@@ -17,11 +17,7 @@
 namespace adaflash::packed::avx512 {
 namespace {
 
-// few_rows with a panel's 16 outputs in one 16-lane vector where the CPU has AVX-512: each output keeps its one FMA
-// chain over k and each weight its dequantisation (the same instructions per lane), so the outputs are bitwise the
-// 8-lane path's (tested), from half the FMA and dequantisation instructions. (The 8-lane code's shapes again, in
-// 16-lane types: templates shared by both would compile the 8-lane path under this target, and it must run on
-// AVX2-only CPUs.)
+// packed_linear.cpp's few_rows, one vector per (row, panel).
 template <int MR, int NP, class Src>
 inline void few_rows(const float* x, int64_t ldx, int64_t k, int64_t block, float* y, int64_t ldy, const float* bias,
                      const Src& src) {
@@ -65,7 +61,9 @@ struct Fp32Source {
   Fp32Block block(int64_t) const { return {w, stride}; }
 };
 
-inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 template <int Format, int NP>
 struct QuantBlock {
@@ -105,7 +103,8 @@ struct QuantSource {
 };
 
 template <int MR, int NP>
-void few_fp32_rows(const float* x, int64_t k, const void* panel, int64_t stride, float* y, int64_t n, const float* bias) {
+void few_fp32_rows(const float* x, int64_t k, const void* panel, int64_t stride, float* y, int64_t n,
+                   const float* bias) {
   few_rows<MR, NP>(x, k, k, k, y, n, bias, Fp32Source{static_cast<const float*>(panel), stride});
 }
 
@@ -175,7 +174,9 @@ const Few* few_quant_of(bool np) {
 }
 
 const Few* few_quant(int format, bool np) {
-  return format == kQ4_1 ? few_quant_of<kQ4_1>(np) : format == kQ8_0 ? few_quant_of<kQ8_0>(np) : few_quant_of<kBF16>(np);
+  return format == kQ4_1   ? few_quant_of<kQ4_1>(np)
+         : format == kQ8_0 ? few_quant_of<kQ8_0>(np)
+                           : few_quant_of<kBF16>(np);
 }
 
 void chunk_rows(const float* x, int64_t m, int64_t k, const float* panel, int64_t k0, int64_t k1, float* y, int64_t n,
