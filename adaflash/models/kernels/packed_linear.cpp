@@ -76,10 +76,9 @@ inline void chunk_rows(const float* x, int64_t m, int64_t k, const float* panel,
   }
 }
 
-// GGUF blocks hold 32 consecutive k of one output row. Packed per (panel, block): the 16 outputs' fp16 scales, then
-// per k the 16 outputs' quants side by side.
-// Source blocks: Q4_1 d fp16, m fp16, 16 bytes (byte i: element i low nibble, element i + 16 high nibble); Q8_0 d
-// fp16, 32 int8; BF16 32 bf16 (the row's k in order). Packed as packed_linear.h says.
+// GGUF source blocks (32 consecutive k of one output row): Q4_1 d fp16, m fp16, 16 bytes (byte i: element i low
+// nibble, element i + 16 high nibble); Q8_0 d fp16, 32 int8; BF16 32 bf16 (the row's k in order). Packed as
+// packed_linear.h says.
 constexpr int64_t kQ4_1Src = 20, kQ8_0Src = 34, kBF16Src = 64;
 
 constexpr int64_t source_block_bytes(int format) {
