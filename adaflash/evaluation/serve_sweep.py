@@ -31,6 +31,7 @@ from typing import Callable
 import httpx
 
 from adaflash.cli_args import command_group
+from adaflash.evaluation.flops import matmul_peak_gflops, served_gflops
 from adaflash.evaluation.peer import (LLAMA_SERVER, launched_process, llama_server_command, peer_bin_dir, peer_env,
                                       require_binary)
 from adaflash.evaluation.serve_bench import run_level
@@ -155,12 +156,16 @@ def prompt_pool(name: str) -> list[list[dict]]:
     return [list(s[i].messages) for i in range(min(map(len, sets))) for s in sets]
 
 
-def _fitting(pool: list[list[dict]], model: str, max_tokens: int) -> list[list[dict]]:
-    """The prompts whose chat-templated length fits (so every server can take every prompt)."""
+def _prompt_size(model: str) -> Callable[[list[dict]], int]:
+    """A prompt's chat-templated length in --model's tokens."""
     from adaflash.models.registry import load_tokenizer, resolve_target
 
     tok = load_tokenizer(resolve_target(model))
-    size = lambda m: len(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))  # noqa: E731
+    return lambda m: len(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def _fitting(pool: list[list[dict]], size: Callable[[list[dict]], int], max_tokens: int) -> list[list[dict]]:
+    """The prompts whose chat-templated length fits (so every server can take every prompt)."""
     return [m for m in pool if size(m) <= max_tokens]
 
 
@@ -179,8 +184,10 @@ def _cmd(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompts = {ds: prompt_pool(ds) for ds in datasets}
+    size = _prompt_size(args.model)
     if args.max_prompt_tokens:
-        prompts = {ds: _fitting(pool, args.model, args.max_prompt_tokens) for ds, pool in prompts.items()}
+        prompts = {ds: _fitting(pool, size, args.max_prompt_tokens) for ds, pool in prompts.items()}
+    peaks: list[float] = []
     cells: list[dict] = []
     with ExitStack() as stack:
         log_dir = Path(args.log_dir)
@@ -196,6 +203,8 @@ def _cmd(args: argparse.Namespace) -> int:
                 urls[n] = stack.enter_context(launched_peer(n, a, args.port + len(servers) + i, parallel, ctx, log_dir,
                                                             args.threads, gguf))
         model = httpx.get(f"{urls[names[0]]}/v1/models", timeout=30).json()["data"][0]["id"]
+        if args.matmul_peak:  # with every server up and idle: the cores' peak in this run, for the compute table
+            peaks.append(matmul_peak_gflops())
         for ds in datasets:
             for c in levels:
                 n_prompts = max(args.min_prompts, args.waves * c)
@@ -208,29 +217,69 @@ def _cmd(args: argparse.Namespace) -> int:
                     return asdict(r)
 
                 results = measure_cell(names, run, args.rounds)
-                cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts, "results": results})
-                _write(out, args, servers, peers, cells)  # partial results survive an interruption
-    _write(out, args, servers, peers, cells)
+                cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts,
+                              "prompt_tokens": sum(map(size, pool)), "results": results})
+                _write(out, args, servers, peers, cells, peaks)  # partial results survive an interruption
+        if args.matmul_peak:
+            peaks.append(matmul_peak_gflops())
+    _write(out, args, servers, peers, cells, peaks)
     plot_sweep(cells, names, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     return 0 if all(r["failed"] == 0 for c in cells for r in c["results"].values()) else 1
 
 
-def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict]) -> None:
+def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict], peaks: list[float]) -> None:
     names = [n for n, _ in servers + peers]
+    compute = None
+    if peaks:
+        from adaflash.models.config import TransformerConfig
+        from adaflash.models.registry import resolve_target
+
+        compute = compute_table(cells, names, TransformerConfig.from_dir(resolve_target(args.model)), peaks)
     meta = {"command": "adaflash " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
             "servers": {n: a for n, a in servers}, "peers": {n: ["llama-server", *a] for n, a in peers},
             "max_batch": args.max_batch, "max_tokens": args.max_tokens,
-            "threads_per_server": args.threads or "torch default"}
-    out.with_suffix(".json").write_text(json.dumps({**meta, "cells": cells}, indent=2) + "\n")
+            "threads_per_server": args.threads or "torch default",
+            **({"matmul_peak_gflops": peaks} if peaks else {})}
+    out.with_suffix(".json").write_text(json.dumps({**meta, "cells": cells, **({"compute": compute[0]} if compute else {})},
+                                                   indent=2) + "\n")
     out.with_suffix(".md").write_text(
         f"# Serving sweep\n\n`{meta['command']}`\n\nMachine: {meta['machine']}. Greedy, streaming chat completions, "
         f"{args.max_tokens} max tokens, max batch {args.max_batch}; each cell runs the servers one after another on "
         f"the same prompts, {args.rounds} round(s). Ratios are against `{names[0]}`, which runs before every round "
         f"and after the last: a ratio is the median over rounds of a server's throughput over the mean of the two "
         f"baseline runs around it (with several rounds, their range in brackets); throughputs are medians over runs, "
-        f"every run in the JSON.\n\n" + markdown_table(cells, names))
+        f"every run in the JSON.\n\n" + markdown_table(cells, names) + (compute[1] if compute else ""))
+
+
+def compute_table(cells: list[dict], names: list[str], config, peaks: list[float]) -> tuple[list[dict], str]:
+    """Each server's achieved matmul GFLOP/s per cell - its output tokens alone, and with the prompts it prefilled -
+    against the fp32 matmul peak measured in the same run (the higher of the measurements before and after the
+    cells: the conservative fraction). Rows for the JSON, and the markdown section."""
+    peak = max(peaks)
+    rows, lines = [], []
+    for cell in cells:
+        for n in names:
+            r = cell["results"][n]
+            output_tokens = r["output_tokens_per_s"] * r["duration_s"]
+            if not output_tokens:
+                continue
+            g = served_gflops(config, r["output_tokens_per_s"], cell["prompt_tokens"] / output_tokens)
+            row = {"dataset": cell["dataset"], "concurrency": cell["concurrency"], "server": n, **g,
+                   "output_fraction_of_peak": g["output_gflops"] / peak,
+                   "with_prompts_fraction_of_peak": g["with_prompts_gflops"] / peak}
+            rows.append(row)
+            lines.append(f"| {row['dataset']} | {row['concurrency']} | {n} | {r['output_tokens_per_s']:.1f} | "
+                         f"{g['output_gflops']:.1f} ({100 * row['output_fraction_of_peak']:.0f}%) | "
+                         f"{g['with_prompts_gflops']:.1f} ({100 * row['with_prompts_fraction_of_peak']:.0f}%) |")
+    text = ("\n## Compute\n\nThe linears' matmul FLOPs served per second (2 per weight a token meets; attention left out): "
+            f"output tokens alone (the LM head included), and with the prompt tokens each cell prefilled, against the fp32 "
+            f"matmul peak measured in this run with the servers idle ({', '.join(f'{p:.1f}' for p in peaks)} GFLOP/s "
+            f"before / after the cells; the higher, {peak:.1f}, is the yardstick). The prompt share uses each server's "
+            "first run's token count.\n\n| dataset | concurrency | server | output tok/s | output GFLOP/s (of peak) | "
+            "with prompts GFLOP/s (of peak) |\n|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+    return rows, text
 
 
 def register_cli(subparsers) -> None:
@@ -255,5 +304,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="OMP threads per server (pin to 1 when other work shares the machine: OpenMP stalls under contention)")
     p.add_argument("--log-dir", default="runs/logs/sweep", help="server logs")
+    p.add_argument("--matmul-peak", action=argparse.BooleanOptionalAction, default=True,
+                   help="time an fp32 matmul with the servers idle, before and after the cells, and report each "
+                   "server's achieved GFLOP/s against it (--no-matmul-peak: skip)")
     p.add_argument("--out", required=True, help="path stem for .json, .md and .png")
     p.set_defaults(func=_cmd)

@@ -43,3 +43,21 @@ def test_rounds_rotate_the_order_and_each_ratio_uses_the_baseline_runs_around_it
     assert results["a"]["ratios"] == pytest.approx([1.2, 1.2, 1.2])  # its own throughput fell 108 -> 66
     assert results["a"]["ratio"] == pytest.approx(1.2) and results["a"]["output_tokens_per_s"] == 84.0
     assert results["b"]["runs_tok_s"] == [90.0, 85.0, 66.0]
+
+
+def test_the_compute_table_counts_each_cells_prompts_against_the_higher_peak():
+    from adaflash.evaluation.flops import linear_flops_per_token
+    from adaflash.evaluation.serve_sweep import compute_table
+    from tests.evaluation.test_flops import _config
+
+    cfg = _config()
+    cells = [{"dataset": "d", "concurrency": 8, "num_prompts": 4, "prompt_tokens": 400,
+              "results": {"ar": {"output_tokens_per_s": 50.0, "duration_s": 4.0},  # 200 output tokens
+                          "down": {"output_tokens_per_s": 0.0, "duration_s": 1.0}}}]  # nothing served: no row
+    rows, text = compute_table(cells, ["ar", "down"], cfg, peaks=[0.5, 1.0])
+    assert [r["server"] for r in rows] == ["ar"]
+    out = 50 * linear_flops_per_token(cfg) / 1e9
+    prompts = 100 * linear_flops_per_token(cfg, with_head=False) / 1e9  # 2 prompt tokens per output token
+    assert rows[0]["output_gflops"] == pytest.approx(out) and rows[0]["output_fraction_of_peak"] == pytest.approx(out)
+    assert rows[0]["with_prompts_fraction_of_peak"] == pytest.approx(out + prompts)
+    assert "| d | 8 | ar | 50.0 |" in text
