@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from adaflash.cli_args import add_model_args, add_policy_state_arg, add_prompt_lookup_arg, prompt_lookup_of, set_threads
+from adaflash.cli_args import (add_model_args, add_policy_state_arg, add_prompt_lookup_arg, configure_process,
+                                prompt_lookup_of)
 from adaflash.evaluation.context_length import register_cli as register_context_length_cli
 from adaflash.evaluation.drafter_eval import register_cli as register_drafter_eval_cli
 from adaflash.evaluation.load_test import register_cli as register_load_cli
@@ -203,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        set_threads(args.threads)
+        configure_process(args.threads)
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -58,11 +58,16 @@ def command_group(subparsers, name: str, help: str):
     return parser._adaflash_subcommands
 
 
-def set_threads(threads: int | None) -> int:
-    """--threads, else $ADAFLASH_THREADS, else torch's default (one per core); returns the number in force."""
+def configure_process(threads: int | None) -> int:
+    """The compute set-up every command runs with: threads (--threads, else $ADAFLASH_THREADS, else torch's default,
+    one per core) and the allocator (large freed buffers kept, models/allocator.py). Returns the threads in force."""
     import os
 
     import torch
+
+    from adaflash.models.allocator import keep_freed_buffers
+
+    keep_freed_buffers()
 
     if threads is None and os.environ.get("ADAFLASH_THREADS"):
         try:

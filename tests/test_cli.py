@@ -77,13 +77,13 @@ def test_multilingual_domain_label_is_reported(tiny_chat_checkpoint, tmp_path, c
 
 
 def test_threads_flag_and_environment(monkeypatch, capsys):
-    from adaflash.cli_args import set_threads
+    from adaflash.cli_args import configure_process
 
     before = torch.get_num_threads()
     try:
-        assert set_threads(1) == 1
+        assert configure_process(1) == 1
         monkeypatch.setenv("ADAFLASH_THREADS", "2")
-        assert set_threads(None) == 2
+        assert configure_process(None) == 2
         monkeypatch.setenv("ADAFLASH_THREADS", "many")
         assert main(["data", "list"]) == 2
         assert "ADAFLASH_THREADS" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash.cli_args import set_threads
+from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
 from adaflash.evaluation.offline import command_line, cpu_label, provenance, write_json
 
@@ -106,7 +106,7 @@ def main() -> None:
     p.add_argument("--lengths", default="2,4,7", help="fixed draft lengths to compare at")
     p.add_argument("--json", default="docs/results/draft_width.json")
     args = p.parse_args()
-    set_threads(None)
+    configure_process(None)
     report = run(args)
     cmd = command_line(["python", "-m", "adaflash.evaluation.draft_width"],
                        [("--drafter", args.drafter), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),

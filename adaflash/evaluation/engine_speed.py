@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
 from adaflash.evaluation.flops import linear_flops_per_token, matmul_peak_flops
 from adaflash.models.dtype import resolve_dtype
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", default="docs/results/engine_speed.json")
     args = parser.parse_args()
+    configure_process(None)  # as every adaflash command runs (threads, allocator)
     dtype = resolve_dtype(args.dtype)
     checkpoint = resolve_target(args.model)
     tokenizer = load_tokenizer(checkpoint)

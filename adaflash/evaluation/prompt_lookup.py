@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash.cli_args import set_threads
+from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
 from adaflash.evaluation.offline import command_line, cpu_label, provenance, write_json
 from adaflash.speculative.prompt_lookup import PromptLookup
@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=0, help="start each domain's prompts at this index")
     p.add_argument("--json", default="docs/results/prompt_lookup.json")
     args = p.parse_args()
-    set_threads(None)
+    configure_process(None)
     report = run(args)
     cmd = command_line(["python", "-m", "adaflash.evaluation.prompt_lookup"],
                        [("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),

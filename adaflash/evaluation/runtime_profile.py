@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from adaflash.cli_args import set_threads
+from adaflash.cli_args import configure_process
 from adaflash.evaluation.offline import cpu_label, environment, machine_info, write_json
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.registry import resolve_target
@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="docs/results/runtime_profile.json")
     args = p.parse_args()
-    set_threads(None)
+    configure_process(None)
     target = load_target_as(resolve_target(args.model), args.dtype)
     steps = {name: profile_step(target, b, q, args.context, args.repeats) for name, (b, q) in SHAPES.items()}
     report = {"command": f"python -m adaflash.evaluation.runtime_profile --model {args.model} --dtype {args.dtype} "

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from adaflash.cli_args import configure_process
 from adaflash.evaluation.demo import DEMO_PROMPTS
 from adaflash.evaluation.offline import cpu_label, environment
 from adaflash.models.dtype import DTYPES, cpu_has_native_bf16
@@ -311,6 +312,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", default="docs/results/runtime_speed.json")
     args = parser.parse_args()
+    configure_process(None)  # as every adaflash command runs (threads, allocator)
     results = run(args.model, args.dtypes.split(","), args.max_new_tokens, args.repeats)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

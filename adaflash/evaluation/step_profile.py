@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash.cli_args import set_threads
+from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
 from adaflash.evaluation.offline import command_line, cpu_label, machine_info, provenance, write_json
 from adaflash.serving.cost_model import CalibratedCost
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    set_threads(args.threads)
+    configure_process(args.threads)
     report = run(args)
     report.update(provenance(command_line(
         ["python", "-m", "adaflash.evaluation.step_profile"],
