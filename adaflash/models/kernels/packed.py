@@ -36,7 +36,7 @@ SOURCES = (SOURCE, *(Path(__file__).with_name(f)  # one library
                      for f in ("packed_linear_avx512.cpp", "attention.cpp", "fused.cpp", "layer_step.cpp",
                                "int8_linear.cpp", "int8_amx.cpp")))
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_linear.h", "packed_linear.h"))
-# -ffp-contract=off: the quantized kernels' dequantisation must round like gguf's (a product, then a sum).
+# -ffp-contract=off: the fused kernels round like torch's ops (a product, then a sum), never contracted behind our back.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
 BLOCK = 32  # k per GGUF quantization block

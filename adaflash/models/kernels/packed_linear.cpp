@@ -12,8 +12,9 @@
 //
 // Quantized weights (a GGUF's own Q4_1 / Q8_0 blocks, for targets that ship as GGUF): 4-8x fewer bytes to stream at
 // a decode step. A panel's k-chunk is dequantized into an L1 scratch with exactly gguf's arithmetic (d * q rounded,
-// then + m rounded; never fused: built with -ffp-contract=off) and run through the same micro-kernel, so the output
-// is bitwise the fp32 kernel's on the dequantized weights - the same target, fewer bytes.
+// then + m rounded: one FMA, as d * q - 11 and 4 significant bits - is exact in fp32; Q8_0's d * q alone) and run
+// through the same micro-kernel, so the output is bitwise the fp32 kernel's on the dequantized weights - the same
+// target, fewer bytes.
 //
 // BF16 weights (a drafter checkpoint saved in bf16, run in fp32): each weight widens exactly to fp32 (a 16-bit shift),
 // so the output is bitwise the fp32 kernel's on the same values, streaming half its bytes.
@@ -114,8 +115,8 @@ void dequant(int format, const uint8_t* panel, int64_t b0, int64_t b1, float* ou
         const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + kk * 8)));
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, low4));
         const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
-        _mm256_storeu_ps(dst + kk * kPanel, _mm256_add_ps(_mm256_mul_ps(d0, lo), m0));
-        _mm256_storeu_ps(dst + kk * kPanel + 8, _mm256_add_ps(_mm256_mul_ps(d1, hi), m1));
+        _mm256_storeu_ps(dst + kk * kPanel, _mm256_fmadd_ps(d0, lo, m0));
+        _mm256_storeu_ps(dst + kk * kPanel + 8, _mm256_fmadd_ps(d1, hi, m1));
       }
     } else {
       for (int kk = 0; kk < kBlock; ++kk) {
@@ -187,7 +188,7 @@ struct Fp32Source {
 };
 
 // One GGUF block of NP panels: the scales converted once, the quants dequantized in registers with dequant()'s
-// arithmetic (a rounded product, then a rounded sum).
+// arithmetic (d * q + m in one FMA: the product is exact, so this is gguf's rounded product, then rounded sum).
 template <int Format, int NP>
 struct QuantBlock {
   const uint8_t* blk[NP];
@@ -198,8 +199,8 @@ struct QuantBlock {
       w1 = bf16x8(blk[p] + j * 32 + 16);
     } else if (Format == kQ4_1) {
       const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk[p] + 64 + j * 8)));
-      w0 = _mm256_add_ps(_mm256_mul_ps(d[p][0], _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)))), m[p][0]);
-      w1 = _mm256_add_ps(_mm256_mul_ps(d[p][1], _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4))), m[p][1]);
+      w0 = _mm256_fmadd_ps(d[p][0], _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F))), m[p][0]);
+      w1 = _mm256_fmadd_ps(d[p][1], _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), m[p][1]);
     } else {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[p] + 32 + j * 16));
       w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d[p][0]);
