@@ -19,7 +19,7 @@ import torch
 
 from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
-from adaflash.evaluation.flops import linear_flops_per_token, matmul_peak_flops
+from adaflash.evaluation.flops import linear_flops_per_token, matmul_peak_flops, served_gflops
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.registry import load_tokenizer, resolve_target
 from adaflash.models.target import load_target_as
@@ -85,8 +85,10 @@ def main() -> None:
         "engine_tokens_per_s": engine_med, "transformers_tokens_per_s": hf_med, "speedup": engine_med / hf_med,
         "engine_runs": engine_runs, "transformers_runs": hf_runs,
         "matmul_peak_GFLOPs": peak / 1e9,
-        # The linears' FLOPs of the output tokens (the prompts' prefill, inside the wall time, is not counted).
+        # The linears' FLOPs of the output tokens; and with the prompts' prefill, which the wall time includes.
         "engine_fraction_of_compute_peak": linear_flops_per_token(ours.config) * engine_med / peak,
+        "engine_fraction_with_prompts": served_gflops(ours.config, engine_med, sum(map(len, prompts)) / (
+            len(prompts) * args.max_new_tokens))["with_prompts_gflops"] * 1e9 / peak,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
