@@ -1,8 +1,8 @@
 """What a benchmark's tokens cost in matmul FLOPs, and this machine's matmul peak to compare them with.
 
-The issue's yardstick for batched serving is "achieved FLOP/s as a fraction of the measured matmul peak": the
-linears' FLOPs of the tokens served (2 per weight a token meets), over the wall time, against a large fp32 GEMM
-timed on the same cores in the same run. Attention's FLOPs are left out (a few percent at these contexts).
+Batched serving is judged by its achieved FLOP/s as a fraction of the measured matmul peak: the linears' FLOPs of
+the tokens served (2 per weight a token meets), over the wall time, against a large fp32 GEMM timed on the same cores
+in the same run. Attention's FLOPs are left out (a few percent at these contexts).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def linear_flops_per_token(config: TransformerConfig, with_head: bool = True) ->
 
 def served_gflops(config: TransformerConfig, output_tokens_per_s: float, prompt_tokens_per_output_token: float) -> dict:
     """GFLOP/s of a served load: its output tokens alone (each a full forward with the head), and with the prompt
-    tokens it prefilled (without the head) - the issue counts the first; the second is the work the server did."""
+    tokens it prefilled (without the head): the first is the usual yardstick, the second the work the server did."""
     out = output_tokens_per_s * linear_flops_per_token(config) / 1e9
     prompts = output_tokens_per_s * prompt_tokens_per_output_token * linear_flops_per_token(config, with_head=False) / 1e9
     return {"output_gflops": out, "with_prompts_gflops": out + prompts}

@@ -7,7 +7,8 @@
 Starts one real server per configuration (each on its own port, same --max-batch), then for every dataset
 and concurrency level runs the `bench serve` client against each server in turn, so the methods of one
 cell are measured minutes apart, not an hour apart (these machines drift). Writes OUT.json, OUT.md (table
-with each method's throughput as a ratio of the first server's) and OUT.png (throughput vs concurrency).
+with each method's throughput as a ratio of the first server's, and each server's achieved GFLOP/s against an fp32
+matmul peak timed in the same run) and OUT.png (throughput vs concurrency).
 
 `--peer NAME="llama-server args"` puts llama.cpp beside them (built by `make peer`; the same target GGUF unless
 the args give -m; one parallel slot per client at the highest concurrency), e.g.
@@ -35,6 +36,7 @@ from adaflash.evaluation.flops import matmul_peak_gflops, served_gflops
 from adaflash.evaluation.peer import (LLAMA_SERVER, launched_process, llama_server_command, peer_bin_dir, peer_env,
                                       require_binary)
 from adaflash.evaluation.serve_bench import run_level
+from adaflash.models.config import TransformerConfig
 from adaflash.models.kernels.selection import cpu_model
 
 
@@ -232,7 +234,6 @@ def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict
     names = [n for n, _ in servers + peers]
     compute = None
     if peaks:
-        from adaflash.models.config import TransformerConfig
         from adaflash.models.registry import resolve_target
 
         compute = compute_table(cells, names, TransformerConfig.from_dir(resolve_target(args.model)), peaks)
@@ -253,7 +254,8 @@ def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict
         f"every run in the JSON.\n\n" + markdown_table(cells, names) + (compute[1] if compute else ""))
 
 
-def compute_table(cells: list[dict], names: list[str], config, peaks: list[float]) -> tuple[list[dict], str]:
+def compute_table(cells: list[dict], names: list[str], config: TransformerConfig,
+                  peaks: list[float]) -> tuple[list[dict], str]:
     """Each server's achieved matmul GFLOP/s per cell - its output tokens alone, and with the prompts it prefilled -
     against the fp32 matmul peak measured in the same run (the higher of the measurements before and after the
     cells: the conservative fraction). Rows for the JSON, and the markdown section."""

@@ -12,8 +12,8 @@
 //
 // Quantized weights (a GGUF's own Q4_1 / Q8_0 blocks, for targets that ship as GGUF): 4-8x fewer bytes to stream at
 // a decode step. A panel's k-chunk is dequantized into an L1 scratch with exactly gguf's arithmetic (d * q rounded,
-// then + m rounded: one FMA, as d * q - 11 and 4 significant bits - is exact in fp32; Q8_0's d * q alone) and run
-// through the same micro-kernel, so the output is bitwise the fp32 kernel's on the dequantized weights - the same
+// then + m rounded: one FMA, since d * q has at most 11 + 4 significant bits and is exact in fp32; Q8_0's d * q
+// alone) and run through the same micro-kernel, so the output is bitwise the fp32 kernel's on the dequantized weights - the same
 // target, fewer bytes.
 //
 // BF16 weights (a drafter checkpoint saved in bf16, run in fp32): each weight widens exactly to fp32 (a 16-bit shift),
