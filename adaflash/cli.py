@@ -69,7 +69,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from adaflash.evaluation.demo import run_demo
 
     return run_demo(model=args.model, drafter=args.drafter, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                    draft_vocab=args.draft_vocab)
+                    draft_vocab=args.draft_vocab, rounds=args.rounds)
 
 
 def _cmd_data_list(args: argparse.Namespace) -> int:
@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="AR vs speculative decoding on a few chat, code and math prompts")
     add_model_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--rounds", type=int, default=3, help="runs of every prompt and method; medians are reported")
     demo.set_defaults(func=_cmd_demo)
 
     data = sub.add_parser("data", help="prompt sets")

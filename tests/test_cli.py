@@ -113,11 +113,14 @@ def test_generate_with_engine_length_policies_equals_ar(tiny_chat_checkpoint, ra
 
 def test_demo_runs_all_variants_losslessly(tiny_chat_checkpoint, random_drafter, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
-    assert main(["demo", "--model", tiny_chat_checkpoint, "--drafter", random_drafter, "--max-new-tokens", "6"]) == 0
+    demo = ["demo", "--model", tiny_chat_checkpoint, "--drafter", random_drafter, "--max-new-tokens", "6"]
+    assert main([*demo, "--rounds", "2"]) == 0
     out = capsys.readouterr().out
-    assert "outputs identical to AR: yes" in out
+    assert "outputs identical to AR: yes" in out and "(medians of 2 round(s))" in out
     assert all(f"{v}: median speedup" in out for v in ("dflash-full", "dflash-2", "dflash-adaptive"))
     assert all(domain in out for domain in ("chat", "code", "math"))
+    assert main([*demo, "--rounds", "0"]) == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err
 
 def test_counts_and_ranges():
     assert _parse_mix("gsm-symbolic:300,sharegpt-chat:2000-3500") == [("gsm-symbolic", 0, 300),

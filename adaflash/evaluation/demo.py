@@ -1,6 +1,7 @@
 """`adaflash demo`: AR vs DFlash speculative decoding on a few chat, code and math prompts.
 
-Checks that every method produces the same tokens (greedy) and prints tokens/s, accept length and speedup.
+Checks that every method produces the same tokens (greedy) and prints tokens/s, accept length and speedup: medians
+over rounds in which the methods alternate prompt by prompt (this CPU's speed drifts by tens of percent a minute).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ DEMO_PROMPTS = [
 DEMO_LOOKUP_TOKENS = 3
 
 
-def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, draft_vocab: str | None = None) -> int:
+def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, draft_vocab: str | None = None,
+             rounds: int = 3) -> int:
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
     shipped = shipped_drafter(model)
     if drafter is None and shipped is not None:
         drafter = str(shipped)
@@ -55,33 +59,43 @@ def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, d
         "dflash-adaptive": (with_policy("throughput"), "dflash"),
         "dflash-adaptive-lookup": (with_policy("throughput", PromptLookup(DEMO_LOOKUP_TOKENS)), "dflash"),
     }
-    rows, all_identical = [], True
-    with tqdm(total=len(variants) * len(DEMO_PROMPTS), desc="demo", unit="run", file=sys.stderr) as bar:
-        for domain, text in DEMO_PROMPTS:
-            ids = pipeline.encode(messages=[{"role": "user", "content": text}])
-            results = {}
-            for name, (runner, method) in variants.items():
-                bar.set_postfix_str(f"{domain}/{name}")
-                results[name] = runner.complete(ids, method=method, max_new_tokens=max_new_tokens)
-                bar.update(1)
-            identical = all(r.token_ids == results["ar"].token_ids for r in results.values())
-            all_identical &= identical
-            rows.append((domain, {name: r.stats for name, r in results.items()}, identical))
+    # Every round runs each prompt under every variant back to back, the variants' order rotated round by round, so
+    # a drift of the machine's speed falls on all of them; a speedup is the median over rounds of a run's tok/s over
+    # the same round's AR run.
+    runs: dict[str, dict[str, list[dict]]] = {domain: {name: [] for name in variants} for domain, _ in DEMO_PROMPTS}
+    all_identical = True
+    names = list(variants)
+    with tqdm(total=rounds * len(variants) * len(DEMO_PROMPTS), desc="demo", unit="run", file=sys.stderr) as bar:
+        for r in range(rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for domain, text in DEMO_PROMPTS:
+                ids = pipeline.encode(messages=[{"role": "user", "content": text}])
+                results = {}
+                for name in order:
+                    runner, method = variants[name]
+                    bar.set_postfix_str(f"{domain}/{name}")
+                    results[name] = runner.complete(ids, method=method, max_new_tokens=max_new_tokens)
+                    bar.update(1)
+                all_identical &= all(res.token_ids == results["ar"].token_ids for res in results.values())
+                for name, res in results.items():
+                    runs[domain][name].append(res.stats)
 
     speculative = {"dflash-full": "full-block", "dflash-2": "2 drafts", "dflash-adaptive": "adaptive",
                    "dflash-adaptive-lookup": "adaptive+lookup"}
     header = "".join(f"{label + ' tok/s':>{len(label) + 8}}{'accept':>8}{'speedup':>9}"
                      for label in speculative.values())
-    print(f"\n{'domain':<13}{'AR tok/s':>10}{header}  identical")
-    for domain, stats, identical in rows:
-        ar = stats["ar"]["tokens_per_s"]
-        cells = "".join(
-            f"{stats[v]['tokens_per_s']:>{len(label) + 8}.1f}{stats[v]['accept_len_mean']:>8.2f}"
-            f"{stats[v]['tokens_per_s'] / ar:>8.2f}x" for v, label in speculative.items()
-        )
-        print(f"{domain:<13}{ar:>10.1f}{cells}  {'yes' if identical else 'NO'}")
+    print(f"\n{'domain':<13}{'AR tok/s':>10}{header}   (medians of {rounds} round(s))")
+    speedups: dict[str, list[float]] = {v: [] for v in speculative}
+    for domain, by_name in runs.items():
+        ar_runs = [x["tokens_per_s"] for x in by_name["ar"]]
+        cells = ""
+        for v, label in speculative.items():
+            ratio = statistics.median(x["tokens_per_s"] / a for x, a in zip(by_name[v], ar_runs))
+            speedups[v].append(ratio)
+            cells += (f"{statistics.median(x['tokens_per_s'] for x in by_name[v]):>{len(label) + 8}.1f}"
+                      f"{statistics.median(x['accept_len_mean'] for x in by_name[v]):>8.2f}{ratio:>8.2f}x")
+        print(f"{domain:<13}{statistics.median(ar_runs):>10.1f}{cells}")
     for v in speculative:
-        speedups = [stats[v]["tokens_per_s"] / stats["ar"]["tokens_per_s"] for _, stats, _ in rows]
-        print(f"{v}: median speedup {statistics.median(speedups):.2f}x")
+        print(f"{v}: median speedup {statistics.median(speedups[v]):.2f}x")
     print(f"outputs identical to AR: {'yes' if all_identical else 'NO'}")
     return 0 if all_identical else 1

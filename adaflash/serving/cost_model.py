@@ -9,12 +9,17 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+# The profiling method's version, part of a cached profile's file name: a profile taken by an older method is not read.
+# 2: round-robin over the points after a warm-up round (session 20), where 1 timed them one after another.
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -125,23 +130,25 @@ def _interpolate(xs: tuple, ys: tuple, x: float, through_zero: bool = True) -> f
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 3) -> CostModel:
-    """Measure verify time at a few total-token counts and one drafter pass, on this machine."""
+def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 7) -> CostModel:
+    """Measure verify time at a few total-token counts and the drafter's step at a few widths, on this machine.
+
+    Round-robin, after one warm-up round: each repeat times every point once, so a slow stretch of the machine (these
+    VMs drift by tens of percent within a minute) falls on all points alike instead of bending the curve; medians.
+    Timed one point after another, a profile had a 2-token verify cheaper than a 1-token one (4.75 vs 4.78 ms, session
+    20's Xeon), and the throughput policy, reading the extra tokens as free, drafted where drafting lost."""
     from adaflash.models.kv_cache import RaggedBatch
     from adaflash.speculative.sampling import SamplingParams
 
     points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
     cache = target.new_cache(1, context + max_tokens)
     target(torch.arange(context) + 100, RaggedBatch.build([0], [0], [context]), cache)
-    times = []
-    for n in points:
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            target(torch.arange(n) + 100, RaggedBatch.build([0], [context], [n]), cache)
-            samples.append(time.perf_counter() - start)
-            cache.rollback(0, context)
-        times.append(sorted(samples)[len(samples) // 2])
+
+    def verify(n: int) -> None:
+        target(torch.arange(n) + 100, RaggedBatch.build([0], [context], [n]), cache)
+        cache.rollback(0, context)
+
+    times = _round_robin(verify, points, repeats)
     widths, width_s = [], []
     if proposer is not None:
         dcache = proposer.new_cache(1, context + proposer.block_size)
@@ -158,13 +165,21 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
             proposer.propose(dcache, [0], [100], [w - 1], [SamplingParams()], [None])
             dcache.rollback(0, context)
 
-        for w in widths:
-            draft_step(w)
-            start = time.perf_counter()
-            for _ in range(repeats):
-                draft_step(w)
-            width_s.append((time.perf_counter() - start) / repeats)
+        width_s = _round_robin(draft_step, widths, repeats)
     return CostModel(tuple(points), tuple(times), width_s[-1] if width_s else 0.0, tuple(widths), tuple(width_s))
+
+
+def _round_robin(run, points: Sequence[int], repeats: int) -> list[float]:
+    """The median seconds of run(point) per point: one untimed round, then `repeats` rounds over every point."""
+    for point in points:
+        run(point)
+    samples: list[list[float]] = [[] for _ in points]
+    for _ in range(repeats):
+        for i, point in enumerate(points):
+            start = time.perf_counter()
+            run(point)
+            samples[i].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
 
 
 @functools.lru_cache(maxsize=16)
@@ -199,7 +214,7 @@ def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
         d = proposer.drafter.config
         drafter = f"-L{d.num_layers}-B{d.block_size}-V{d.draft_vocab_size or 'full'}"
     name = (f"{Path(str(model_name)).name}-{target.numerics}{drafter}"
-            f"-T{max_tokens}-th{torch.get_num_threads()}-k{kernel_fingerprint()}.json")
+            f"-T{max_tokens}-th{torch.get_num_threads()}-k{kernel_fingerprint()}-p{PROFILE_VERSION}.json")
     return cache_root() / "cost_models" / name
 
 

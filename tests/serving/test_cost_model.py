@@ -11,7 +11,8 @@ import torch
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
-from adaflash.serving.cost_model import CalibratedCost, CostModel, cost_model_file, cost_model_for, load_or_profile_cost_model
+from adaflash.serving.cost_model import (PROFILE_VERSION, CalibratedCost, CostModel, cost_model_file, cost_model_for,
+                                        load_or_profile_cost_model)
 from adaflash.speculative.proposer import DFlashProposer
 
 COST = CostModel(total_tokens=(4, 8, 16), verify_s=(0.02, 0.03, 0.07), draft_s=0.005)
@@ -86,6 +87,7 @@ def test_profile_once_then_cached(tiny_chat_checkpoint, tmp_path, monkeypatch):
     proposer = DFlashProposer(init_drafter(cfg, seed=2), target)
     path = cost_model_file(target, proposer, "tiny/qwen2", max_tokens=8)
     assert path.parent == tmp_path / "cost_models" and path.name.startswith("qwen2-float32-L1-B4-Vfull-T8-th")
+    assert path.name.endswith(f"-p{PROFILE_VERSION}.json")  # a profile of an older method is not read
     model = cost_model_for(target, proposer, "tiny/qwen2", max_tokens=8)
     assert model.total_tokens == (1, 2, 4, 8) and all(t > 0 for t in model.verify_s) and model.draft_s > 0
     assert model.draft_widths == (2, 4) and model.draft_width_s[-1] == model.draft_s  # block 4: widths 2 and 4
@@ -93,3 +95,14 @@ def test_profile_once_then_cached(tiny_chat_checkpoint, tmp_path, monkeypatch):
     assert cost_model_for(target, proposer, "tiny/qwen2", max_tokens=8) == model  # the second call reads the file
     monkeypatch.setenv("ADAFLASH_KERNELS", "stock")  # other kernels, other costs: another file
     assert cost_model_file(target, proposer, "tiny/qwen2", max_tokens=8) != path
+
+
+def test_profile_points_are_timed_round_robin_after_a_warm_up_round(monkeypatch):
+    """A slow stretch of the machine must fall on every point alike: each round times every point once."""
+    from adaflash.serving import cost_model
+
+    calls, clock = [], iter(range(1000))
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: float(next(clock)))
+    medians = cost_model._round_robin(calls.append, [1, 2, 4], repeats=3)
+    assert calls == [1, 2, 4] * 4  # the untimed round, then three timed ones
+    assert medians == [1.0, 1.0, 1.0]  # each sample spans one tick of the fake clock
