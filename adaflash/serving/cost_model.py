@@ -65,13 +65,17 @@ class CalibratedCost:
     The profile times the target's forward and the drafter's block alone. A real speculative step also pays the
     engine's own work per drafting request - feeding it the kept features, verifying, rolling caches back, host
     lists - which the profile never sees (2-4 ms a step on a Zen 1 EPYC in fp32, docs/results/throughput_policy_ab.md),
-    and the machine's speed drifts after the profile. Two running estimates fix both:
-    `scale`, measured / predicted over steps where nobody drafted (the drift), and `per_draft_s`, the seconds each
-    drafting request adds beyond the scaled prediction. Both are exponentially weighted means that forget by
-    `forget` per observed step, starting from the profile (scale 1, 0 s) worth `prior_steps` steps; a step far off
-    the prediction (a garbage collection, a first-shape warm-up) counts as at most 4x or 1/4 of it. While no plain
-    step is seen the scale stays at its prior and the correction absorbs any drift; the plain steps that follow
-    restore the split. The engine reports only steps whose drafter work is what their lengths say (`Engine._speculate`).
+    and the machine's speed drifts after the profile. In place, each verified draft token may also cost more than
+    the standalone profile says (session 20's Xeon: a 3-token verify 1.5x a decode step inside the engine, 1.1x alone).
+    Three running estimates fix these: `scale`, measured / predicted over steps where nobody drafted (the drift);
+    `per_draft_s`, the seconds a drafting request adds beyond the scaled prediction; and `per_extra_draft_s`, what each
+    of its drafts after the first adds. The last two are a least-squares fit of the drafting steps' excess over their
+    drafting requests and extra drafts (a step whose drafts are all single fits the first alone). All are exponentially
+    weighted, forgetting by `forget` per observed step, starting from the profile (scale 1, 0 s) worth `prior_steps`
+    steps; a step far off the prediction (a garbage collection, a first-shape warm-up) counts as at most 4x or 1/4 of
+    it. While no plain step is seen the scale stays at its prior and the fit absorbs any drift; the plain steps that
+    follow restore the split (`DraftingCheck`'s plain stretches make sure some come). The engine reports only steps
+    whose drafter work is what their lengths say (`Engine._speculate`).
     """
 
     def __init__(self, profile: CostModel, forget: float = 0.98, prior_steps: float = 4.0) -> None:
@@ -79,7 +83,9 @@ class CalibratedCost:
             raise ValueError(f"forget must be in (0, 1] and prior_steps > 0, got {forget} and {prior_steps}")
         self.profile, self.forget = profile, forget
         self._scale_sum, self._scale_weight = prior_steps, prior_steps  # sum of measured/predicted, of weights
-        self._extra_sum, self._extra_weight = 0.0, prior_steps  # sum of extra seconds per drafting request, weights
+        # The excess fit's normal equations over (drafting requests, extra drafts); the prior: (0 s, 0 s), a ridge.
+        self._dd, self._de, self._ee = prior_steps, 0.0, prior_steps
+        self._d_excess, self._e_excess = 0.0, 0.0
 
     @property
     def scale(self) -> float:
@@ -87,7 +93,11 @@ class CalibratedCost:
 
     @property
     def per_draft_s(self) -> float:
-        return self._extra_sum / self._extra_weight
+        return (self._d_excess * self._ee - self._e_excess * self._de) / (self._dd * self._ee - self._de ** 2)
+
+    @property
+    def per_extra_draft_s(self) -> float:
+        return (self._e_excess * self._dd - self._d_excess * self._de) / (self._dd * self._ee - self._de ** 2)
 
     def predicted(self, lengths: Sequence[int]) -> float:
         """The profile's seconds for a step that verifies these draft lengths (one per request, 0: plain)."""
@@ -101,12 +111,15 @@ class CalibratedCost:
         if predicted <= 0:
             return
         seconds = min(max(seconds, predicted * self.scale / 4), predicted * self.scale * 4)
+        f = self.forget
         if drafting == 0:
-            self._scale_sum = self.forget * self._scale_sum + seconds / predicted
-            self._scale_weight = self.forget * self._scale_weight + 1.0
+            self._scale_sum = f * self._scale_sum + seconds / predicted
+            self._scale_weight = f * self._scale_weight + 1.0
         else:
-            self._extra_sum = self.forget * self._extra_sum + (seconds - self.scale * predicted) / drafting
-            self._extra_weight = self.forget * self._extra_weight + 1.0
+            excess, extra = seconds - self.scale * predicted, sum(k - 1 for k in lengths if k > 0)
+            self._dd, self._de, self._ee = f * self._dd + drafting ** 2, f * self._de + drafting * extra, \
+                f * self._ee + extra ** 2
+            self._d_excess, self._e_excess = f * self._d_excess + drafting * excess, f * self._e_excess + extra * excess
 
     def verify(self, tokens: int) -> float:
         return self.scale * self.profile.verify(tokens)
@@ -115,7 +128,8 @@ class CalibratedCost:
         if num_draft <= 0:
             return 0.0
         # A correction below zero says the profile over-priced drafting; it cannot make drafting free.
-        return max(0.0, self.scale * self.profile.draft(num_draft) + self.per_draft_s)
+        return max(0.0, self.scale * self.profile.draft(num_draft) + self.per_draft_s
+                   + self.per_extra_draft_s * (num_draft - 1))
 
 
 def _interpolate(xs: tuple, ys: tuple, x: float, through_zero: bool = True) -> float:

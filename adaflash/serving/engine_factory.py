@@ -14,6 +14,7 @@ from pathlib import Path
 
 from adaflash.models.target import TargetModel
 from adaflash.serving.cost_model import CalibratedCost, CostModel, cost_model_for
+from adaflash.serving.drafting_check import DraftingCheck
 from adaflash.serving.engine import Engine
 from adaflash.serving.length_policy import (
     LENGTH_HEAD_POLICIES,
@@ -99,14 +100,16 @@ class EngineModels:
 
 @dataclass(frozen=True)
 class LengthPolicyFactory:
-    """A length policy for a drafter's head: the engine's first policy, and each hot-swapped drafter's. They share
-    one `CalibratedCost`: what the step times taught of this machine outlives a policy's acceptance estimates."""
+    """A length policy for a drafter's head: the engine's first policy, and each hot-swapped drafter's (or a
+    pipeline's, one per generation). They share one `CalibratedCost` and one `DraftingCheck`: what the step times
+    taught of this machine outlives a policy's acceptance estimates."""
 
     spec: str
     cost: CalibratedCost | CostModel | None = None
+    check: DraftingCheck | None = None
 
     def __call__(self, head=None) -> LengthPolicy:
-        return build_length_policy(self.spec, self.cost, head)
+        return build_length_policy(self.spec, self.cost, head, self.check)
 
 
 def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthPolicyFactory | None:
@@ -115,11 +118,12 @@ def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthP
     by the policies' measured step times."""
     if config.policy_spec is None or models.proposer is None:
         return None
-    cost = None
+    cost, check = None, None
     if config.needs_cost_model:
         cost = CalibratedCost(cost_model_for(models.target, models.proposer, models.model_name,
                                              max_tokens=config.max_batch * models.proposer.block_size))
-    return LengthPolicyFactory(config.policy_spec, cost)
+        check = DraftingCheck()
+    return LengthPolicyFactory(config.policy_spec, cost, check)
 
 
 def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolicy | None = None) -> Engine:

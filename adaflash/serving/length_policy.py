@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
 from adaflash.serving.cost_model import CalibratedCost, CostModel
+from adaflash.serving.drafting_check import DraftingCheck
 from adaflash.serving.request import Request
 
 if TYPE_CHECKING:  # the heads import torch.nn modules the rule-based policies never need
@@ -212,6 +213,11 @@ class ThroughputLength:
     # that was ~15% of an AR step under load (docs/results/serve_sweep).
     probe_every: int = 64
     calibrate: bool = True
+    # Whether drafting at all beats plain decoding, by the tokens each arm commits a second (`DraftingCheck`: by default
+    # the arm not chosen runs one step in eight), judged on steps of a single request. Its plain stretches are also
+    # where the calibration learns the machine's plain step (`CalibratedCost.scale`) when every other step drafts.
+    # None - and with `calibrate=False` - the costs decide alone.
+    check: DraftingCheck | None = field(default_factory=DraftingCheck)
     name: str = "throughput"
 
     def __post_init__(self) -> None:
@@ -219,6 +225,9 @@ class ThroughputLength:
         profile = self.cost.profile if shared else self.cost
         self.step_cost = (self.cost if shared else CalibratedCost(profile)) if self.calibrate else profile
         self.estimate = AcceptanceEstimate(self.prior, self.decay, self.prior_trials, self.forget)
+        if not self.calibrate:
+            self.check = None
+        self.step_tokens = 0  # committed by the step decided last (its requests' feedback)
 
     @property
     def shared_alpha(self) -> float:
@@ -229,21 +238,30 @@ class ThroughputLength:
 
     def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
         self.estimate.age(requests)
-        lengths, hopeful = allocate_with_optimism(self.estimate, requests, [max_draft] * len(requests), self.step_cost,
-                                                  self.optimism)
-        for i, r in enumerate(requests):
-            idle = r.policy_state.get("idle", 0)
-            if lengths[i] == 0 and (hopeful[i] or idle >= self.probe_every) and max_draft > 0:
-                lengths[i] = 1
-            r.policy_state["idle"] = 0 if lengths[i] else idle + 1
+        self.step_tokens = 0
+        # The check compares steps of one request only: tokens a second are comparable at a fixed batch size, and the
+        # drafter's toll on the steps around it shows where steps are small.
+        if self.check is not None and len(requests) == 1 and not self.check.next_step_drafts():
+            lengths = [0]  # the plain arm's step
+        else:
+            lengths, hopeful = allocate_with_optimism(self.estimate, requests, [max_draft] * len(requests),
+                                                      self.step_cost, self.optimism)
+            for i, r in enumerate(requests):
+                if lengths[i] == 0 and (hopeful[i] or r.policy_state.get("idle", 0) >= self.probe_every) and max_draft:
+                    lengths[i] = 1
+        for k, r in zip(lengths, requests):
+            r.policy_state["idle"] = 0 if k else r.policy_state.get("idle", 0) + 1
         return lengths
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
         self.estimate.feedback(request, drafted, accepted)
+        self.step_tokens += accepted + 1
 
     def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
         if isinstance(self.step_cost, CalibratedCost):
             self.step_cost.observe(lengths, seconds)
+        if self.check is not None and len(lengths) == 1:
+            self.check.record(self.step_tokens, seconds)
 
 
 @dataclass
@@ -292,10 +310,11 @@ class LearnedThroughputLength:
 
     cost: CostModel | CalibratedCost
     head: PositionAcceptanceHead
+    check: DraftingCheck | None = field(default_factory=DraftingCheck)  # the screen's (`ThroughputLength.check`)
     name: str = "adaflash"
 
     def __post_init__(self) -> None:
-        self.screen = ThroughputLength(self.cost, optimism=0.0)
+        self.screen = ThroughputLength(self.cost, optimism=0.0, check=self.check)
 
     @property
     def step_cost(self) -> CalibratedCost | CostModel:
@@ -357,10 +376,13 @@ def check_length_policy(spec: str) -> None:
         build_length_policy(spec)
 
 
-def build_length_policy(spec: str, cost: CostModel | CalibratedCost | None = None, head=None) -> LengthPolicy:
+def build_length_policy(spec: str, cost: CostModel | CalibratedCost | None = None, head=None,
+                        check: DraftingCheck | None = None) -> LengthPolicy:
     """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model, corrected by measured step times),
     `throughput-profiled` (the profile alone: the calibration's ablation), `adaflash` (cost model + a per-position
-    acceptance head) or `block-head` (the paper's block-level head)."""
+    acceptance head) or `block-head` (the paper's block-level head). `check`: a `DraftingCheck` shared with other
+    policies (None: a policy that checks gets its own)."""
+    checked = {} if check is None else {"check": check}
     if spec.startswith("fixed:"):
         k = int(spec.split(":", 1)[1])
         if k < 0:
@@ -371,7 +393,7 @@ def build_length_policy(spec: str, cost: CostModel | CalibratedCost | None = Non
     if needs_cost_model(spec) and cost is None:
         raise ValueError(f"the {spec} policy needs a cost model")
     if spec == "throughput":
-        return ThroughputLength(cost)
+        return ThroughputLength(cost, **checked)
     if spec == "throughput-profiled":
         return ThroughputLength(cost, calibrate=False, name=spec)
     if spec in LENGTH_HEAD_POLICIES:
@@ -381,6 +403,6 @@ def build_length_policy(spec: str, cost: CostModel | CalibratedCost | None = Non
         if not isinstance(head, want):
             raise ValueError(f"the {spec} policy needs a drafter checkpoint carrying a {want.__name__} "
                              "(train one with `adaflash train length-head`)")
-        return LearnedThroughputLength(cost, head) if spec == "adaflash" else BlockHeadLength(head)
+        return LearnedThroughputLength(cost, head, **checked) if spec == "adaflash" else BlockHeadLength(head)
     raise ValueError(f"unknown length policy {spec!r}; expected fixed:K, heuristic, throughput, "
                      "throughput-profiled, adaflash or block-head")

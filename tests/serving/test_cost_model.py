@@ -57,9 +57,31 @@ def test_calibration_learns_the_drift_and_the_engine_work_per_drafting_request()
         calibrated.observe(lengths, true * (1.0 + 0.02 * float(torch.randn(1, generator=rng))))
     assert calibrated.scale == pytest.approx(1.5, rel=0.03)
     assert calibrated.per_draft_s == pytest.approx(0.003, abs=0.0015)
-    assert calibrated.draft(2) == pytest.approx(calibrated.scale * COST.draft(2) + calibrated.per_draft_s)
+    assert calibrated.per_extra_draft_s == pytest.approx(0.0, abs=0.0005)  # nothing per extra draft here
+    assert calibrated.draft(2) == pytest.approx(calibrated.scale * COST.draft(2) + calibrated.per_draft_s
+                                                + calibrated.per_extra_draft_s)
     calibrated.observe([], 1.0)  # an empty step teaches nothing
     assert calibrated.scale == pytest.approx(1.5, rel=0.03)
+
+
+def test_calibration_learns_what_each_extra_draft_costs_in_place():
+    """In place a verified draft token can cost more than the standalone profile says: 2 ms per drafting request and
+    1 ms per draft after its first, on draft lengths that vary - the fit separates the two."""
+    calibrated, rng = CalibratedCost(COST, forget=0.98), torch.Generator().manual_seed(1)
+    for step in range(300):
+        k = 0 if step % 4 == 0 else int(torch.randint(1, 8, (1,), generator=rng))
+        true = calibrated.predicted([k]) + (0.002 + 0.001 * (k - 1) if k else 0.0)
+        calibrated.observe([k], true * (1.0 + 0.01 * float(torch.randn(1, generator=rng))))
+    assert calibrated.per_draft_s == pytest.approx(0.002, abs=0.0007)
+    assert calibrated.per_extra_draft_s == pytest.approx(0.001, abs=0.0003)
+    assert calibrated.draft(5) == pytest.approx(calibrated.scale * COST.draft(5) + 0.006, abs=0.001)
+
+
+def test_single_drafts_teach_the_per_request_cost_alone():
+    calibrated = CalibratedCost(COST)
+    for _ in range(100):
+        calibrated.observe([1], calibrated.predicted([1]) + 0.004)
+    assert calibrated.per_draft_s == pytest.approx(0.004, rel=0.03) and calibrated.per_extra_draft_s == 0.0
 
 
 def test_calibration_never_makes_drafting_free():

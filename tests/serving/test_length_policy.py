@@ -17,6 +17,7 @@ from adaflash.serving.length_policy import (
     check_length_policy,
     needs_cost_model,
 )
+from adaflash.serving.drafting_check import DraftingCheck
 from adaflash.serving.request import Request
 
 FREE_VERIFY = CostModel(total_tokens=(1, 64), verify_s=(0.01, 0.01), draft_s=0.0)  # batch-1 machine: tokens are free
@@ -229,6 +230,58 @@ def test_adaflash_stops_looking_where_its_head_keeps_declining():
             (k,) = policy.decide([r], 7, hidden_of)
             drafting[p] += k > 0
             policy.feedback(r, drafted=k, accepted=k)
-        assert drafting[p] == (300 if p == 0.9 else 0)
-    assert looks[0.9] == 300
+        # (the drafting check's plain arm takes its `explore` steps of the first period: no step times observed here)
+        assert drafting[p] == (300 - policy.screen.check.explore if p == 0.9 else 0)
+    assert looks[0.9] == drafting[0.9]
     assert 0 < looks[0.05] < looks[0.15] < 100  # it still looks now and then: the evidence fades, the request reopens
+
+
+def test_the_throughput_policy_drafts_only_in_the_drafting_checks_drafting_arm():
+    """Where the check has found plain steps commit more a second (the drafter slows the steps around it), the policy
+    drafts nothing but in the explored stretch; the tokens each step committed reach the check with its time."""
+    cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)  # drafting always pays
+    check = DraftingCheck(period=16, explore=4, settle=1, drafting_chosen=False)
+    policy, (r,) = ThroughputLength(cost, check=check), _requests(1)
+    drafted = []
+    for _ in range(16):
+        (k,) = policy.decide([r], 7)
+        drafted.append(k > 0)
+    assert drafted == [False] * 12 + [True] * 4
+    (k,) = policy.decide([r], 7)  # the next period: the check chose nothing new (no step times were observed)
+    assert k == 0
+    policy.feedback(r, drafted=0, accepted=0)
+    policy.observe_step([0], 0.01)
+    (k,) = policy.decide([r], 7)
+    policy.feedback(r, drafted=k, accepted=k)
+    policy.observe_step([k], 0.01)
+    assert check.tokens == 1 and check.seconds == pytest.approx(0.01)  # the first step after the switch settles
+    assert ThroughputLength(cost, calibrate=False).check is None  # the profile alone: no check
+
+
+def test_the_drafting_check_sits_out_steps_of_several_requests():
+    """Tokens a second are comparable only at one batch size: a batched step neither advances nor feeds the check."""
+    cost = CostModel(total_tokens=(1, 2, 16, 64), verify_s=(0.01, 0.0101, 0.0102, 0.64), draft_s=0.0)
+    check = DraftingCheck(period=16, explore=4, settle=1, drafting_chosen=False)  # plain chosen
+    policy = ThroughputLength(cost, check=check)
+    requests = _requests(2)
+    for _ in range(20):
+        lengths = policy.decide(requests, 7)
+        assert all(k > 0 for k in lengths)  # the costs decide for a batch, never the plain arm
+        for r, k in zip(requests, lengths):
+            policy.feedback(r, drafted=k, accepted=k)
+    policy.observe_step(lengths, 0.01)
+    assert check.step == -1 and check.tokens == 0
+
+
+def test_the_policies_of_one_factory_share_their_drafting_check():
+    """A pipeline builds a policy per generation and a server one per drafter: what the check measured of this machine
+    must carry over, as the calibration does."""
+    from adaflash.serving.cost_model import CalibratedCost
+    from adaflash.serving.engine_factory import LengthPolicyFactory
+
+    cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)
+    factory = LengthPolicyFactory("throughput", CalibratedCost(cost), DraftingCheck())
+    first, second = factory(), factory()
+    assert first is not second and first.check is second.check is factory.check
+    assert first.step_cost is second.step_cost
+    assert build_length_policy("throughput", cost).check is not build_length_policy("throughput", cost).check
