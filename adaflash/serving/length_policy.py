@@ -247,7 +247,8 @@ class ThroughputLength:
             lengths, hopeful = allocate_with_optimism(self.estimate, requests, [max_draft] * len(requests),
                                                       self.step_cost, self.optimism)
             for i, r in enumerate(requests):
-                if lengths[i] == 0 and (hopeful[i] or r.policy_state.get("idle", 0) >= self.probe_every) and max_draft:
+                idle = r.policy_state.get("idle", 0)
+                if lengths[i] == 0 and (hopeful[i] or idle >= self.probe_every) and max_draft > 0:
                     lengths[i] = 1
         for k, r in zip(lengths, requests):
             r.policy_state["idle"] = 0 if k else r.policy_state.get("idle", 0) + 1
