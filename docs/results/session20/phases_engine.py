@@ -5,59 +5,16 @@ alternating per prompt, twice; prints per (engine, query width) the pass's wall 
 
     python docs/results/session20/phases_engine.py
 """
-import ctypes, os, shutil, statistics, sys, tempfile, time
+import collections, ctypes, statistics, time
 from pathlib import Path
 
-cache_dir = tempfile.mkdtemp()
-os.environ["ADAFLASH_CACHE"] = cache_dir  # before adaflash reads it
-
-import torch
-
-from adaflash.models import registry
-from adaflash.models.kernels import packed
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target_as
-
-TIMED = [  # (anchor in layer_step.cpp, what to put before it)
-    ("  adaflash_rms_norm(h, t, d, layer->input_norm, s->eps, x, threads);\n", "  unsigned long long t_ = __rdtsc();\n"),
-    ("  run_linear(layer->qkv, x, t, qkv, threads);\n", "  TICK(0)\n"),
-    ("  const int64_t width = (s->heads + 2 * s->kv_heads) * s->head_dim;\n", "  TICK(1)\n"),
-    ("  adaflash_ragged_attention(q, s->heads,", "  TICK(2)\n"),
-    ("  run_linear(layer->o, ctx, t, x, threads);\n", "  TICK(3)\n"),
-    ("  add_into(h, x, t * d);\n  adaflash_rms_norm(h, t, d, layer->post_norm", "  TICK(4)\n"),
-    ("  run_linear(layer->gate_up, x, t, gate_up, threads);\n", "  TICK(0)\n"),
-    ("  adaflash_silu_mul(gate_up, t, s->intermediate, act, threads);\n", "  TICK(5)\n"),
-    ("  run_linear(layer->down, act, t, x, threads);\n", "  TICK(0)\n"),
-    ("  add_into(h, x, t * d);\n}\n", "  TICK(6)\n"),
-    ("  run_linear(*head, normed, num_rows, logits, threads);\n", "  unsigned long long t_ = __rdtsc();\n"),
-    ("  run_linear(*head, normed, num_rows, logits, threads);\n  return 0;", None),
-]
-NAMES = ["norms/silu/adds", "qkv", "rope + cache write", "attention", "o", "gate_up", "down", "lm head"]
-
-
-def instrumented_source(src: str) -> str:
-    src = src.replace("#include <cstdint>\n", "#include <cstdint>\n#include <x86intrin.h>\nstatic unsigned long long g_t[8];\n"
-                      'extern "C" unsigned long long* adaflash_phase_counters() { return g_t; }\n'
-                      "#define TICK(i) { unsigned long long n_ = __rdtsc(); g_t[i] += n_ - t_; t_ = n_; }\n", 1)
-    for anchor, before in TIMED:
-        assert anchor in src, anchor
-        if before is None:  # after the head's linear
-            src = src.replace(anchor, anchor.replace("  return 0;", "  TICK(7)\n  return 0;"), 1)
-        else:
-            src = src.replace(anchor, before + anchor, 1)
-    return src
-
-
-build = Path(tempfile.mkdtemp())
-for f in (*packed.SOURCES, *packed.HEADERS):
-    shutil.copy(f, build / f.name)
-(build / "layer_step.cpp").write_text(instrumented_source((build / "layer_step.cpp").read_text()))
-target = Path(cache_dir) / "kernels" / f"packed_linear-{packed.source_digest()}.so"
-packed.build_library(target, tuple(build / f.name for f in packed.SOURCES))
-
+# session 19's kernel_phases.py up to its measurement: a private ADAFLASH_CACHE, the rdtsc-instrumented library built
+# into it, its NAMES of the phases (run here rather than copied)
+_phases = Path(__file__).resolve().parents[1] / "session19" / "kernel_phases.py"
+_source = _phases.read_text()
+exec(compile(_source[: _source.index("ghz = float")], str(_phases), "exec"))
 
 ghz = 2.6
-import collections
 from adaflash.data import load_prompts
 from adaflash.evaluation.step_profile import profile_generation
 from adaflash.models.registry import resolve_drafter
