@@ -44,5 +44,6 @@ def served_gflops(config: TransformerConfig, output_tokens_per_s: float, prompt_
     """GFLOP/s of a served load: its output tokens alone (each a full forward with the head), and with the prompt
     tokens it prefilled (without the head): the first is the usual yardstick, the second the work the server did."""
     out = output_tokens_per_s * linear_flops_per_token(config) / 1e9
-    prompts = output_tokens_per_s * prompt_tokens_per_output_token * linear_flops_per_token(config, with_head=False) / 1e9
+    prompt_tokens_per_s = output_tokens_per_s * prompt_tokens_per_output_token
+    prompts = prompt_tokens_per_s * linear_flops_per_token(config, with_head=False) / 1e9
     return {"output_gflops": out, "with_prompts_gflops": out + prompts}

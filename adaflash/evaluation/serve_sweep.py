@@ -243,8 +243,8 @@ def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict
             "max_batch": args.max_batch, "max_tokens": args.max_tokens,
             "threads_per_server": args.threads or "torch default",
             **({"matmul_peak_gflops": peaks} if peaks else {})}
-    out.with_suffix(".json").write_text(json.dumps({**meta, "cells": cells, **({"compute": compute[0]} if compute else {})},
-                                                   indent=2) + "\n")
+    report = {**meta, "cells": cells, **({"compute": compute[0]} if compute else {})}
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(
         f"# Serving sweep\n\n`{meta['command']}`\n\nMachine: {meta['machine']}. Greedy, streaming chat completions, "
         f"{args.max_tokens} max tokens, max batch {args.max_batch}; each cell runs the servers one after another on "
@@ -275,9 +275,10 @@ def compute_table(cells: list[dict], names: list[str], config: TransformerConfig
             lines.append(f"| {row['dataset']} | {row['concurrency']} | {n} | {r['output_tokens_per_s']:.1f} | "
                          f"{g['output_gflops']:.1f} ({100 * row['output_fraction_of_peak']:.0f}%) | "
                          f"{g['with_prompts_gflops']:.1f} ({100 * row['with_prompts_fraction_of_peak']:.0f}%) |")
-    text = ("\n## Compute\n\nThe linears' matmul FLOPs served per second (2 per weight a token meets; attention left out): "
-            f"output tokens alone (the LM head included), and with the prompt tokens each cell prefilled, against the fp32 "
-            f"matmul peak measured in this run with the servers idle ({', '.join(f'{p:.1f}' for p in peaks)} GFLOP/s "
+    text = ("\n## Compute\n\nThe linears' matmul FLOPs served per second (2 per weight a token meets; attention left "
+            "out): output tokens alone (the LM head included), and with the prompt tokens each cell prefilled, against "
+            f"the fp32 matmul peak measured in this run with the servers idle "
+            f"({', '.join(f'{p:.1f}' for p in peaks)} GFLOP/s "
             f"before / after the cells; the higher, {peak:.1f}, is the yardstick). The prompt share uses each server's "
             "first run's token count.\n\n| dataset | concurrency | server | output tok/s | output GFLOP/s (of peak) | "
             "with prompts GFLOP/s (of peak) |\n|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")

@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> dict:
     for name, engine in engines.items():
         cost = getattr(engine.policy, "step_cost", None)
         if isinstance(cost, CalibratedCost):  # what the policy learned of this machine's step times
-            rows[name]["calibration"] = {"scale": round(cost.scale, 3), "per_draft_ms": round(1e3 * cost.per_draft_s, 3),
+            rows[name]["calibration"] = {"scale": round(cost.scale, 3),
+                                         "per_draft_ms": round(1e3 * cost.per_draft_s, 3),
                                          "per_extra_draft_ms": round(1e3 * cost.per_extra_draft_s, 3)}
     ar = rows["ar"]
     for name, row in rows.items():
@@ -167,8 +168,8 @@ def to_markdown(report: dict) -> str:
     calibrated = {name: r["calibration"] for name, r in rows.items() if "calibration" in r}
     if calibrated:
         lines += ["", "What the calibrated policies learned of this machine's steps (`CalibratedCost`): "
-                  + "; ".join(f"{name}: the profile x {c['scale']:.3f}, +{c['per_draft_ms']:.2f} ms per drafting request, "
-                              f"+{c.get('per_extra_draft_ms', 0.0):.2f} ms per draft after its first"
+                  + "; ".join(f"{name}: the profile x {c['scale']:.3f}, +{c['per_draft_ms']:.2f} ms per drafting "
+                              f"request, +{c.get('per_extra_draft_ms', 0.0):.2f} ms per draft after its first"
                               for name, c in calibrated.items())]
     return "\n".join(lines) + "\n"
 

@@ -11,9 +11,9 @@ from adaflash.models.target import TargetModel
 
 
 def _config(**kw) -> TransformerConfig:
-    base = dict(family="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
-                o_bias=False, qk_norm=False, max_position_embeddings=64)
+    base = dict(family="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                qkv_bias=False, o_bias=False, qk_norm=False, max_position_embeddings=64)
     return TransformerConfig(**{**base, **kw})
 
 
@@ -30,7 +30,8 @@ def test_served_gflops_adds_the_prompts_without_their_head():
     cfg = _config()
     g = served_gflops(cfg, output_tokens_per_s=100.0, prompt_tokens_per_output_token=2.0)
     assert g["output_gflops"] == pytest.approx(100 * linear_flops_per_token(cfg) / 1e9)
-    assert g["with_prompts_gflops"] - g["output_gflops"] == pytest.approx(200 * linear_flops_per_token(cfg, False) / 1e9)
+    prompts = 200 * linear_flops_per_token(cfg, with_head=False) / 1e9  # 2 prompt tokens an output token, no head
+    assert g["with_prompts_gflops"] - g["output_gflops"] == pytest.approx(prompts)
 
 
 def test_the_matmul_peak_is_a_positive_rate():
