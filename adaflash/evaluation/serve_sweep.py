@@ -190,6 +190,11 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.max_prompt_tokens:
         prompts = {ds: _fitting(pool, size, args.max_prompt_tokens) for ds, pool in prompts.items()}
     peaks: list[float] = []
+    config = None  # the model's shapes, for the compute table's FLOPs
+    if args.matmul_peak:
+        from adaflash.models.registry import resolve_target
+
+        config = TransformerConfig.from_dir(resolve_target(args.model))
     cells: list[dict] = []
     with ExitStack() as stack:
         log_dir = Path(args.log_dir)
@@ -221,22 +226,19 @@ def _cmd(args: argparse.Namespace) -> int:
                 results = measure_cell(names, run, args.rounds)
                 cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts,
                               "prompt_tokens": sum(map(size, pool)), "results": results})
-                _write(out, args, servers, peers, cells, peaks)  # partial results survive an interruption
+                _write(out, args, servers, peers, cells, peaks, config)  # partial results survive an interruption
         if args.matmul_peak:
             peaks.append(matmul_peak_gflops())
-    _write(out, args, servers, peers, cells, peaks)
+    _write(out, args, servers, peers, cells, peaks, config)
     plot_sweep(cells, names, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     return 0 if all(r["failed"] == 0 for c in cells for r in c["results"].values()) else 1
 
 
-def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict], peaks: list[float]) -> None:
+def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict], peaks: list[float],
+           config: TransformerConfig | None) -> None:
     names = [n for n, _ in servers + peers]
-    compute = None
-    if peaks:
-        from adaflash.models.registry import resolve_target
-
-        compute = compute_table(cells, names, TransformerConfig.from_dir(resolve_target(args.model)), peaks)
+    compute = compute_table(cells, names, config, peaks) if peaks and config is not None else None
     meta = {"command": "adaflash " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
             "servers": {n: a for n, a in servers}, "peers": {n: ["llama-server", *a] for n, a in peers},
