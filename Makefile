@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src
+.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src gpu-check
 
 install: $(STAMP)
 
@@ -124,6 +124,18 @@ peer: peer-src
 	cp $(addprefix $(PEER_TREE)/build/bin/,$(PEER_TARGETS)) $(PEER)/bin/
 	find $(PEER_TREE)/build/bin -maxdepth 1 -name '*.so*' -exec cp -P {} $(PEER)/bin/ \;
 	$(PEER)/bin/llama-speculative-simple --help 2>&1 | grep -q draft-dflash
+
+# The prepared GPU run (docs/gpu.md): runs as it is on a bare GPU machine (its python3 has torch, transformers,
+# safetensors, tokenizers; nothing is installed), writes at most 8 small files into GPU_OUT (the device tool's $$OUT).
+# `make gpu-check DEVICE=cpu TINY=1` is the dry run at toy shapes that `make test` holds.
+DEVICE ?= cuda
+GPU_OUT ?= $(if $(OUT),$(OUT),runs/gpu-check)
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	mkdir -p $(GPU_OUT)
+	ADAFLASH_KERNELS=stock $(GPU_PY) -m pytest -q -p no:cacheprovider -m cuda tests/test_device_path.py \
+		$(if $(filter cpu,$(DEVICE)),--collect-only,) 2>&1 | tail -40 | tee $(GPU_OUT)/pytest_cuda.txt
+	$(GPU_PY) gpu/check.py --device $(DEVICE) --out $(GPU_OUT) $(if $(TINY),--tiny,)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from adaflash.models.device import placed
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, load_drafter
 from adaflash.models.dtype import resolve_dtype
@@ -140,17 +141,19 @@ class Pipeline:
     def load(
         cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto",
         length_policy: str | None = None, draft_vocab: str | None = None, carry_policy_state: bool = False,
-        prompt_lookup: PromptLookup | None = None,
+        prompt_lookup: PromptLookup | None = None, device: str | None = None,
     ) -> "Pipeline":
+        """`device`: where the models run (default: the process's, `--device`; models/device.py)."""
         if length_policy is not None:
             check_length_policy(length_policy)  # a bad spec fails before the (slow) load, not at the first generation
         checkpoint = resolve_target(model)
-        torch_dtype = resolve_dtype(dtype)
-        target = load_target_as(checkpoint, dtype)
+        device = placed(device)
+        torch_dtype = resolve_dtype(dtype, device.type)
+        target = load_target_as(checkpoint, dtype, device)
         proposer, head = None, None
         if drafter is not None:
-            proposer = DFlashProposer(load_drafter(drafter, dtype=torch_dtype, draft_vocab=draft_vocab), target)
-            head = load_length_head(drafter)
+            proposer = DFlashProposer(load_drafter(drafter, torch_dtype, device, draft_vocab), target)
+            head = load_length_head(drafter, device)
         return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model), length_policy=length_policy,
                    length_head=head, carry_policy_state=carry_policy_state, prompt_lookup=prompt_lookup)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from adaflash.models.config import read_config_json
+from adaflash.models.device import placed
 from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
 from adaflash.models.safetensors_io import atomic_write, check_state, read_tensors, save_tensors
@@ -44,9 +45,10 @@ def load_drafter_config(path: str | Path) -> DrafterConfig:
         raise ValueError(f"{Path(path) / CONFIG_FILE} is not a usable DFlash drafter config: {exc}") from exc
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
                  draft_vocab: str | None = None) -> DFlashDrafter:
-    """`draft_vocab`: None (as saved), "full" (ignore a trimmed vocabulary) or K (keep its K most frequent ids)."""
+    """`draft_vocab`: None (as saved), "full" (ignore a trimmed vocabulary) or K (keep its K most frequent ids).
+    `device`: default the process's (models/device.py)."""
     path = Path(path)
     config = load_drafter_config(path)
     weights_file = path / WEIGHTS_FILE
@@ -62,7 +64,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
         drafter.set_draft_vocab(DraftVocab.load(path, raw["draft_vocab"], config.vocab_size))
     if draft_vocab is not None:
         drafter.set_draft_vocab(_cut_vocab(drafter.draft_vocab, draft_vocab, path))
-    return drafter.to(device).eval()
+    return drafter.to(placed(device)).eval()
 
 
 def _cut_vocab(vocab: DraftVocab | None, spec: str, path: Path) -> DraftVocab | None:

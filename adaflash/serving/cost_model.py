@@ -154,6 +154,8 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
     from adaflash.models.kv_cache import RaggedBatch
     from adaflash.speculative.sampling import SamplingParams
 
+    from adaflash.models.device import synchronize
+
     points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
     cache = target.new_cache(1, context + max_tokens)
     target(torch.arange(context) + 100, RaggedBatch.build([0], [0], [context]), cache)
@@ -161,6 +163,7 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
     def verify(n: int) -> None:
         target(torch.arange(n) + 100, RaggedBatch.build([0], [context], [n]), cache)
         cache.rollback(0, context)
+        synchronize(target.device)  # a pass is over when the device has run it
 
     times = _round_robin(verify, points, repeats)
     widths, width_s = [], []
@@ -178,6 +181,7 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
             proposer.add_context(dcache, hidden[:2], fed)
             proposer.propose(dcache, [0], [100], [w - 1], [SamplingParams()], [None])
             dcache.rollback(0, context)
+            synchronize(target.device)
 
         width_s = _round_robin(draft_step, widths, repeats)
     return CostModel(tuple(points), tuple(times), width_s[-1] if width_s else 0.0, tuple(widths), tuple(width_s))
@@ -215,9 +219,9 @@ def load_or_profile_cost_model(target, proposer, max_tokens: int, cache_file: Pa
 
 def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
     """Where this target + drafter's cost model is cached in the user cache (one file per machine setting)."""
-    from adaflash.models.registry import cache_root
-
+    from adaflash.models.device import describe
     from adaflash.models.kernels.selection import kernel_fingerprint
+    from adaflash.models.registry import cache_root
 
     # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
     # The draft vocabulary too: trimming it exists to make drafting cheaper. And the CPU + kernel build + kernel mode:
@@ -227,8 +231,12 @@ def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
     else:
         d = proposer.drafter.config
         drafter = f"-L{d.num_layers}-B{d.block_size}-V{d.draft_vocab_size or 'full'}"
-    name = (f"{Path(str(model_name)).name}-{target.numerics}{drafter}"
-            f"-T{max_tokens}-th{torch.get_num_threads()}-k{kernel_fingerprint()}-p{PROFILE_VERSION}.json")
+    if target.device.type == "cpu":
+        machine = f"th{torch.get_num_threads()}-k{kernel_fingerprint()}"
+    else:  # a GPU's pass costs depend on the GPU, not on the host's threads or our CPU kernels
+        gpu = "".join(c if c.isalnum() else "_" for c in describe(target.device))
+        machine = f"{target.device.type}-{gpu}"
+    name = f"{Path(str(model_name)).name}-{target.numerics}{drafter}-T{max_tokens}-{machine}-p{PROFILE_VERSION}.json"
     return cache_root() / "cost_models" / name
 
 

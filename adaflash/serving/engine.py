@@ -24,7 +24,7 @@ from adaflash.serving.request import Request, StepOutput
 from adaflash.serving.scheduler import Scheduler
 from adaflash.speculative.prompt_lookup import PromptLookup, point_mass
 from adaflash.speculative.proposer import DFlashProposer
-from adaflash.speculative.sampling import draw_exponentials, logits_to_probs, sample_tokens
+from adaflash.speculative.sampling import draw_exponentials, draw_uniforms, logits_to_probs, sample_tokens
 from adaflash.speculative.verify import verify_greedy, verify_sampling
 
 
@@ -164,10 +164,20 @@ class Engine:
         if policy is not None:
             self.policy = _checked(policy)
 
-    def _pick(self, request: Request, logits: torch.Tensor) -> int:
-        if request.sampling.greedy:
-            return int(argmax_rows(logits[None])[0])
-        return int(sample_tokens(logits_to_probs(logits[None], request.sampling), request.generator)[0])
+    @staticmethod
+    def _picks(requests: Sequence[Request], logits: torch.Tensor) -> list[int]:
+        """Each request's next token from its row of `logits` [len(requests), V]: the greedy rows in one argmax and one
+        host copy (on a GPU a copy per request was a round trip per token), the sampled ones from their own law."""
+        greedy = [i for i, r in enumerate(requests) if r.sampling.greedy]
+        picks = [0] * len(requests)
+        if greedy:
+            rows = logits if len(greedy) == len(requests) else logits[torch.tensor(greedy, device=logits.device)]
+            for i, token in zip(greedy, argmax_rows(rows).tolist()):
+                picks[i] = token
+        for i, r in enumerate(requests):
+            if not r.sampling.greedy:
+                picks[i] = int(sample_tokens(logits_to_probs(logits[i : i + 1], r.sampling), r.generator)[0])
+        return picks
 
     def _prefill(self, requests: Sequence[Request]) -> list[StepOutput]:
         kept = [self._reusable(r) for r in requests]
@@ -205,17 +215,17 @@ class Engine:
         if self.proposer is not None:
             for r, keep, f in zip(requests, kept, features):
                 self._pending[r.slot] = (keep, [f])
-        return [self._output(r, r.commit([self._pick(r, out.logits[i])]), out.logits[i : i + 1], features[i])
-                for i, r in enumerate(requests)]
+        picks = self._picks(requests, out.logits)
+        return [self._output(r, r.commit([picks[i]]), out.logits[i : i + 1], features[i]) for i, r in enumerate(requests)]
 
     def _decode(self, requests: Sequence[Request]) -> list[StepOutput]:
         """Plain autoregressive step for every request (no drafter)."""
         batch = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], [1] * len(requests))
         out = self.target(torch.tensor([r.output_ids[-1] for r in requests]), batch, self.target_cache, self.capture)
         outputs = []
-        for i, r in enumerate(requests):
+        for i, (r, token) in enumerate(zip(requests, self._picks(requests, out.logits))):
             features = out.hidden[i : i + 1] if self.capture else None
-            outputs.append(self._output(r, r.commit([self._pick(r, out.logits[i])]), out.logits[i : i + 1], features))
+            outputs.append(self._output(r, r.commit([token]), out.logits[i : i + 1], features))
             r.accept_lengths.append(1)
             r.draft_lengths.append(0)
         return outputs
@@ -331,7 +341,7 @@ class Engine:
         if greedy:
             res = verify_greedy(
                 torch.tensor([t for i in greedy for t in draft_tokens[i]], dtype=torch.long),
-                torch.cat([argmax_rows(rows[i]) for i in greedy]),
+                argmax_rows(torch.cat([rows[i] for i in greedy]) if len(greedy) > 1 else rows[greedy[0]]),
                 [lengths[i] for i in greedy],
             )
             for j, i in enumerate(greedy):
@@ -340,10 +350,10 @@ class Engine:
             if results[i] is not None:
                 continue
             k, p = lengths[i], logits_to_probs(rows[i], r.sampling)
-            q = draft_probs[i] if draft_probs[i] is not None else torch.zeros(0, p.shape[-1])
+            q = draft_probs[i] if draft_probs[i] is not None else p.new_zeros(0, p.shape[-1])
             res = verify_sampling(
                 torch.tensor(draft_tokens[i], dtype=torch.long), q, p, [k],
-                torch.rand(k, generator=r.generator), draw_exponentials((1, p.shape[-1]), r.generator),
+                draw_uniforms(k, r.generator, p.device), draw_exponentials((1, p.shape[-1]), r.generator, p.device),
             )
             results[i] = (int(res.num_accepted[0]), int(res.next_tokens[0]))
         return results
@@ -353,8 +363,10 @@ class Engine:
         """`logits` [>= len(new_tokens), V]: the target's rows the new tokens were chosen from (in order)."""
         top_logprobs = top_ids = None
         if request.top_logprobs > 0 and new_tokens:
-            top_logprobs, top_ids = torch.log_softmax(logits[: len(new_tokens)].float(), -1).topk(request.top_logprobs, -1)
-        returned = features if request.return_features and features is not None else None
+            top = torch.log_softmax(logits[: len(new_tokens)].float(), -1).topk(request.top_logprobs, -1)
+            top_logprobs, top_ids = top.values.cpu(), top.indices.cpu()
+        # Host copies (no-ops on a CPU): what callers keep of a step outlives the device's buffers.
+        returned = features.cpu() if request.return_features and features is not None else None
         return StepOutput(request.request_id, new_tokens, request.finish_reason, top_logprobs, top_ids, returned)
 
 

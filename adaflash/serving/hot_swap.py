@@ -60,8 +60,8 @@ class VersionWatcher:
                 f"{config.block_size}, the serving drafter layers {serving.capture_layers} with block size "
                 f"{serving.max_draft + 1} (a hot swap cannot change either)")
         try:
-            proposer = DFlashProposer(load_drafter(version, dtype=target.dtype, draft_vocab=self.draft_vocab), target)
-            policy = self.make_policy(load_length_head(version))
+            proposer = DFlashProposer(load_drafter(version, target.dtype, target.device, self.draft_vocab), target)
+            policy = self.make_policy(load_length_head(version, target.device))
         except (ValueError, FileNotFoundError, OSError, RuntimeError) as exc:  # their messages name the file
             raise VersionRefused(str(exc)) from exc
         return proposer, policy

@@ -37,6 +37,7 @@ class DFlashProposer:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, whole_block: bool = False) -> None:
         drafter.config.check_compatible(target.config)
         self.whole_block = whole_block
+        drafter = drafter.to(target.device)  # the drafter reads the target's features, embeddings and LM head
         drafter.use_fast_linears(target.int8_activations)
         self.drafter = drafter
         self.target = target

@@ -9,13 +9,14 @@ import shutil
 from pathlib import Path
 
 from adaflash.cli_args import command_group
+from adaflash.models.device import current_device
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from adaflash.training.trainer import TrainConfig, train
 
     cfg = TrainConfig.from_file(args.config, data_dir=args.data_dir, out_dir=args.out_dir, max_steps=args.max_steps,
-                                loss=args.loss)
+                                loss=args.loss, time_limit_s=args.time_limit, save_every_s=args.save_every_s)
     print(f"drafter written to {train(cfg)}")
     return 0
 
@@ -80,13 +81,14 @@ def _cmd_train_length_head(args) -> int:
         from adaflash.training.block_outcomes import score_blocks
 
         target = load_target(resolve_target(args.model), dtype=torch.float32)
-        outcomes = score_blocks(target, load_drafter(args.drafter, dtype=torch.float32),
+        outcomes = score_blocks(target, load_drafter(args.drafter, torch.float32, target.device),
                                 read_trajectories(args.trajectories), args.anchors_per_sequence, args.seed).outcomes
     cfg = LengthHeadTrainConfig(
         kind=args.kind, head_dim=args.head_dim, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
         held_out_frac=args.held_out_frac, seed=args.seed, rate=args.rate,
     )
-    head, report = train_length_head(outcomes, cfg, drafter_cfg.hidden_size, drafter_cfg.block_size)
+    head, report = train_length_head(outcomes, cfg, drafter_cfg.hidden_size, drafter_cfg.block_size,
+                                     device=current_device())
     out = Path(args.out)
     if not (out.exists() and out.resolve() == Path(args.drafter).resolve()):
         shutil.copytree(args.drafter, out, dirs_exist_ok=True)
@@ -136,6 +138,10 @@ def register_cli(subparsers) -> None:
     p.add_argument("--out-dir", default=None, help="override the config's out_dir")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--loss", default=None, choices=["ce", "ce+kl", "rkl", "fkl", "tv"], help="override the config's loss")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="end training after this long (checkpoint and exported drafter, as a finished run)")
+    p.add_argument("--save-every-s", type=float, default=None, metavar="SECONDS",
+                   help="also checkpoint whenever this long passed since the last save")
     p.set_defaults(func=_cmd_train_drafter)
 
     d = group.add_parser(
