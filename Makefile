@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src gpu-check
+.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src gpu-check gpu-stage gpu-drafter
 
 install: $(STAMP)
 
@@ -136,6 +136,18 @@ gpu-check:
 	ADAFLASH_KERNELS=stock $(GPU_PY) -m pytest -q -p no:cacheprovider -m cuda tests/test_device_path.py \
 		$(if $(filter cpu,$(DEVICE)),--collect-only,) 2>&1 | tail -40 | tee $(GPU_OUT)/pytest_cuda.txt
 	$(GPU_PY) gpu/check.py --device $(DEVICE) --out $(GPU_OUT) $(if $(TINY),--tiny,)
+
+# The GPU burst that trains the SmolLM2 drafter (gpu/README.md). Here: `make gpu-stage` writes the payload's parts into
+# .gpu-stage/ (git-ignored). There: the parts travel over back-to-back calls into STAGE, then `make gpu-drafter STAGE=..`.
+# `make gpu-stage TINY=1 && make gpu-drafter DEVICE=cpu TINY=1` is the dry run at toy scale that `make test` holds.
+STAGE ?= .gpu-stage
+BUDGET_S ?= 540
+TINY_MIX := gsm-symbolic:3,sharegpt-chat:3
+gpu-stage: install
+	$(PY) gpu/stage.py --out $(STAGE) $(if $(TINY),--mix $(TINY_MIX),)
+gpu-drafter:
+	$(GPU_PY) gpu/drafter.py --stage $(STAGE) --out $(GPU_OUT) --device $(DEVICE) --budget-s $(BUDGET_S) \
+		$(if $(TINY),--tiny --batch-size 4 --max-new-tokens 24 --work $(GPU_OUT)/work,)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -193,8 +193,10 @@ def generate_dataset(
     prompts: Sequence[Prompt],
     out_dir: str | Path,
     config: DataGenConfig,
+    stop_at: float | None = None,
 ) -> dict:
-    """Regenerate responses for `prompts` into `out_dir`, resuming from whatever it already holds."""
+    """Regenerate responses for `prompts` into `out_dir`, resuming from whatever it already holds. `stop_at` (a
+    time.monotonic() deadline): no prompt starts after it; those running finish and are kept, a rerun resumes."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(out_dir) or {"config": asdict(config), "shards": [], "skipped": []}
@@ -217,6 +219,8 @@ def generate_dataset(
 
     def jobs() -> Iterator[tuple[Prompt, list[int]]]:
         for p in todo:
+            if stop_at is not None and time.monotonic() >= stop_at:
+                return
             ids = encode(p)
             if len(ids) > config.max_prompt_tokens:
                 manifest["skipped"].append(p.id)  # too long for this run's budget; recorded, not lost

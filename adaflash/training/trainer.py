@@ -17,6 +17,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -278,12 +279,13 @@ def holdout_record(drafter: DFlashDrafter, target: TargetModel, head: DraftHead,
 
 
 def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None,
-          teachers: TeacherCache | None = None) -> Path:
+          teachers: TeacherCache | None = None, on_checkpoint: Callable[[Path], None] | None = None) -> Path:
     """Train (or resume) a drafter; returns the directory of the final bf16 DFlash checkpoint.
 
     `stop_after` ends this invocation after that step (checkpoint saved, no export), as a time box or a
     kill would; running again resumes. `teachers` shares target passes between runs on the same data
-    (a hyper-parameter sweep).
+    (a hyper-parameter sweep). `on_checkpoint(dir)` runs after every checkpoint is published (rank 0): e.g. a
+    copy that leaves the machine while the run goes on.
     """
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     device = current_device()
@@ -391,6 +393,8 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
                 window = {}
         if rank == 0 and due_save:
             _save_checkpoint(out_dir, drafter, optimizer, step, cfg)
+            if on_checkpoint is not None:
+                on_checkpoint(out_dir / "checkpoint")
             last_save = time.perf_counter()
         if distributed:
             dist.barrier()
