@@ -137,11 +137,11 @@ gpu-check:
 		$(if $(filter cpu,$(DEVICE)),--collect-only,) 2>&1 | tail -40 | tee $(GPU_OUT)/pytest_cuda.txt
 	$(GPU_PY) gpu/check.py --device $(DEVICE) --out $(GPU_OUT) $(if $(TINY),--tiny,)
 
-# The GPU burst that trains the SmolLM2 drafter (gpu/README.md). Here: `make gpu-stage` writes the payload's parts into
+# The GPU burst that trains the SmolLM2 drafter (docs/gpu.md). Here: `make gpu-stage` writes the payload's parts into
 # .gpu-stage/ (git-ignored). There: the parts travel over back-to-back calls into STAGE, then `make gpu-drafter STAGE=..`.
 # `make gpu-stage TINY=1 && make gpu-drafter DEVICE=cpu TINY=1` is the dry run at toy scale that `make test` holds.
 STAGE ?= .gpu-stage
-BUDGET_S ?= 540
+BUDGET_S ?= 480
 TINY_MIX := gsm-symbolic:3,sharegpt-chat:3
 gpu-stage: install
 	$(PY) gpu/stage.py --out $(STAGE) $(if $(TINY),--mix $(TINY_MIX),)

@@ -1,5 +1,5 @@
 """The prepared GPU burst (`make gpu-drafter`): regenerate training data with the target and train the SmolLM2
-drafter on it, inside one command's time budget, on a bare GPU machine (gpu/README.md has the whole procedure).
+drafter on it, inside one command's time budget, on a bare GPU machine (docs/gpu.md has the whole procedure).
 
 Phases, each logged to OUT/burst.json with its time and rate:
 1. unpack the staged payload (`make gpu-stage`: the target's GGUF, the prompt file, the gguf wheel; it travels in parts
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="what comes back: burst.json, metrics.jsonl, drafter/")
     p.add_argument("--work", default="/tmp/adaflash-burst", help="scratch folder (data, checkpoints, converted target)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--budget-s", type=float, default=540.0, help="wall seconds for the whole run, set-up included")
+    p.add_argument("--budget-s", type=float, default=480.0, help="wall seconds for the whole run, set-up included")
     p.add_argument("--data-share", type=float, default=0.4, help="of the budget left after set-up, the data phase's")
     p.add_argument("--config", default=str(ROOT / "configs" / "smollm2-drafter-gpu.toml"))
     p.add_argument("--batch-size", type=int, default=512, help="sequences the data engine keeps running")

@@ -1,6 +1,6 @@
 """Stage what the GPU burst needs (`make gpu-stage`): the target's GGUF, the train-split prompt file and the gguf wheel,
 as one tar in parts small enough to travel beside the working tree (the device tool carries 64 MiB a call, of which the
-tracked files take ~40). gpu/README.md says how the parts go over and `make gpu-drafter` unpacks them."""
+tracked files take ~40). docs/gpu.md says how the parts go over and `make gpu-drafter` unpacks them."""
 
 from __future__ import annotations
 

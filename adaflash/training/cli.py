@@ -16,7 +16,8 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from adaflash.training.trainer import TrainConfig, train
 
     cfg = TrainConfig.from_file(args.config, data_dir=args.data_dir, out_dir=args.out_dir, max_steps=args.max_steps,
-                                loss=args.loss, time_limit_s=args.time_limit, save_every_s=args.save_every_s)
+                                loss=args.loss, time_limit_s=args.time_limit, save_every_s=args.save_every_s,
+                                model=args.model)
     print(f"drafter written to {train(cfg)}")
     return 0
 
@@ -136,6 +137,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--data-dir", nargs="+", default=None,
                    help="override the config's data_dir (several directories train as one set)")
     p.add_argument("--out-dir", default=None, help="override the config's out_dir")
+    p.add_argument("--model", default=None, help="override the config's target (registry name, checkpoint dir or .gguf)")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--loss", default=None, choices=["ce", "ce+kl", "rkl", "fkl", "tv"], help="override the config's loss")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
