@@ -219,12 +219,16 @@ class Engine:
         return [self._output(r, r.commit([picks[i]]), out.logits[i : i + 1], features[i]) for i, r in enumerate(requests)]
 
     def _decode(self, requests: Sequence[Request]) -> list[StepOutput]:
-        """Plain autoregressive step for every request (no drafter)."""
+        """Plain autoregressive step for every request: an AR engine's step, and a speculative engine's where nothing is
+        drafted (the same pass, so a request kept from drafting costs what decoding costs; its features wait for the
+        drafter's next pass)."""
         batch = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], [1] * len(requests))
         out = self.target(torch.tensor([r.output_ids[-1] for r in requests]), batch, self.target_cache, self.capture)
         outputs = []
         for i, (r, token) in enumerate(zip(requests, self._picks(requests, out.logits))):
             features = out.hidden[i : i + 1] if self.capture else None
+            if self.proposer is not None:
+                self._pending.setdefault(r.slot, (r.position, []))[1].append(features)
             outputs.append(self._output(r, r.commit([token]), out.logits[i : i + 1], features))
             r.accept_lengths.append(1)
             r.draft_lengths.append(0)
@@ -270,6 +274,13 @@ class Engine:
             for i, k in zip(by_policy, wanted):
                 lengths[i] = max(0, min(k, self.max_draft, requests[i].remaining - 1))
         drafting = [i for i in by_policy if lengths[i] > 0]  # the drafter's
+        if not any(lengths):  # nothing to verify: a plain decode step
+            outputs = self._decode(requests)
+            for r in requests:
+                self.policy.feedback(r, 0, 0)
+            if not drafted_hidden:  # (a learned head's look ran the drafter: not a plain step's cost)
+                self.policy.observe_step(lengths, time.perf_counter() - start)
+            return outputs
         draft_probs: list[torch.Tensor | None] = [
             point_mass(draft_tokens[i], self.target.config.vocab_size) if i in looked_up and not r.sampling.greedy
             else None for i, r in enumerate(requests)]

@@ -9,12 +9,12 @@ builds its feature-capturing engine itself: `Engine(capture_layers=...)`, no dra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from adaflash.models.target import TargetModel
 from adaflash.serving.cost_model import CalibratedCost, CostModel, cost_model_for
-from adaflash.serving.drafting_check import DraftingCheck
+from adaflash.serving.drafting_check import DraftingChecks
 from adaflash.serving.engine import Engine
 from adaflash.serving.length_policy import (
     LENGTH_HEAD_POLICIES,
@@ -101,15 +101,15 @@ class EngineModels:
 @dataclass(frozen=True)
 class LengthPolicyFactory:
     """A length policy for a drafter's head: the engine's first policy, and each hot-swapped drafter's (or a
-    pipeline's, one per generation). They share one `CalibratedCost` and one `DraftingCheck`: what the step times
-    taught of this machine outlives a policy's acceptance estimates."""
+    pipeline's, one per generation). They share one `CalibratedCost` and one set of `DraftingChecks`: what the step
+    times taught of this machine outlives a policy's acceptance estimates."""
 
     spec: str
     cost: CalibratedCost | CostModel | None = None
-    check: DraftingCheck | None = None
+    checks: DraftingChecks = field(default_factory=DraftingChecks)
 
     def __call__(self, head=None) -> LengthPolicy:
-        return build_length_policy(self.spec, self.cost, head, self.check)
+        return build_length_policy(self.spec, self.cost, head, self.checks)
 
 
 def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthPolicyFactory | None:
@@ -118,12 +118,11 @@ def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthP
     by the policies' measured step times."""
     if config.policy_spec is None or models.proposer is None:
         return None
-    cost, check = None, None
+    cost = None
     if config.needs_cost_model:
         cost = CalibratedCost(cost_model_for(models.target, models.proposer, models.model_name,
                                              max_tokens=config.max_batch * models.proposer.block_size))
-        check = DraftingCheck()
-    return LengthPolicyFactory(config.policy_spec, cost, check)
+    return LengthPolicyFactory(config.policy_spec, cost)
 
 
 def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolicy | None = None) -> Engine:

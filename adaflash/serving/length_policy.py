@@ -3,7 +3,9 @@
 The engine calls `decide` once per step with every running request, `feedback` after verification, and `observe_step`
 with the step's wall time. Each policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`,
 `block-head`) is what logs and metrics show;
-`build_length_policy` makes one from its name. The cost model the throughput policies read is in `cost_model.py`.
+`build_length_policy` makes one from its name, every adaptive one behind the drafting check (`drafting_check.py`:
+plain stretches wherever drafting commits fewer tokens a second). The cost model the throughput policies read is in
+`cost_model.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 import torch
 
 from adaflash.serving.cost_model import CalibratedCost, CostModel
-from adaflash.serving.drafting_check import DraftingCheck
+from adaflash.serving.drafting_check import DraftingChecks, DraftingGuard
 from adaflash.serving.request import Request
 
 if TYPE_CHECKING:  # the heads import torch.nn modules the rule-based policies never need
@@ -213,11 +215,6 @@ class ThroughputLength:
     # that was ~15% of an AR step under load (docs/results/serve_sweep).
     probe_every: int = 64
     calibrate: bool = True
-    # Whether drafting at all beats plain decoding, by the tokens each arm commits a second (`DraftingCheck`: by default
-    # the arm not chosen runs one step in eight), judged on steps of a single request. Its plain stretches are also
-    # where the calibration learns the machine's plain step (`CalibratedCost.scale`) when every other step drafts.
-    # None - and with `calibrate=False` - the costs decide alone.
-    check: DraftingCheck | None = field(default_factory=DraftingCheck)
     name: str = "throughput"
 
     def __post_init__(self) -> None:
@@ -225,9 +222,6 @@ class ThroughputLength:
         profile = self.cost.profile if shared else self.cost
         self.step_cost = (self.cost if shared else CalibratedCost(profile)) if self.calibrate else profile
         self.estimate = AcceptanceEstimate(self.prior, self.decay, self.prior_trials, self.forget)
-        if not self.calibrate:
-            self.check = None
-        self.step_tokens = 0  # committed by the step decided last (its requests' feedback)
 
     @property
     def shared_alpha(self) -> float:
@@ -238,31 +232,22 @@ class ThroughputLength:
 
     def decide(self, requests: Sequence[Request], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
         self.estimate.age(requests)
-        self.step_tokens = 0
-        # The check compares steps of one request only: tokens a second are comparable at a fixed batch size, and the
-        # drafter's toll on the steps around it shows where steps are small.
-        if self.check is not None and len(requests) == 1 and not self.check.next_step_drafts():
-            lengths = [0]  # the plain arm's step
-        else:
-            lengths, hopeful = allocate_with_optimism(self.estimate, requests, [max_draft] * len(requests),
-                                                      self.step_cost, self.optimism)
-            for i, r in enumerate(requests):
-                idle = r.policy_state.get("idle", 0)
-                if lengths[i] == 0 and (hopeful[i] or idle >= self.probe_every) and max_draft > 0:
-                    lengths[i] = 1
+        lengths, hopeful = allocate_with_optimism(self.estimate, requests, [max_draft] * len(requests),
+                                                  self.step_cost, self.optimism)
+        for i, r in enumerate(requests):
+            idle = r.policy_state.get("idle", 0)
+            if lengths[i] == 0 and (hopeful[i] or idle >= self.probe_every) and max_draft > 0:
+                lengths[i] = 1
         for k, r in zip(lengths, requests):
             r.policy_state["idle"] = 0 if k else r.policy_state.get("idle", 0) + 1
         return lengths
 
     def feedback(self, request: Request, drafted: int, accepted: int) -> None:
         self.estimate.feedback(request, drafted, accepted)
-        self.step_tokens += accepted + 1
 
     def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
         if isinstance(self.step_cost, CalibratedCost):
             self.step_cost.observe(lengths, seconds)
-        if self.check is not None and len(lengths) == 1:
-            self.check.record(self.step_tokens, seconds)
 
 
 @dataclass
@@ -311,11 +296,10 @@ class LearnedThroughputLength:
 
     cost: CostModel | CalibratedCost
     head: PositionAcceptanceHead
-    check: DraftingCheck | None = field(default_factory=DraftingCheck)  # the screen's (`ThroughputLength.check`)
     name: str = "adaflash"
 
     def __post_init__(self) -> None:
-        self.screen = ThroughputLength(self.cost, optimism=0.0, check=self.check)
+        self.screen = ThroughputLength(self.cost, optimism=0.0)
 
     @property
     def step_cost(self) -> CalibratedCost | CostModel:
@@ -378,23 +362,26 @@ def check_length_policy(spec: str) -> None:
 
 
 def build_length_policy(spec: str, cost: CostModel | CalibratedCost | None = None, head=None,
-                        check: DraftingCheck | None = None) -> LengthPolicy:
+                        checks: DraftingChecks | None = None) -> LengthPolicy:
     """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model, corrected by measured step times),
     `throughput-profiled` (the profile alone: the calibration's ablation), `adaflash` (cost model + a per-position
-    acceptance head) or `block-head` (the paper's block-level head). `check`: a `DraftingCheck` shared with other
-    policies (None: a policy that checks gets its own)."""
-    checked = {} if check is None else {"check": check}
+    acceptance head) or `block-head` (the paper's block-level head). Every one but `fixed:K` runs behind the drafting
+    check (`DraftingGuard`); `checks`: its rates shared with other policies (None: the policy gets its own)."""
     if spec.startswith("fixed:"):
         k = int(spec.split(":", 1)[1])
         if k < 0:
             raise ValueError(f"fixed length must be >= 0, got {k}")
         return FixedLength(k)
+    return DraftingGuard(_adaptive_policy(spec, cost, head), checks or DraftingChecks())
+
+
+def _adaptive_policy(spec: str, cost: CostModel | CalibratedCost | None, head) -> LengthPolicy:
     if spec == "heuristic":
         return HeuristicLength()
     if needs_cost_model(spec) and cost is None:
         raise ValueError(f"the {spec} policy needs a cost model")
     if spec == "throughput":
-        return ThroughputLength(cost, **checked)
+        return ThroughputLength(cost)
     if spec == "throughput-profiled":
         return ThroughputLength(cost, calibrate=False, name=spec)
     if spec in LENGTH_HEAD_POLICIES:
@@ -404,6 +391,6 @@ def build_length_policy(spec: str, cost: CostModel | CalibratedCost | None = Non
         if not isinstance(head, want):
             raise ValueError(f"the {spec} policy needs a drafter checkpoint carrying a {want.__name__} "
                              "(train one with `adaflash train length-head`)")
-        return LearnedThroughputLength(cost, head, **checked) if spec == "adaflash" else BlockHeadLength(head)
+        return LearnedThroughputLength(cost, head) if spec == "adaflash" else BlockHeadLength(head)
     raise ValueError(f"unknown length policy {spec!r}; expected fixed:K, heuristic, throughput, "
                      "throughput-profiled, adaflash or block-head")

@@ -17,7 +17,7 @@ from adaflash.serving.length_policy import (
     check_length_policy,
     needs_cost_model,
 )
-from adaflash.serving.drafting_check import DraftingCheck
+from adaflash.serving.drafting_check import DraftingCheck, DraftingChecks, DraftingGuard
 from adaflash.serving.request import Request
 
 FREE_VERIFY = CostModel(total_tokens=(1, 64), verify_s=(0.01, 0.01), draft_s=0.0)  # batch-1 machine: tokens are free
@@ -120,9 +120,11 @@ def test_throughput_does_not_absorb_a_request_whose_prior_other_domains_pulled_d
 def test_throughput_stops_drafting_long_once_measured_steps_say_drafting_costs_more():
     """The profile prices a one-draft step at +1 ms over decode; this machine's engine adds 6 ms per drafting request
     (its feed, verifier, rollback). The calibrated policy learns that from the step times and drafts longer only
-    where the gain pays for it; the profile-only policy keeps drafting at the profile's length."""
+    where the gain pays for it; the profile-only policy keeps drafting at the profile's length. (The policies alone, without
+    the drafting check that would also stop them drafting: test_a_losing_heuristic_falls_back_....)"""
     cost = CostModel(total_tokens=(1, 2, 4, 8), verify_s=(0.010, 0.011, 0.012, 0.014), draft_s=0.001)
-    calibrated, profiled = build_length_policy("throughput", cost), build_length_policy("throughput-profiled", cost)
+    calibrated = build_length_policy("throughput", cost).policy
+    profiled = build_length_policy("throughput-profiled", cost).policy
     assert profiled.name == "throughput-profiled" and calibrated.name == "throughput"
     lengths = {}
     for policy in (calibrated, profiled):
@@ -230,58 +232,75 @@ def test_adaflash_stops_looking_where_its_head_keeps_declining():
             (k,) = policy.decide([r], 7, hidden_of)
             drafting[p] += k > 0
             policy.feedback(r, drafted=k, accepted=k)
-        # (the drafting check's plain arm takes its `explore` steps of the first period: no step times observed here)
-        assert drafting[p] == (300 - policy.screen.check.explore if p == 0.9 else 0)
+        assert drafting[p] == (300 if p == 0.9 else 0)
     assert looks[0.9] == drafting[0.9]
     assert 0 < looks[0.05] < looks[0.15] < 100  # it still looks now and then: the evidence fades, the request reopens
 
 
-def test_the_throughput_policy_drafts_only_in_the_drafting_checks_drafting_arm():
+def test_a_guarded_policy_drafts_only_in_the_drafting_arm():
     """Where the check has found plain steps commit more a second (the drafter slows the steps around it), the policy
     drafts nothing but in the explored stretch; the tokens each step committed reach the check with its time."""
-    cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)  # drafting always pays
-    check = DraftingCheck(period=16, explore=4, settle=1, drafting_chosen=False)
-    policy, (r,) = ThroughputLength(cost, check=check), _requests(1)
+    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1, drafting_chosen=False))
+    policy, (r,) = DraftingGuard(FixedLength(3), checks), _requests(1)
     drafted = []
-    for _ in range(16):
+    for _ in range(12):
         (k,) = policy.decide([r], 7)
         drafted.append(k > 0)
-    assert drafted == [False] * 12 + [True] * 4
-    (k,) = policy.decide([r], 7)  # the next period: the check chose nothing new (no step times were observed)
-    assert k == 0
-    policy.feedback(r, drafted=0, accepted=0)
-    policy.observe_step([0], 0.01)
+        policy.feedback(r, drafted=k, accepted=k)
+        policy.observe_step([k], 0.01 if k else 0.005)  # plain steps commit 1 token in 5 ms: 200/s
+    assert drafted == [False] * 8 + [True] * 4
+    check = checks.of(1)
+    assert check.rates == {False: pytest.approx(200.0)}  # the drafting stretch closes at the next step
     (k,) = policy.decide([r], 7)
-    policy.feedback(r, drafted=k, accepted=k)
-    policy.observe_step([k], 0.01)
-    assert check.tokens == 1 and check.seconds == pytest.approx(0.01)  # the first step after the switch settles
-    assert ThroughputLength(cost, calibrate=False).check is None  # the profile alone: no check
+    assert check.rates[True] == pytest.approx(400.0) and check.drafting_chosen and k > 0  # 4 tokens in 10 ms
 
 
-def test_the_drafting_check_sits_out_steps_of_several_requests():
-    """Tokens a second are comparable only at one batch size: a batched step neither advances nor feeds the check."""
-    cost = CostModel(total_tokens=(1, 2, 16, 64), verify_s=(0.01, 0.0101, 0.0102, 0.64), draft_s=0.0)
-    check = DraftingCheck(period=16, explore=4, settle=1, drafting_chosen=False)  # plain chosen
-    policy = ThroughputLength(cost, check=check)
-    requests = _requests(2)
-    for _ in range(20):
-        lengths = policy.decide(requests, 7)
-        assert all(k > 0 for k in lengths)  # the costs decide for a batch, never the plain arm
-        for r, k in zip(requests, lengths):
-            policy.feedback(r, drafted=k, accepted=k)
-    policy.observe_step(lengths, 0.01)
-    assert check.step == -1 and check.tokens == 0
+def test_each_batch_size_has_its_own_check():
+    """Tokens a second are comparable only at one batch size: a batch's steps never advance one request's check."""
+    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1))
+    policy = DraftingGuard(HeuristicLength(initial=3), checks)
+    for _ in range(5):
+        lengths = policy.decide(_requests(3), 7)
+        assert lengths == [3, 3, 3]
+    assert set(checks.by_size) == {4} and checks.of(3) is checks.of(4) and checks.of(1) is not checks.of(4)
+    assert checks.of(4).left == 3 and checks.of(1).arm is None
 
 
-def test_the_policies_of_one_factory_share_their_drafting_check():
+@pytest.mark.parametrize("spec", ["heuristic", "throughput", "throughput-profiled"])
+def test_every_adaptive_policy_is_guarded_and_reads_through(spec):
+    cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)
+    policy = build_length_policy(spec, cost)
+    assert isinstance(policy, DraftingGuard) and policy.name == spec
+    if spec != "heuristic":
+        assert policy.step_cost is not None and policy.shared_alpha == pytest.approx(0.6)
+    assert not isinstance(build_length_policy("fixed:3"), DraftingGuard)
+
+
+def test_a_losing_heuristic_falls_back_to_plain_within_a_few_dozen_steps():
+    """transformers' schedule never stops drafting on its own; behind the check, a drafter that slows every step to
+    no gain is dropped after its first stretch and the plain one, then tried again ever more rarely."""
+    policy, (r,) = build_length_policy("heuristic"), _requests(1)
+    arms = []
+    for _ in range(400):
+        (k,) = policy.decide([r], 7)
+        arms.append(k > 0)
+        policy.feedback(r, drafted=k, accepted=0)  # every draft rejected: one token a step either way
+        policy.observe_step([k], 0.013 if k else 0.010)
+    check = policy.checks.of(1)
+    first = check.first + check.explore
+    assert all(arms[: check.first]) and not any(arms[check.first : first])
+    assert not check.drafting_chosen and sum(arms[first:]) <= 2 * check.explore  # the drafting arm explored rarely
+
+
+def test_the_policies_of_one_factory_share_their_drafting_checks():
     """A pipeline builds a policy per generation and a server one per drafter: what the check measured of this machine
     must carry over, as the calibration does."""
     from adaflash.serving.cost_model import CalibratedCost
     from adaflash.serving.engine_factory import LengthPolicyFactory
 
     cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)
-    factory = LengthPolicyFactory("throughput", CalibratedCost(cost), DraftingCheck())
+    factory = LengthPolicyFactory("throughput", CalibratedCost(cost))
     first, second = factory(), factory()
-    assert first is not second and first.check is second.check is factory.check
+    assert first is not second and first.checks is second.checks is factory.checks
     assert first.step_cost is second.step_cost
-    assert build_length_policy("throughput", cost).check is not build_length_policy("throughput", cost).check
+    assert build_length_policy("throughput", cost).checks is not build_length_policy("throughput", cost).checks
