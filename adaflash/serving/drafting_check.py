@@ -3,7 +3,7 @@
 The throughput policies price every draft at the margin (`cost_model.py`), but drafting also slows the steps around it
 (most likely the drafter's passes push the target's weights out of the caches). On session 20's Xeon a 3-token verify
 took 5.1 ms while every step drafted and 4.5 ms while every fourth did, and a decode step 3.4 ms in an engine that
-never drafted against 3.7-3.8 between drafting steps (docs/results/session20/drafting_rhythm.txt). Priced step by
+never drafted against 3.7-3.8 between drafting steps (docs/results/adaflash/drafting_rhythm.txt). Priced step by
 step, drafting looked worth it; as a regime it ran 0.85-0.92x plain decoding. So the steps run in two arms, drafting
 as the policy decides and plain: out of every `period` steps the last `explore` go to the arm not chosen, the others
 to the chosen one. Each arm's committed tokens a second are measured over its stretches (the first `settle` steps
