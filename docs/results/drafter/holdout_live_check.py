@@ -1,5 +1,5 @@
 """Live full-block greedy decoding of the v9 drafter's 64 held-out training-distribution prompts (never trained on),
-to check the trainer's teacher-forced held-out numbers against real decoding (docs/drafter.md, session 14).
+to check the trainer's teacher-forced held-out numbers against real decoding (docs/drafter.md, "Held-out accept length").
 
     python docs/results/drafter/holdout_live_check.py int8 64   # -> holdout_live_check_int8.json beside it
 

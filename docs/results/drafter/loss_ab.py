@@ -1,4 +1,4 @@
-"""CE vs CE+KL (the stored top-32 soft targets) at equal steps from the shipped v9 drafter, session 13.
+"""CE vs CE+KL (the stored top-32 soft targets) at equal steps from the shipped v9 drafter.
 
 Both runs: runs/scratch/s13/v10-{ce,cekl}.toml = configs/smollm2-drafter-v9.toml's data (runs/data/smollm2-v4 + v5,
 1.32M response tokens) and held-out split, init_from v9, lr 5e-5 (3% warm-up, cosine to 0), 1400 steps of 2 sequences x
@@ -18,7 +18,7 @@ domains = sorted(curves["ce"][last])
 winner = max(curves, key=lambda n: curves[n][last]["all"])
 report = {"what": __doc__.split("\n\n")[0], "steps": steps, "holdout": curves, "final_step": last, "winner": winner}
 Path("docs/results/drafter/loss_ab.json").write_text(json.dumps(report, indent=1) + "\n")
-lines = ["# Drafter loss A/B at equal steps from v9: CE vs CE+KL (session 13)", "", __doc__.split("\n\n")[1], "",
+lines = ["# Drafter loss A/B at equal steps from v9: CE vs CE+KL", "", __doc__.split("\n\n")[1], "",
          "Held-out teacher-forced full-block accept length (greedy, incl. bonus), 64 held-out samples:", "",
          "| step | " + " | ".join(f"{n} {d}" for n in curves for d in domains) + " |",
          "|---|" + "---|" * (len(curves) * len(domains))]
