@@ -188,7 +188,7 @@ def _holdout_scores(d: dict) -> str:
     parts = []
     for k, v in d["scores"].items():
         name = k.split("/")[-2] if "/" in k else k
-        dec = v.get("decoded", {}).get("all")
+        dec = v.get("holdout_decoded", {}).get("all")
         parts.append(f"{name} {_f(v['holdout']['all'], 3)}" + (f" (decoded {_f(dec, 3)})" if dec else ""))
     return "random anchors: " + "; ".join(parts)
 

@@ -3,7 +3,7 @@
 Both runs: runs/scratch/s13/v10-{ce,cekl}.toml = configs/smollm2-drafter-v9.toml's data (runs/data/smollm2-v4 + v5,
 1.32M response tokens) and held-out split, init_from v9, lr 5e-5 (3% warm-up, cosine to 0), 1400 steps of 2 sequences x
 32 anchors, seed 2 (the same sample order for both), fp32 on AMD EPYC Zen 3 (2 cores). Run from the repo root after
-both trainings: python docs/results/drafter/loss_ab.py -> drafter_loss_ab_v10.{json,md}."""
+both trainings: python docs/results/drafter/loss_ab.py -> loss_ab.{json,md}."""
 import json
 from pathlib import Path
 
