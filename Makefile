@@ -32,7 +32,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install
-	$(PY) -m adaflash.evaluation.runtime_speed --json docs/results/runtime_speed.json
+	$(PY) -m adaflash.evaluation.runtime_speed --json docs/results/runtime/runtime_speed.json
 
 # Rebuild the shipped SmolLM2 drafter from scratch: regenerate data with the target (responses, context features and
 # the target's top-32 log-probabilities), train with a 16K-row draft vocabulary and soft targets, export.
@@ -64,7 +64,7 @@ adaflash-drafter: install
 		--out runs/distill/smollm2-rkl --config configs/smollm2-adaflash.toml
 	$(VENV)/bin/adaflash train length-head --trajectories runs/onpolicy --drafter runs/distill/smollm2-rkl/drafter \
 		--out $(ADAFLASH) --kind position --epochs 30 --lr 1e-3 \
-		--report docs/results/length_head.json --plot docs/results/length_head_reliability.png
+		--report docs/results/adaflash/length_head.json --plot docs/results/adaflash/length_head_reliability.png
 
 # llama.cpp, the CPU peer (never part of install or test). `make peer-src` downloads the pinned source package into
 # .peer/src and makes the converter's venv .peer/venv (minutes); `make peer` also builds llama-server,

@@ -2,7 +2,7 @@
 
     adaflash eval context-length --drafter dflash=DIR --drafter adaflash=DIR2 \
         --benchmarks gsm8k,humaneval,sharegpt-chat,mgsm --levels 0,512,1024,2048 --limit 6 \
-        --out docs/results/context_length
+        --out docs/results/adaflash/context_length
 
 A long context is built the way a user builds one: a conversation whose earlier turns are other eval prompts
 of the same benchmark, each followed by the target's own greedy answer, before the prompt being answered.

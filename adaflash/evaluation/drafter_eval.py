@@ -1,7 +1,7 @@
 """Drafters compared along the same target trajectories (teacher forcing): accept length per benchmark and per
 block position, with and without their length heads (by context length: `context_length.py`).
 
-    adaflash eval drafters --drafter dflash=DIR --drafter dflash+rkl=DIR2 --limit 8 --out docs/results/variance
+    adaflash eval drafters --drafter dflash=DIR --drafter dflash+rkl=DIR2 --limit 8 --out docs/results/adaflash/drafters
 
 Greedy verification of a full block keeps exactly the drafts that equal the target's own continuation, so
 scoring every anchor of the target's greedy responses (`score_blocks`) measures what serving with full

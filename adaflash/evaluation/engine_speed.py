@@ -1,6 +1,6 @@
 """Benchmark: our engine's batched AR decoding vs transformers' eager `generate` at the same batch size.
 
-    python -m adaflash.evaluation.engine_speed --batch 64 --max-new-tokens 32 --json docs/results/engine_speed.json
+    python -m adaflash.evaluation.engine_speed --batch 64 --max-new-tokens 32 --json docs/results/runtime/engine_speed.json
 
 Both decode the same chat prompts greedily to the same length (eos ignored), alternating; reports output
 tokens/s, the ratio, and the engine's achieved FLOP/s as a fraction of this machine's measured matmul peak.
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", default="docs/results/engine_speed.json")
+    parser.add_argument("--json", default="docs/results/runtime/engine_speed.json")
     args = parser.parse_args()
     configure_process(None)  # as every adaflash command runs (threads, allocator)
     dtype = resolve_dtype(args.dtype)

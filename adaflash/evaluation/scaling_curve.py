@@ -1,7 +1,7 @@
 """A training run's report: the summary (JSON + markdown) and its scaling curves (held-out accept length per domain
 against training tokens seen; the decoded one too where the run logged it).
 
-    python -m adaflash.evaluation.scaling_curve runs/train/smollm2-drafter --out docs/results/drafter_training
+    python -m adaflash.evaluation.scaling_curve runs/train/smollm2-drafter --out docs/results/drafter/training
 """
 
 from __future__ import annotations

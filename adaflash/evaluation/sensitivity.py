@@ -1,7 +1,7 @@
 """`adaflash eval sensitivity`: how gsm8k accept length responds to the distillation's alpha, tau and gamma,
 to the block head's rate and to the per-position head's threshold.
 
-    adaflash eval sensitivity --config configs/smollm2-adaflash.toml --steps 30 --out docs/results/sensitivity
+    adaflash eval sensitivity --config configs/smollm2-adaflash.toml --steps 30 --out docs/results/adaflash/sensitivity
 
 Each distillation setting is one short run of the same recipe from the same starting drafter (one value
 changed at a time, the others at the release's defaults), scored by full-block greedy accept length along the

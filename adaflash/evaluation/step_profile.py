@@ -1,7 +1,7 @@
 """Where a speculative engine step's time goes at batch 1, beside a plain decode step.
 
     python -m adaflash.evaluation.step_profile --dataset gsm8k --limit 4 --max-new-tokens 96 --lengths 1,2,3 \
-        --json docs/results/step_profile.json
+        --json docs/results/runtime/step_profile.json
 
 The engine `serve` runs (one slot) generates greedily for the same prompts under AR and under each fixed draft length
 k, alternating, in one process. Timers around the engine's parts split every decode step's wall time: the drafter's

@@ -64,7 +64,7 @@ class CalibratedCost:
 
     The profile times the target's forward and the drafter's block alone. A real speculative step also pays the
     engine's own work per drafting request - feeding it the kept features, verifying, rolling caches back, host
-    lists - which the profile never sees (2-4 ms a step on a Zen 1 EPYC in fp32, docs/results/throughput_policy_ab.md),
+    lists - which the profile never sees (2-4 ms a step on a Zen 1 EPYC in fp32, docs/notes.md, "Length policies"),
     and the machine's speed drifts after the profile. In place, each verified draft token may also cost more than
     the standalone profile says (session 20's Xeon: a 3-token verify 1.5x a decode step inside the engine, 1.1x alone).
     Three running estimates fix these: `scale`, measured / predicted over steps where nobody drafted (the drift);

@@ -50,7 +50,7 @@ class Engine:
         size the lookups (`LookupLength`), needed unless `prompt_lookup.length` is "all". `max_prefill_tokens`: the
         most prompt tokens one prefill pass takes (admitted prompts go in passes of up to that many; a longer prompt
         alone): a 64-prompt pass ran ~0.8x the tokens a second of 450-1800-token passes (its intermediates outgrow the
-        caches and glibc's reused heap, and are faulted in afresh; docs/results/session17/prefill_pass_size.txt)."""
+        caches and glibc's reused heap, and are faulted in afresh; docs/results/serving/prefill_pass_size.txt)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens

@@ -197,7 +197,7 @@ class ThroughputLength:
     (other domains pulled the shared estimate down) or stopped drafting long ago has few recent trials, so its bound
     sits high and it probes, one cheap token a step, until its own outcomes settle the question; a request whose own
     outcomes are many and poor stays at zero drafts. Optimism only ever buys that one token: sizing longer drafts on
-    the bound measured slower than plain decoding (docs/results/throughput_policy_ab.md).
+    the bound measured slower than plain decoding (docs/notes.md, "Length policies").
 
     The costs are the start-up profile corrected by the measured step times (`CalibratedCost`; pass one to share what
     it learned across policies, e.g. a hot-swapped drafter's); `calibrate=False` (`throughput-profiled`) reads the
@@ -212,7 +212,7 @@ class ThroughputLength:
     optimism: float = 1.0
     # Steps without drafts after which a request drafts one token anyway: a floor on exploration for a request whose
     # optimistic bound stays below the bar. A probe costs a drafter pass plus feeding the context it skipped; at 16
-    # that was ~15% of an AR step under load (docs/results/serve_sweep).
+    # that was ~15% of an AR step under load (docs/notes.md, "Length policies").
     probe_every: int = 64
     calibrate: bool = True
     name: str = "throughput"
