@@ -3,9 +3,10 @@
 The length policies price drafts step by step (`cost_model.py`), or not at all (`heuristic`, `block-head`), but
 drafting also slows the steps around it (most likely the drafter's passes push the target's weights out of the caches):
 on an AMX Xeon a 3-token verify took 5.1 ms while every step drafted and 4.5 ms while every fourth did, and a decode
-step 3.4 ms in an engine that never drafted against 3.7-3.8 between drafting steps (docs/results/adaflash/drafting_rhythm.txt). Priced step by
-step drafting looked worth it; as a regime it ran 0.85-0.92x plain decoding. So steps run in two arms, drafting as the
-policy decides and plain, and each arm is judged by the committed tokens a second of its stretches.
+step 3.4 ms in an engine that never drafted against 3.7-3.8 between drafting steps
+(docs/results/adaflash/drafting_rhythm.txt). Priced step by step drafting looked worth it; as a regime it ran
+0.85-0.92x plain decoding. So steps run in two arms, drafting as the policy decides and plain, and each arm is judged
+by the committed tokens a second of its stretches.
 
 Stretches alternate: the chosen arm, then `explore` steps of the other, after which the choice is made again. The
 chosen arm's stretch starts at `first` steps and doubles each time the choice stands (grows 4x where the other arm
