@@ -110,7 +110,7 @@ $(PEER_VENV)/.installed: $(PEER)/.src
 	$(PEER_PY) -c "import gguf; assert hasattr(gguf.MODEL_ARCH, 'DFLASH'), gguf.__file__"
 	touch $@
 
-# The CPU flags of the build: native by default. Where llama.cpp's AMX kernel faults (an AMX Xeon VM, session 19),
+# The CPU flags of the build: native by default. Where llama.cpp's AMX kernel faults (an AMX Xeon VM),
 # `make peer PEER_ARCH='$(PEER_ARCH_NO_AMX)'` builds the AVX-512 kernels without AMX (docs/deploy.md).
 PEER_ARCH ?= -DGGML_NATIVE=ON
 PEER_ARCH_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON \

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 # The profiling method's version, part of a cached profile's file name: a profile taken by an older method is not read.
-# 2: round-robin over the points after a warm-up round (session 20), where 1 timed them one after another.
+# 2: round-robin over the points after a warm-up round, where 1 timed them one after another.
 PROFILE_VERSION = 2
 
 
@@ -66,7 +66,7 @@ class CalibratedCost:
     engine's own work per drafting request - feeding it the kept features, verifying, rolling caches back, host
     lists - which the profile never sees (2-4 ms a step on a Zen 1 EPYC in fp32, docs/notes.md, "Length policies"),
     and the machine's speed drifts after the profile. In place, each verified draft token may also cost more than
-    the standalone profile says (session 20's Xeon: a 3-token verify 1.5x a decode step inside the engine, 1.1x alone).
+    the standalone profile says (an AMX Xeon: a 3-token verify 1.5x a decode step inside the engine, 1.1x alone).
     Three running estimates fix these: `scale`, measured / predicted over steps where nobody drafted (the drift);
     `per_draft_s`, the seconds a drafting request adds beyond the scaled prediction; and `per_extra_draft_s`, what each
     of its drafts after the first adds. The last two are a least-squares fit of the drafting steps' excess over their

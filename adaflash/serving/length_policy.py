@@ -289,7 +289,7 @@ class LearnedThroughputLength:
     `throughput` policy's allocation on the estimate's mean, and its idle probe); the others decode plainly at no
     drafter cost. A look the head declines teaches that estimate what the head saw (its first-position probability,
     `AcceptanceEstimate.expect`): without it a declined look left no outcome, the estimate never moved, and a request
-    the head kept declining paid a drafter pass every step for nothing (docs/adaflash.md, session 15). The look is
+    the head kept declining paid a drafter pass every step for nothing (docs/notes.md). The look is
     the probe, so the screen needs no optimism: with it, a request whose head sits just below the bar looked at
     almost every step.
     """
