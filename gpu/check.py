@@ -6,7 +6,8 @@ shapes, not values). Written to --out (at most 8 small files, what the device to
   sequence at 1K context, and verify-16 / decode at batch 1;
 - cost_model.json: the batch-1 profile in the format the throughput length policy reads (serving/cost_model.py), with
   a random 5-layer block-16 DFlash drafter of Qwen3-8B's shapes for the draft costs;
-- ar_vs_transformers.json: our AR decode against transformers' `generate` over the same weights, alternating, medians.
+- in gpu_check.json: our AR decode (with its decode steps replayed from CUDA graphs, and eager) against transformers'
+  `generate` over the same weights, alternating, medians.
 `--tiny` runs the same code at toy shapes in seconds (the CPU dry run `make test` holds).
 """
 
@@ -84,8 +85,9 @@ def verify_cost_table(target, device: torch.device, grid: dict) -> dict:
 
 
 def ar_against_transformers(hf_config: dict, device: torch.device, dtype: torch.dtype, grid: dict) -> dict:
-    """Batch-1 greedy decoding of `decode_tokens` after a `context`-token prompt: our reference AR loop and
-    transformers' generate over the same random weights, alternating three rounds; medians and token agreement."""
+    """Batch-1 greedy decoding of `decode_tokens` after a `context`-token prompt: our reference AR loop (decode steps
+    from CUDA graphs where the device has them, and eager) and transformers' generate over the same random weights,
+    alternating three rounds; medians and token agreement."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     previous = torch.get_default_dtype()
@@ -101,7 +103,8 @@ def ar_against_transformers(hf_config: dict, device: torch.device, dtype: torch.
     n = grid["decode_tokens"]
     ids = prompt[None].to(device)
 
-    def run_ours() -> list[int]:
+    def run_ours(static: bool | None = None) -> list[int]:
+        ours.static_decode = static  # None: the default (graphs on CUDA)
         return autoregressive_generate(ours, prompt.tolist(), n).token_ids
 
     def run_hf() -> list[int]:
@@ -110,11 +113,13 @@ def ar_against_transformers(hf_config: dict, device: torch.device, dtype: torch.
                               do_sample=False, pad_token_id=0)
         return out[0, ids.shape[1]:].tolist()
 
-    times: dict[str, list[float]] = {"ours": [], "transformers": []}
+    runs = {"ours": run_ours, "ours_eager": lambda: run_ours(False), "transformers": run_hf}
+    times: dict[str, list[float]] = {name: [] for name in runs}
     tokens = {}
-    run_ours(), run_hf()  # warm-up: kernels, allocator, caches
+    for run in runs.values():  # warm-up: kernels, allocator, caches
+        run()
     for _ in range(3):
-        for name, run in (("ours", run_ours), ("transformers", run_hf)):
+        for name, run in runs.items():
             synchronize(device)
             start = time.perf_counter()
             tokens[name] = run()
@@ -125,7 +130,8 @@ def ar_against_transformers(hf_config: dict, device: torch.device, dtype: torch.
     del hf
     return {"prompt_tokens": grid["context"], "new_tokens": n, "seconds": med,
             "tokens_per_s": {k: n / v for k, v in med.items()}, "ours_speedup": med["transformers"] / med["ours"],
-            "greedy_tokens_agree_first": agree}
+            "ours_eager_speedup": med["transformers"] / med["ours_eager"], "greedy_tokens_agree_first": agree,
+            "graphs_agree_with_eager": tokens["ours"] == tokens["ours_eager"]}
 
 
 def drafter_cost_model(target, device: torch.device, grid: dict) -> dict:
@@ -153,9 +159,12 @@ def markdown(report: dict) -> str:
     ar = report.get("ar_vs_transformers")
     if ar:
         lines += ["", f"AR decode, batch 1, {ar['prompt_tokens']}-token prompt + {ar['new_tokens']} tokens (3 alternating "
-                  f"rounds, medians): ours {ar['tokens_per_s']['ours']:.1f} tok/s, transformers' generate "
-                  f"{ar['tokens_per_s']['transformers']:.1f} tok/s: **{ar['ours_speedup']:.2f}x**; greedy tokens agree for "
-                  f"the first {ar['greedy_tokens_agree_first']} of {ar['new_tokens']}."]
+                  f"rounds, medians): ours {ar['tokens_per_s']['ours']:.1f} tok/s (eager "
+                  f"{ar['tokens_per_s']['ours_eager']:.1f}), transformers' generate "
+                  f"{ar['tokens_per_s']['transformers']:.1f} tok/s: **{ar['ours_speedup']:.2f}x** (eager "
+                  f"{ar['ours_eager_speedup']:.2f}x); greedy tokens agree with transformers' for the first "
+                  f"{ar['greedy_tokens_agree_first']} of {ar['new_tokens']}; graphs and eager give the same tokens: "
+                  f"{ar['graphs_agree_with_eager']}."]
     return "\n".join(lines) + "\n"
 
 

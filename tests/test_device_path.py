@@ -212,3 +212,29 @@ def test_cli_model_dir_generates_transformers_greedy_tokens(tiny_qwen3_chat, dev
     codec = TextCodec(load_tokenizer(tiny_qwen3_chat), target.config.eos_token_ids)
     expected = _hf_greedy(tiny_qwen3_chat, codec.encode(messages=user_messages(prompt)), 16, device)
     assert record["token_ids"] == expected[: len(record["token_ids"])] and len(record["token_ids"]) in (16, len(expected))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama-tied"])
+def test_static_decode_step_equals_the_ragged_step(tiny_checkpoints, device, name):
+    """The decode step a CUDA graph captures (models/decode_graph.py: the whole cache under a position mask, device-side
+    position) gives the ragged path's greedy tokens and logits; on CUDA it runs as a replayed graph."""
+    from adaflash.models.kv_cache import RaggedBatch
+
+    target = load_target(tiny_checkpoints[name], dtype=torch.float32, device=device)
+    target.static_decode = False
+    reference = [autoregressive_generate(target, p, 24).token_ids for p in PROMPTS]
+    target.static_decode = True
+    assert [autoregressive_generate(target, p, 24).token_ids for p in PROMPTS] == reference
+    caches = []
+    for static in (False, True):
+        target.static_decode = static
+        cache = target.new_cache(1, 40)
+        target(torch.tensor(PROMPTS[2]), RaggedBatch.build([0], [0], [len(PROMPTS[2])]), cache)
+        rows = [target(torch.tensor([t]), RaggedBatch.build([0], [len(PROMPTS[2]) + i], [1]), cache).logits
+                for i, t in enumerate(reference[2][:6])]
+        caches.append((torch.cat(rows), cache))
+    (plain, plain_cache), (static, static_cache) = caches
+    assert torch.allclose(plain, static, atol=1e-4, rtol=1e-4)
+    assert static_cache.lengths == plain_cache.lengths and static_cache.decode_graphs
+    end = plain_cache.lengths[0]
+    assert torch.allclose(plain_cache.k[:, :, :, :end], static_cache.k[:, :, :, :end], atol=1e-5)

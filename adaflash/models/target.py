@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from adaflash.models.config import TransformerConfig
+from adaflash.models.decode_graph import DecodeGraph, graphs_enabled
 from adaflash.models.device import placed
 from adaflash.models.dtype import int8_activations, resolve_dtype
 from adaflash.models.gguf_blocks import QuantizedWeight, quantized_weights
@@ -75,6 +76,9 @@ class TargetModel(nn.Module):
         self.lm_head_blocks: QuantizedWeight | None = None
         self.layer_steps: LayerSteps | None = None  # one kernel call per layer, where use_fast_linears made it possible
         self.int8_activations = False  # --dtype int8: the GGUF-blocked linears round their inputs to int8 (another model)
+        # One-sequence, one-token steps through a replayed CUDA graph (decode_graph.py): on by default on CUDA; on a
+        # CPU the same static step runs eagerly where a test turns it on.
+        self.static_decode: bool | None = None  # None: graphs_enabled(device)
 
     def use_fast_linears(self, quantized: dict[str, QuantizedWeight] | None = None,
                          int8_activations: bool = False) -> bool:
@@ -174,6 +178,16 @@ class TargetModel(nn.Module):
                 raise ValueError(f"slot {slot} holds {cache.lengths[slot]} positions but the batch starts at {start}")
         if max(batch.ends) > cache.max_len:
             raise ValueError(f"sequence of {max(batch.ends)} positions exceeds the cache's {cache.max_len}")
+        static = graphs_enabled(self.device) if self.static_decode is None else self.static_decode
+        if (static and batch.num_tokens == 1 and not capture_layers and compute_logits
+                and (logit_indices is None or logit_indices.tolist() in ([0], [-1]))):
+            slot = batch.slots[0]
+            graph = cache.decode_graphs.get(slot)
+            if graph is None:
+                graph = cache.decode_graphs[slot] = DecodeGraph(self, cache, slot)
+            logits = graph(token_ids, batch.starts[0])
+            cache.lengths[slot] = batch.starts[0] + 1
+            return ForwardOutput(logits=logits, hidden=None)
         # int8: every pass, prefills too, on the ragged kernel (one model at every split: exact prefix reuse).
         attention = RaggedAttention(batch, causal=True, device=self.device, ragged_prefill=self.int8_activations)
         cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype, device=self.device,
