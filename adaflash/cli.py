@@ -14,17 +14,17 @@ from adaflash.cli_args import (add_device_arg, add_model_args, add_policy_state_
 from adaflash.evaluation.context_length import register_cli as register_context_length_cli
 from adaflash.evaluation.drafter_eval import register_cli as register_drafter_eval_cli
 from adaflash.evaluation.load_test import register_cli as register_load_cli
-from adaflash.evaluation.sensitivity import register_cli as register_sensitivity_cli
 from adaflash.evaluation.offline import register_cli as register_bench_cli
+from adaflash.evaluation.sensitivity import register_cli as register_sensitivity_cli
 from adaflash.evaluation.serve_bench import register_cli as register_serve_bench_cli
 from adaflash.evaluation.serve_sweep import register_cli as register_sweep_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
 from adaflash.evaluation.vocab_coverage import register_cli as register_vocab_cli
 from adaflash.export.gguf import register_cli as register_export_cli
 from adaflash.models.registry import DEFAULT_TARGET, resolve_drafter
-from adaflash.serving.cli import register_cli as register_serve_cli
-from adaflash.training.cli import register_cli as register_train_cli
 from adaflash.pipeline import METHODS
+from adaflash.server.cli import register_cli as register_serve_cli
+from adaflash.training.cli import register_cli as register_train_cli
 
 DEFAULT_DATA_MIX = "gsm-symbolic:300,sharegpt-chat:250,sharegpt-code:150,champ:100"
 

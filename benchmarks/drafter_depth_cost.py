@@ -1,4 +1,4 @@
-"""What a drafter's depth costs to draft with on this CPU: the cost-model profile (serving/cost_model.py) of random
+"""What a drafter's depth costs to draft with on this CPU: the cost-model profile (speculative/cost_model.py) of random
 SmolLM2 drafters of 2-5 layers (3 context layers, block 16, the 16K-row draft vocabulary), beside the target's verify
 costs. Weights do not change a pass's cost, so random ones stand in for trained ones.
 
@@ -20,7 +20,7 @@ from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.kernels.selection import cpu_model
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import load_target
-from adaflash.serving.cost_model import profile_cost_model
+from adaflash.speculative.cost_model import profile_cost_model
 from adaflash.speculative.proposer import DFlashProposer
 
 

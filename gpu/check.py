@@ -4,7 +4,7 @@ No download: a target of Qwen3-8B's shapes with random bf16 weights is built on 
 shapes, not values). Written to --out (at most 8 small files, what the device tool brings back):
 - verify_cost.json / verify_cost.md: forward ms for batch {1, 8, 32, 64} x new tokens {1, 2, 4, 8, 16}, every
   sequence at 1K context, and verify-16 / decode at batch 1;
-- cost_model.json: the batch-1 profile in the format the throughput length policy reads (serving/cost_model.py), with
+- cost_model.json: the batch-1 profile in the format the throughput length policy reads (speculative/cost_model.py), with
   a random 5-layer block-16 DFlash drafter of Qwen3-8B's shapes for the draft costs;
 - in gpu_check.json: our AR decode (with its decode steps replayed from CUDA graphs, and eager) against transformers'
   `generate` over the same weights, alternating, medians.
@@ -31,7 +31,7 @@ from adaflash.models.drafter import DrafterConfig  # noqa: E402
 from adaflash.models.drafter_checkpoint import init_drafter  # noqa: E402
 from adaflash.models.kv_cache import RaggedBatch  # noqa: E402
 from adaflash.models.target import random_target, target_from_hf_tensors  # noqa: E402
-from adaflash.serving.cost_model import profile_cost_model  # noqa: E402
+from adaflash.speculative.cost_model import profile_cost_model  # noqa: E402
 from adaflash.speculative.proposer import DFlashProposer  # noqa: E402
 from adaflash.speculative.reference import autoregressive_generate  # noqa: E402
 

@@ -14,14 +14,14 @@ import json
 import pytest
 import torch
 
+from adaflash.engine.engine import Engine
+from adaflash.engine.request import Request
 from adaflash.models.draft_vocab import DraftVocab
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.target import load_target
-from adaflash.serving.engine import Engine
-from adaflash.serving.length_policy import FixedLength, build_length_policy
-from adaflash.serving.request import Request
+from adaflash.speculative.length_policy import FixedLength, build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 from adaflash.speculative.sampling import SamplingParams
@@ -199,8 +199,8 @@ def test_cli_model_dir_generates_transformers_greedy_tokens(tiny_qwen3_chat, dev
     """`adaflash generate --model DIR --device D`: AR and speculative decoding give transformers' greedy tokens."""
     from adaflash.cli import main
     from adaflash.data.prompt import user_messages
-    from adaflash.pipeline import TextCodec
     from adaflash.models.registry import load_tokenizer
+    from adaflash.models.text_codec import TextCodec
 
     target = load_target(tiny_qwen3_chat, dtype=torch.float32, device=device)
     drafter = save_drafter(_proposer(target).drafter, tmp_path / "drafter")

@@ -23,10 +23,10 @@ import torch
 
 from adaflash.cli_args import command_group
 from adaflash.data import load_prompts
+from adaflash.evaluation.drafter_eval import greedy_trajectories, head_cut, target_trajectories
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
-from adaflash.evaluation.drafter_eval import greedy_trajectories, head_cut, target_trajectories
 from adaflash.training.block_outcomes import score_blocks
 
 DEFAULT_BENCHMARKS = "gsm8k,humaneval,sharegpt-chat,mgsm"  # one per domain: math, code, chat, multilingual
@@ -118,7 +118,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    from adaflash.evaluation.plots import pyplot
+    from adaflash.plots import pyplot
 
     plt = pyplot()
     benches = list(next(iter(report["drafters"].values())))

@@ -23,12 +23,12 @@ import torch
 
 from adaflash.cli_args import command_group
 from adaflash.data import EVAL_BENCHMARKS, load_prompts
+from adaflash.engine.engine_factory import EngineConfig, build_engine
+from adaflash.engine.request import Request
 from adaflash.formats.outcomes import Outcomes
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
-from adaflash.serving.engine_factory import EngineConfig, build_engine
-from adaflash.serving.request import Request
 from adaflash.training.block_outcomes import BlockScores, score_blocks
 
 

@@ -19,12 +19,12 @@ import torch
 
 from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
+from adaflash.engine.engine_factory import EngineConfig, EngineModels, build_engine
+from adaflash.engine.request import Request
 from adaflash.evaluation.flops import linear_flops_per_token, matmul_peak_flops, served_gflops
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.registry import load_tokenizer, resolve_target
 from adaflash.models.target import load_target_as
-from adaflash.serving.engine_factory import EngineConfig, EngineModels, build_engine
-from adaflash.serving.request import Request
 
 
 def engine_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int) -> float:

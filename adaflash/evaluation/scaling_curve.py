@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from adaflash.evaluation.plots import pyplot
+from adaflash.plots import pyplot
 from adaflash.training.summary import summarise, to_markdown
 
 

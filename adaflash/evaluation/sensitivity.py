@@ -51,10 +51,10 @@ def threshold_table(head, scores, thresholds=THRESHOLDS) -> list[dict]:
 def _cmd(args: argparse.Namespace) -> int:
     from adaflash.evaluation.drafter_eval import target_trajectories
     from adaflash.evaluation.offline import provenance, write_json
-    from adaflash.evaluation.plots import pyplot
     from adaflash.models.drafter_checkpoint import load_drafter
     from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead, load_length_head
     from adaflash.pipeline import Pipeline
+    from adaflash.plots import pyplot
     from adaflash.training.block_outcomes import score_blocks
     from adaflash.training.trainer import TeacherCache, TrainConfig, train
 

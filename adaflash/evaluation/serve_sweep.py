@@ -125,7 +125,7 @@ def _ratio_cell(result: dict) -> str:
 
 
 def plot_sweep(cells: list[dict], names: list[str], path: Path) -> None:
-    from adaflash.evaluation.plots import pyplot
+    from adaflash.plots import pyplot
 
     plt = pyplot()
     datasets = list(dict.fromkeys(c["dataset"] for c in cells))

@@ -24,10 +24,10 @@ import torch
 
 from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
+from adaflash.engine.engine_factory import EngineConfig, build_engine
+from adaflash.engine.request import Request
 from adaflash.evaluation.offline import command_line, cpu_label, machine_info, provenance, write_json
-from adaflash.serving.cost_model import CalibratedCost
-from adaflash.serving.engine_factory import EngineConfig, build_engine
-from adaflash.serving.request import Request
+from adaflash.speculative.cost_model import CalibratedCost
 
 PARTS = ("context_feed", "draft_pass", "draft_head", "target_pass")
 

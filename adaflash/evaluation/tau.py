@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from adaflash.data import EVAL_BENCHMARKS, DatasetUnavailableError, Prompt, load_prompts
 from adaflash.cli_args import add_model_args, add_policy_state_arg, command_group
-from adaflash.models.registry import resolve_drafter
+from adaflash.data import EVAL_BENCHMARKS, DatasetUnavailableError, Prompt, load_prompts
 from adaflash.evaluation.offline import (
     command_line,
     cpu_label,
@@ -29,6 +28,7 @@ from adaflash.evaluation.offline import (
     run_offline_bench,
     write_json,
 )
+from adaflash.models.registry import resolve_drafter
 
 METHODS = ("ar", "dflash")
 SPECULATIVE = "dflash"
@@ -132,7 +132,7 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    from adaflash.evaluation.plots import plot_accept_length, plot_per_position
+    from adaflash.plots import plot_accept_length, plot_per_position
 
     tau = report["tau"]
     curves = {d: m["per_position_acceptance"] for d, m in tau["by_domain"].items()}

@@ -130,7 +130,7 @@ class TargetModel(nn.Module):
     def rows_independent(self) -> bool:
         """Whether a position's K/V and logits are bitwise the same in every pass (a prefill of any split, a
         verification, a decode step, in any batch): the int8 target, whose linears and attention (the ragged kernel,
-        prefills too) compute each row alone. What makes a reused prompt prefix exact (serving/prefix_reuse.py)."""
+        prefills too) compute each row alone. What makes a reused prompt prefix exact (engine/prefix_reuse.py)."""
         return self.int8_activations and attention_kernel.available(self.dtype, self.device, self.config.head_dim)
 
     @property

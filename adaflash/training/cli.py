@@ -49,7 +49,7 @@ def _cmd_train_distill(args: argparse.Namespace) -> int:
 
 def _cmd_online(args: argparse.Namespace) -> int:
     from adaflash.models.registry import resolve_drafter
-    from adaflash.evaluation.plots import plot_online
+    from adaflash.plots import plot_online
     from adaflash.training.online import OnlineAdaptation, OnlineConfig
 
     start = resolve_drafter(args.model, args.drafter, "adaflash" if args.drafter is None else "dflash")
@@ -63,10 +63,10 @@ def _cmd_online(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_length_head(args) -> int:
-    from adaflash.evaluation.plots import plot_reliability
     from adaflash.formats.outcomes import load_outcomes
     from adaflash.models.drafter_checkpoint import load_drafter_config
     from adaflash.models.length_head import save_length_head
+    from adaflash.plots import plot_reliability
     from adaflash.training.length_head import LengthHeadTrainConfig, summary_line, train_length_head
 
     drafter_cfg = load_drafter_config(args.drafter)

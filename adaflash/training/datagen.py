@@ -29,9 +29,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from adaflash.data.prompt import Prompt
+from adaflash.engine.engine import Engine
+from adaflash.engine.request import Request
 from adaflash.models.target import TargetModel
-from adaflash.serving.engine import Engine
-from adaflash.serving.request import Request
 from adaflash.speculative.sampling import SamplingParams
 
 MANIFEST = "manifest.json"

@@ -2,7 +2,7 @@
 
 One process runs the serving engine (continuous batching, on its own thread, exactly as `serve` does) and,
 between rounds, the trainer - on that same thread, between two engine steps, so that all the compute shares one
-OpenMP pool (a second pool slows every parallel region: serving/runner.py, EngineRunner.launch). Each round serves
+OpenMP pool (a second pool slows every parallel region: engine/runner.py, EngineRunner.launch). Each round serves
 fresh GSM-Symbolic problems with the current drafter while a recorder writes the on-policy buffer; then the
 drafter is distilled on the buffer (reverse KL by default), its candidate-length head is refitted on the new
 drafter's own block outcomes, and the candidate is scored on a held-out slice (full-block greedy accept length
@@ -23,19 +23,19 @@ from pathlib import Path
 import torch
 
 from adaflash.data import GSMSymbolicStream, load_prompts
-from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
-from adaflash.models.drafter_checkpoint import latest_version, load_drafter, load_drafter_config, publish_version
-from adaflash.models.length_head import load_length_head, save_length_head
-from adaflash.pipeline import Pipeline
-from adaflash.serving.engine_factory import (
+from adaflash.engine.engine_factory import (
     EngineConfig,
     build_engine,
     default_length_policy,
     length_policy_factory,
 )
-from adaflash.serving.recorder import TrajectoryRecorder
-from adaflash.serving.request import Request
-from adaflash.serving.runner import EngineRunner
+from adaflash.engine.recorder import TrajectoryRecorder
+from adaflash.engine.request import Request
+from adaflash.engine.runner import EngineRunner
+from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
+from adaflash.models.drafter_checkpoint import latest_version, load_drafter, load_drafter_config, publish_version
+from adaflash.models.length_head import load_length_head, save_length_head
+from adaflash.pipeline import Pipeline
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.training.block_outcomes import score_blocks
 from adaflash.training.length_head import LengthHeadTrainConfig, train_length_head

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from adaflash.engine.engine import Engine
+from adaflash.engine.request import Request
 from adaflash.models.draft_vocab import DraftVocab
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
-from adaflash.serving.engine import Engine
-from adaflash.serving.length_policy import FixedLength
-from adaflash.serving.request import Request
+from adaflash.speculative.length_policy import FixedLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 from adaflash.speculative.sampling import SamplingParams
