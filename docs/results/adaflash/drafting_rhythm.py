@@ -12,8 +12,8 @@ from adaflash.evaluation.step_profile import profile_generation
 from adaflash.models.registry import resolve_drafter
 from adaflash.models.target import TargetModel
 from adaflash.pipeline import Pipeline
-from adaflash.serving.engine_factory import EngineConfig, build_engine
-from adaflash.serving.length_policy import FixedLength
+from adaflash.engine.engine_factory import EngineConfig, build_engine
+from adaflash.speculative.length_policy import FixedLength
 
 
 class Every:

@@ -12,8 +12,8 @@ from adaflash.cli_args import set_threads
 set_threads(None)
 from adaflash.evaluation.serve_sweep import prompt_pool, _fitting
 from adaflash.pipeline import Pipeline
-from adaflash.serving.engine import Engine
-from adaflash.serving.request import Request
+from adaflash.engine.engine import Engine
+from adaflash.engine.request import Request
 
 conc = int(sys.argv[1]); n_req = int(sys.argv[2])
 p = Pipeline.load("smollm2-135m", None, "int8", None)

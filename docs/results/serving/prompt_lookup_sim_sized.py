@@ -11,9 +11,9 @@ from pathlib import Path
 sys.path.insert(0, "."); sys.path.insert(0, "docs/results")  # run from the repo root
 from prompt_lookup_sim import responses, step_cost  # noqa: E402
 
-from adaflash.serving.cost_model import CostModel  # noqa: E402
-from adaflash.serving.length_policy import LookupLength  # noqa: E402
-from adaflash.serving.request import Request  # noqa: E402
+from adaflash.speculative.cost_model import CostModel  # noqa: E402
+from adaflash.speculative.length_policy import LookupLength  # noqa: E402
+from adaflash.engine.request import Request  # noqa: E402
 from adaflash.speculative.prompt_lookup import PromptLookup  # noqa: E402
 
 PROFILE = Path.home() / ".cache/adaflash/cost_models/smollm2-135m-float32-L2-B16-V4096-T16-th2-k2b688f0c68.json"
