@@ -21,11 +21,11 @@ from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.target import load_target
-from adaflash.speculative.length_policy import FixedLength, build_length_policy
+from adaflash.speculative.length_policy import build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 from adaflash.speculative.sampling import SamplingParams
-from tests.helpers import TINY_VOCAB, exact_joint, law_pvalue
+from tests.helpers import TINY_VOCAB, exact_joint, law_pvalue, sampled_counts
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 PROMPTS = ([3, 17, 29, 5, 60], [7, 7, 41], [11, 90, 23, 52, 8, 19, 33], [64])
@@ -123,18 +123,7 @@ def test_sampling_keeps_the_target_law(tiny_checkpoints, device):
     support = sorted({t for seq in exact for t in seq})
     kept = support[: max(1, len(support) // 2)]
     proposer = _proposer(target, seed=3, vocab=kept + [t for t in range(6, TINY_VOCAB) if t not in kept][:2])
-    n = 800
-    counts = dict.fromkeys(exact, 0)
-    for seed in range(n // 2):
-        counts[tuple(speculative_generate(target, proposer, prompt, 3, params, draft_length=2, seed=seed).token_ids)] += 1
-    engine = Engine(target, proposer, FixedLength(2), max_batch=16, max_queue=n, max_len=32)
-    requests = [Request(f"s{i}", prompt, 3, sampling=params, seed=10_000 + i) for i in range(n - n // 2)]
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_work():
-        engine.step()
-    for r in requests:
-        counts[tuple(r.output_ids)] += 1
+    counts, requests = sampled_counts(target, proposer, prompt, params, exact, 800)
     assert any(a > 1 for r in requests for a in r.accept_lengths)  # drafts were accepted, not only corrected
     assert law_pvalue(counts, exact) > 1e-3
 
