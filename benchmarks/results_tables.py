@@ -81,6 +81,10 @@ NOTES: dict[str, dict[str, str]] = {
     "serving/prompt_lookup_sim_sized": {"what": "prompt lookups verified whole vs sized by the throughput policy, replayed on the target's responses",
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
                                         "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
+    "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain (fp32; the second core busy)",
+                                     "headline": "throughput 0.99, throughput-profiled 1.01, heuristic 1.00, adaflash 1.00, throughput+lookup 1.07x AR"},
+    "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain (int8; the second core busy)",
+                                     "headline": "throughput 0.99, throughput-profiled 0.99, heuristic 1.02, adaflash 0.96, throughput+lookup 1.41x AR"},
     "adaflash/main_table": {"what": "main table: AR, DFlash fixed-16 / fixed-2, throughput, adaflash, adaflash + lookup; "
                                     "served, six-mix, 64 tokens, --dtype int8 (adaflash before its look fix)"},
     "adaflash/look_feedback": {"what": "throughput, adaflash (after its look fix), adaflash + lookup; served, six-mix, int8"},
