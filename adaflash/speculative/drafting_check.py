@@ -8,10 +8,11 @@ step 3.4 ms in an engine that never drafted against 3.7-3.8 between drafting ste
 0.85-0.92x plain decoding. So steps run in two arms, drafting as the policy decides and plain, and each arm is judged
 by the committed tokens a second of its stretches.
 
-Stretches alternate: the chosen arm, then `explore` steps of the other, after which the choice is made again. The
-chosen arm's stretch starts at `first` steps and doubles each time the choice stands (grows 4x where the other arm
-lost by more than `decisive`), up to `longest`, so a losing arm is found within the first ~50 steps and later costs at
-most explore / (longest + explore) of the steps; a flip starts the growth over. The first `settle` steps after a
+Stretches alternate: the chosen arm, then the other for as long as `explore` steps of the chosen one take (a slow
+arm is tried for fewer steps, down to `settle` + 4: under load a drafting step can cost several plain ones), after
+which the choice is made again. The chosen arm's stretch starts at `first` steps and doubles each time the choice
+stands (grows 4x where the other arm lost by more than `decisive`), up to `longest`, so a losing arm is found within
+the first ~30 steps and later costs at most about explore / longest of the time; a flip starts the growth over. The first `settle` steps after a
 switch are left out while the caches refill. Rates are kept per batch size (powers of two): tokens a second are
 comparable only at one batch size, and a batch may draft where one request does not.
 """
@@ -27,15 +28,16 @@ class DraftingCheck:
     """The two arms' schedule and measured rates at one batch size; `next_step_drafts` before each step, `record`
     after it."""
 
-    explore: int = 24
-    first: int = 24
+    explore: int = 16
+    first: int = 16
     longest: int = 1536
-    settle: int = 4
+    settle: int = 3
     margin: float = 0.03
     decisive: float = 0.12  # a loss this large needs re-checking less often
     follow: float = 0.5  # weight of a new stretch in its arm's rate
     drafting_chosen: bool = True
     rates: dict[bool, float] = field(default_factory=dict)  # arm (drafting?) -> committed tokens a second
+    step_s: dict[bool, float] = field(default_factory=dict)  # arm -> seconds a step
 
     def __post_init__(self) -> None:
         if not 0 < self.settle < min(self.explore, self.first) or self.longest < self.first:
@@ -46,6 +48,7 @@ class DraftingCheck:
         self.stretch = self.first  # the chosen arm's next stretch
         self.since_switch = 0
         self.tokens = self.seconds = 0.0  # of the current stretch, past its settling steps
+        self.steps = 0
 
     def next_step_drafts(self) -> bool:
         """Advance one step; whether it belongs to the drafting arm (else it must draft nothing)."""
@@ -54,7 +57,7 @@ class DraftingCheck:
         elif self.left == 0:
             self._close(self.arm)
             if self.arm == self.drafting_chosen:  # the chosen arm ran its stretch: try the other
-                self.arm, self.left = not self.drafting_chosen, self.explore
+                self.arm, self.left = not self.drafting_chosen, self._explore_steps()
             else:  # the other arm was tried: choose, and run the choice for a stretch
                 self._choose()
                 self.arm, self.left = self.drafting_chosen, self.stretch
@@ -68,13 +71,22 @@ class DraftingCheck:
         if self.since_switch >= self.settle and seconds > 0:
             self.tokens += tokens
             self.seconds += seconds
+            self.steps += 1
+
+    def _explore_steps(self) -> int:
+        """The other arm's steps: as long as `explore` of the chosen arm's steps take, at least settle + 4."""
+        other = not self.drafting_chosen
+        if other not in self.step_s or self.drafting_chosen not in self.step_s:
+            return self.explore
+        steps = round(self.explore * self.step_s[self.drafting_chosen] / self.step_s[other])
+        return min(self.explore, max(self.settle + 4, steps))
 
     def _close(self, arm: bool) -> None:
         if self.seconds > 0:
-            rate = self.tokens / self.seconds
-            old = self.rates.get(arm, rate)
-            self.rates[arm] = (1 - self.follow) * old + self.follow * rate
+            for measured, value in ((self.rates, self.tokens / self.seconds), (self.step_s, self.seconds / self.steps)):
+                measured[arm] = (1 - self.follow) * measured.get(arm, value) + self.follow * value
         self.tokens = self.seconds = 0.0
+        self.steps = 0
 
     def _choose(self) -> None:
         if True not in self.rates or False not in self.rates:
@@ -103,7 +115,7 @@ class DraftingChecks:
         if size not in self.by_size:
             t = self.template
             self.by_size[size] = DraftingCheck(t.explore, t.first, t.longest, t.settle, t.margin, t.decisive, t.follow,
-                                               t.drafting_chosen)
+                                               t.drafting_chosen)  # (its own rates and step times)
         return self.by_size[size]
 
 

@@ -48,6 +48,21 @@ def test_a_decisive_loss_is_rechecked_four_times_less_often():
     assert runs == [4, 2 + 8, 2, 32, 2]  # plain won by 30%: its stretches 8, then 32
 
 
+def test_a_slow_arm_is_explored_for_as_long_as_the_chosen_arms_steps_take():
+    """Under load a drafting step can cost several plain ones: the losing arm's retry takes about the time `explore`
+    chosen steps take, so exploring it costs a bounded share of the time, not of the steps."""
+    check = DraftingCheck(explore=16, first=16, longest=64, settle=2, decisive=0.12)
+    arms = []
+    for _ in range(16 + 48 + 6 + 10):
+        arm = check.next_step_drafts()
+        check.record(1, 0.04 if arm else 0.01)  # a drafting step: 4x the time, the same one token
+        arms.append(arm)
+    runs = [len(list(g)) for _, g in __import__("itertools").groupby(arms)]
+    # drafting's first stretch, plain explored then chosen (16 + a stretch of 32), drafting retried for 6 steps (16 plain
+    # steps' time, at least settle + 4), then plain again
+    assert runs == [16, 48, 6, 10] and check.step_s[True] == pytest.approx(0.04)
+
+
 def test_the_steps_right_after_a_switch_are_not_measured():
     """While the caches refill after a switch the first `settle` steps run slow; they must not count."""
     check = DraftingCheck(explore=4, first=4, settle=2)
