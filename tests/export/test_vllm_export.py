@@ -143,3 +143,20 @@ def test_errors_name_the_bad_input_and_leave_nothing_half_written(tiny_chat_chec
     with pytest.raises(ValueError, match="LM-head rows"):
         export_vllm(src, tmp_path / "out2", tiny_chat_checkpoint, with_target=False)
     assert not (tmp_path / "out2" / "drafter").exists()
+
+
+def test_target_export_leaves_out_our_runtimes_packed_block_cache(tiny_chat_checkpoint, tmp_path):
+    """The converted target cache also holds gguf_blocks.safetensors (packed blocks with names like `layers.0.qkv`):
+    vLLM loads every *.safetensors of a folder and refused it ("no module or parameter named 'embed_tokens'")."""
+    import shutil
+
+    from adaflash.models.gguf_blocks import CACHE_FILE
+    from adaflash.models.safetensors_io import save_tensors
+
+    src = tmp_path / "cache"
+    shutil.copytree(tiny_chat_checkpoint, src)
+    save_tensors(src / CACHE_FILE, {"embed_tokens": torch.zeros(2), "layers.0.qkv": torch.zeros(2)})
+    out = export_vllm_target(str(src), tmp_path / "target")
+    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
+    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(Path(tiny_chat_checkpoint)
+                                                                                / "model.safetensors")))
