@@ -147,7 +147,8 @@ def main() -> None:
         # the engine core's torch threads: OMP_NUM_THREADS when set (vLLM otherwise lowers 2 cores to 1 thread)
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "dtype": "float32",
         "enforce_eager": True, "speculative_config": spec,
-        "rms_norm_per_row_weights": per_row, "context_k_norm_patched": fixed, "max_tokens": args.max_tokens, "prompts": len(prompts),
+        "rms_norm_per_row_weights": per_row, "context_k_norm_patched": fixed,
+        "max_tokens": args.max_tokens, "prompts": len(prompts),
         "load_s": load_s, "generate_s": elapsed, "output_tokens": generated,
         "output_tok_per_s": generated / elapsed if elapsed else None,
         "counters": _counters(llm), "results": results,

@@ -221,3 +221,6 @@ def register_cli(subparsers) -> None:
     from adaflash.export.vllm import register_subcommand as register_vllm
 
     register_vllm(export_sub)  # export vllm
+    from adaflash.export.vllm_schedule import register_subcommand as register_vllm_schedule
+
+    register_vllm_schedule(export_sub)  # export vllm-schedule

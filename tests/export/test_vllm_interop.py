@@ -153,7 +153,8 @@ def interop(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
     ours = rate(*ours_matched)
     identical_steps = sum(p["ours"]["per_step_accepted"] == s.get("per_step_accepted") for p, s in zip(prompts, spec))
     fixed_spec = [p["vllm_fixed"]["spec"] for p in prompts]
-    fixed_rate = rate(sum(s["num_accepted_draft_tokens"] for s in fixed_spec), sum(s["num_draft_tokens"] for s in fixed_spec))
+    fixed_rate = rate(sum(s["num_accepted_draft_tokens"] for s in fixed_spec),
+                      sum(s["num_draft_tokens"] for s in fixed_spec))
     identical_fixed = sum(p["ours"]["per_step_accepted"] == s.get("per_step_accepted")
                           for p, s in zip(prompts, fixed_spec))
     result = {
@@ -178,7 +179,8 @@ def interop(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
         "tolerance": TOLERANCE,
         "prompts_with_identical_per_step_acceptance": identical_steps,
         "vllm_rms_norm_per_row_weights": dflash["rms_norm_per_row_weights"],
-        "context_k_norm_fixed": {"acceptance": fixed_rate, "prompts_with_identical_per_step_acceptance": identical_fixed,
+        "context_k_norm_fixed": {"acceptance": fixed_rate,
+                                 "prompts_with_identical_per_step_acceptance": identical_fixed,
                                  "relative_difference": abs(fixed_rate["rate"] - ours["rate"]) / ours["rate"]
                                  if ours["rate"] else float("nan"),
                                  "patched": fixed["context_k_norm_patched"]},
