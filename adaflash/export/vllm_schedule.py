@@ -30,7 +30,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 def survival_from_histograms(histograms: Sequence[Sequence[int]]) -> list[float]:
     """P(drafts 1..j all accepted), j = 1..K, from acceptance histograms (count of verify steps with j accepted,
-    j = 0..K), summed over requests. Only steps that drafted all K positions should be in them (vLLM drafts K always)."""
+    j = 0..K), summed over requests: from a fixed-K run (vLLM drafts K at every step there)."""
     total = [sum(col) for col in zip(*histograms)]
     steps = sum(total)
     if steps == 0:
