@@ -139,7 +139,7 @@ $(VLLM_VENV)/.installed:
 	$(NICE) $(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(NICE) $(VLLM_PY) -m pip install --quiet torch==2.13.0 $(VLLM_PKG)
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	cd $(VLLM_VENV) && ./bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	$(VLLM_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
 clean:

@@ -69,11 +69,11 @@ def run_vllm(python: Path, target: Path, prompts: Path, out: Path, drafter: Path
     return json.loads(out.read_text())
 
 
-def held_out_prompts(pipeline) -> list[dict]:
+def held_out_prompts(pipeline, sets=PROMPT_SETS) -> list[dict]:
     from adaflash.data import load_prompts
 
     chosen = []
-    for name, count in PROMPT_SETS:
+    for name, count in sets:
         kept = 0
         for prompt in load_prompts(name, "eval", limit=4 * count):
             ids = pipeline.encode(messages=prompt.messages)
