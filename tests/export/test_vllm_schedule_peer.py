@@ -4,7 +4,8 @@ vllm-schedule`, see adaflash/export/vllm_schedule.py for what vLLM's hooks can a
 In one run, on BATCH held-out-style prompts submitted together (offline `generate`, so BATCH requests run at once):
 vLLM fixed-15 DFlash (its per-request acceptance histograms give the drafter's survival curve), our policy's schedule
 from that curve and our runtime's step-cost profile, then ROUNDS alternating rounds of vLLM AR and vLLM with the
-schedule (medians reported; fixed-15 runs once: it is several times slower).
+schedule (medians reported; fixed-15 runs once: it is several times slower). None of the timed runs asks for
+log-probabilities.
 1. Lossless: vLLM with the schedule returns vLLM AR's greedy tokens (up to float ties, as in the interop test).
 2. vLLM follows the schedule: every verify step drafted one of the schedule's lengths.
 Speeds (output tokens / second of the generate call) of the three go to docs/results/vllm/schedule.json; they are
@@ -59,13 +60,15 @@ def scheduled(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
         torch.set_num_threads(session_threads)
     schedule = batch_schedule(survival, cost, NUM_SPEC, MAX_BATCH)
     config = speculative_config(str(export.drafter), schedule, NUM_SPEC)
+    # Top-2 log-probabilities (to tell float ties from divergences) slow vLLM down: one AR run with them for the
+    # lossless check, the timed rounds without.
+    ar = run_vllm(vllm_python, export.target, prompts_file, work / "ar-logprobs.json", logprobs=2)
     ars, policies = [], []
     extra = ["--spec-extra", json.dumps({"num_speculative_tokens_per_batch_size": schedule})]
     for r in range(ROUNDS):
-        ars.append(run_vllm(vllm_python, export.target, prompts_file, work / f"ar{r}.json", logprobs=2))
+        ars.append(run_vllm(vllm_python, export.target, prompts_file, work / f"ar{r}.json"))
         policies.append(run_vllm(vllm_python, export.target, prompts_file, work / f"policy{r}.json",
                                  drafter=export.drafter, extra=extra))
-    ar = ars[0]
     ar_speed = statistics.median(a["output_tok_per_s"] for a in ars)
     policy_speed = statistics.median(p["output_tok_per_s"] for p in policies)
     result = {
