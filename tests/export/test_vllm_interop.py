@@ -186,7 +186,8 @@ def interop(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
                                  "patched": fixed["context_k_norm_patched"]},
         "speed": {"vllm_ar_output_tok_per_s": ar["output_tok_per_s"],
                   "vllm_dflash_output_tok_per_s": dflash["output_tok_per_s"],
-                  "note": f"{len(prompts)} prompts in one offline generate() call; load excluded"},
+                  "note": f"{len(prompts)} prompts in one offline generate() call; load excluded; "
+                                  "the AR run also returns top-2 log-probabilities"},
         "per_prompt": [{"id": p["id"], "dataset": p["dataset"], "prompt_tokens": len(p["ids"]),
                         "vllm": {"accepted": s["num_accepted_draft_tokens"], "drafted": s["num_draft_tokens"],
                                  "per_step_accepted": s.get("per_step_accepted")},
