@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--logprobs", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--sequential", action="store_true", help="generate the prompts one at a time")
     parser.add_argument("--fix-context-k-norm", action="store_true",
                         help="patch vLLM's DFlash context-key norm where its CPU rms_norm ignores per-layer weights "
                              "(runs the engine in this process so the patch applies)")
@@ -125,7 +126,11 @@ def main() -> None:
     load_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=args.logprobs or None)
     start = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p["ids"]) for p in prompts], params, use_tqdm=False)
+    requests = [TokensPrompt(prompt_token_ids=p["ids"]) for p in prompts]
+    if args.sequential:  # one request at a time: every step runs at batch size 1
+        outputs = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
+    else:
+        outputs = llm.generate(requests, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     results = []
     for p, out in zip(prompts, outputs):
@@ -148,7 +153,7 @@ def main() -> None:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "dtype": "float32",
         "enforce_eager": True, "speculative_config": spec,
         "rms_norm_per_row_weights": per_row, "context_k_norm_patched": fixed,
-        "max_tokens": args.max_tokens, "prompts": len(prompts),
+        "max_tokens": args.max_tokens, "prompts": len(prompts), "sequential": args.sequential,
         "load_s": load_s, "generate_s": elapsed, "output_tokens": generated,
         "output_tok_per_s": generated / elapsed if elapsed else None,
         "counters": _counters(llm), "results": results,
