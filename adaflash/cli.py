@@ -9,22 +9,24 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from adaflash.cli_args import (add_model_args, add_policy_state_arg, add_prompt_lookup_arg, configure_process,
-                                prompt_lookup_of)
+from adaflash.cli_args import (add_device_arg, add_model_args, add_policy_state_arg, add_prompt_lookup_arg,
+                                configure_process, prompt_lookup_of)
 from adaflash.evaluation.context_length import register_cli as register_context_length_cli
 from adaflash.evaluation.drafter_eval import register_cli as register_drafter_eval_cli
 from adaflash.evaluation.load_test import register_cli as register_load_cli
-from adaflash.evaluation.sensitivity import register_cli as register_sensitivity_cli
 from adaflash.evaluation.offline import register_cli as register_bench_cli
+from adaflash.evaluation.sensitivity import register_cli as register_sensitivity_cli
 from adaflash.evaluation.serve_bench import register_cli as register_serve_bench_cli
 from adaflash.evaluation.serve_sweep import register_cli as register_sweep_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
 from adaflash.evaluation.vocab_coverage import register_cli as register_vocab_cli
 from adaflash.export.gguf import register_cli as register_export_cli
 from adaflash.models.registry import DEFAULT_TARGET, resolve_drafter
-from adaflash.serving.cli import register_cli as register_serve_cli
-from adaflash.training.cli import register_cli as register_train_cli
 from adaflash.pipeline import METHODS
+from adaflash.server.cli import register_cli as register_serve_cli
+from adaflash.training.cli import register_cli as register_train_cli
+
+DEFAULT_DATA_MIX = "gsm-symbolic:300,sharegpt-chat:250,sharegpt-code:150,champ:100"
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -105,11 +107,36 @@ def _parse_mix(text: str) -> list[tuple[str, int, int]]:
     return mix
 
 
-def _cmd_data_generate(args: argparse.Namespace) -> int:
+def _mix_prompts(mix: str | None, seed: int) -> list:
+    """The train-split prompts a --mix names, round-robin over its datasets (a run stopped early holds every domain)."""
     from adaflash.data import load_prompts
+
+    per_dataset = [load_prompts(name, "train", limit=stop, seed=seed)[first:]
+                   for name, first, stop in _parse_mix(mix or DEFAULT_DATA_MIX)]
+    return [p for group in itertools.zip_longest(*per_dataset) for p in group if p is not None]
+
+
+def _cmd_data_export(args: argparse.Namespace) -> int:
+    """A --mix as one JSONL prompt file (gzip-compressed for .gz): what `data generate --prompts-file` reads where the
+    prompt-set packages are not installed (a GPU machine)."""
+    import gzip
+
+    prompts = _mix_prompts(args.mix, args.seed)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps({"id": p.id, "domain": p.domain, "dataset": p.dataset, "messages": list(p.messages)},
+                               ensure_ascii=False) + "\n" for p in prompts)
+    out.write_bytes(gzip.compress(lines.encode(), mtime=0) if out.suffix == ".gz" else lines.encode())
+    print(f"{out}: {len(prompts)} prompts, {out.stat().st_size / 1e6:.1f} MB")
+    return 0
+
+
+def _cmd_data_generate(args: argparse.Namespace) -> int:
     from adaflash.models.drafter import build_target_layer_ids
     from adaflash.pipeline import Pipeline
     from adaflash.training.datagen import DataGenConfig, generate_dataset
+
+    from adaflash.data.jsonl import read_prompts_file
 
     pipeline = Pipeline.load(args.model, None, args.dtype)
     layers = (
@@ -117,14 +144,12 @@ def _cmd_data_generate(args: argparse.Namespace) -> int:
         if args.capture_layers
         else build_target_layer_ids(pipeline.target.config.num_layers, args.drafter_layers)
     )
-    per_dataset = [load_prompts(name, "train", limit=stop, seed=args.seed)[first:]
-                   for name, first, stop in _parse_mix(args.mix)]
-    # Round-robin over the datasets, so a run stopped early still holds every domain.
-    prompts = [p for group in itertools.zip_longest(*per_dataset) for p in group if p is not None]
+    prompts = read_prompts_file(args.prompts_file) if args.prompts_file else _mix_prompts(args.mix, args.seed)
     config = DataGenConfig(
         model=args.model, capture_layers=layers, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, shard_size=args.shard_size,
         temperature=args.temperature, seed=args.seed, top_logprobs=args.top_logprobs,
+        store_features=not args.tokens_only,
     )
     manifest = generate_dataset(
         pipeline.target, lambda p: pipeline.encode(messages=p.messages), pipeline.stop_token_ids, prompts, args.out, config
@@ -142,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for every command (default: $ADAFLASH_THREADS, else all cores); "
                         "benchmarks should run with nothing else on those cores")
+    add_device_arg(parser, top_level=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with AR or speculative decoding")
@@ -170,10 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="prompt sets")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     data_sub.add_parser("list", help="list the prompt sets and their splits").set_defaults(func=_cmd_data_list)
+    dexp = data_sub.add_parser("export", help="write a --mix of train-split prompts to one JSONL(.gz) prompt file")
+    dexp.add_argument("--mix", default=None, help=f"as `data generate --mix` (default {DEFAULT_DATA_MIX})")
+    dexp.add_argument("--out", required=True, help="the prompt file: .jsonl, or .jsonl.gz (gzip)")
+    dexp.add_argument("--seed", type=int, default=0)
+    dexp.set_defaults(func=_cmd_data_export)
     dgen = data_sub.add_parser("generate", help="regenerate training responses with the target (resumable)")
     dgen.add_argument("--out", required=True, help="output directory (shards + manifest.json)")
-    dgen.add_argument("--mix", default="gsm-symbolic:300,sharegpt-chat:250,sharegpt-code:150,champ:100",
-                      help="train-split prompts per dataset: NAME:COUNT (the first COUNT) or NAME:START-END, comma-separated")
+    prompt_source = dgen.add_mutually_exclusive_group()
+    prompt_source.add_argument("--mix", default=None, help="train-split prompts per dataset: NAME:COUNT (the first COUNT) "
+                               f"or NAME:START-END, comma-separated (default {DEFAULT_DATA_MIX})")
+    prompt_source.add_argument("--prompts-file", default=None,
+                               help="a JSONL prompt file (.jsonl or .jsonl.gz, as `generate --prompts-file` reads) "
+                               "instead of the registered sets: `adaflash data export` writes one from a --mix")
     dgen.add_argument("--model", default=DEFAULT_TARGET)
     dgen.add_argument("--dtype", default="auto")
     dgen.add_argument("--drafter-layers", type=int, default=2, help="capture the layers a drafter of this depth reads")
@@ -183,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     dgen.add_argument("--batch-size", type=int, default=64, help="sequences kept running (slots refilled as they finish)")
     dgen.add_argument("--top-logprobs", type=int, default=0,
                       help="also keep the target's top-k log-probabilities per response token (soft targets)")
+    dgen.add_argument("--tokens-only", action="store_true",
+                      help="store the responses' tokens, not the target's features: training recomputes them with the "
+                      "target inside its step (what a GPU does faster than reading ~3.5 KB a token back)")
     dgen.add_argument("--shard-size", type=int, default=64)
     dgen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     dgen.add_argument("--seed", type=int, default=0)
@@ -199,13 +237,31 @@ def build_parser() -> argparse.ArgumentParser:
     register_serve_cli(sub)  # serve
     register_train_cli(sub)  # train drafter, train distill
     register_export_cli(sub)  # export gguf
+    for command in _commands(parser):
+        if " ".join(command.prog.split()[1:]) not in _NO_MODEL_COMMANDS:
+            add_device_arg(command)
     return parser
+
+
+# Commands that run no model here (clients, listings, file conversions): no --device of their own.
+_NO_MODEL_COMMANDS = {"data list", "data export", "bench serve", "bench load", "export gguf"}
+
+
+def _commands(parser: argparse.ArgumentParser):
+    """The leaf command parsers under `parser` (generate, train drafter, ...)."""
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not actions:
+        yield parser
+        return
+    for action in actions:
+        for child in dict.fromkeys(action.choices.values()):
+            yield from _commands(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        configure_process(args.threads)
+        configure_process(args.threads, args.device)
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

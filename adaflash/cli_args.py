@@ -58,15 +58,27 @@ def command_group(subparsers, name: str, help: str):
     return parser._adaflash_subcommands
 
 
-def configure_process(threads: int | None) -> int:
-    """The compute set-up every command runs with: threads (--threads, else $ADAFLASH_THREADS, else torch's default,
-    one per core) and the allocator (large freed buffers kept, models/allocator.py). Returns the threads in force."""
+DEVICE_HELP = ("where the models run: auto (default: CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N "
+               "(default $ADAFLASH_DEVICE, else auto); bf16 by default on CUDA")
+
+
+def add_device_arg(p: argparse.ArgumentParser, top_level: bool = False) -> None:
+    """--device on the top-level parser and on each command that runs a model (a command's own wins)."""
+    p.add_argument("--device", default=None if top_level else argparse.SUPPRESS, help=DEVICE_HELP)
+
+
+def configure_process(threads: int | None, device: str | None = None) -> int:
+    """The compute set-up every command runs with: the device (--device, else $ADAFLASH_DEVICE, else auto: the one
+    device decision, models/device.py), threads (--threads, else $ADAFLASH_THREADS, else torch's default, one per
+    core) and the allocator (large freed buffers kept, models/allocator.py). Returns the threads in force."""
     import os
 
     import torch
 
     from adaflash.models.allocator import keep_freed_buffers
+    from adaflash.models.device import use_device
 
+    use_device(device)
     keep_freed_buffers()
 
     if threads is None and os.environ.get("ADAFLASH_THREADS"):

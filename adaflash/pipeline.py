@@ -12,14 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, load_drafter
-from adaflash.models.dtype import resolve_dtype
-from adaflash.models.length_head import load_length_head
-from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
-from adaflash.models.target import TargetModel, load_target_as
-from adaflash.serving.engine import max_verified
-from adaflash.serving.engine_factory import (
+from adaflash.engine.engine import max_verified
+from adaflash.engine.engine_factory import (
     METHODS,
     EngineConfig,
     EngineModels,
@@ -27,8 +21,16 @@ from adaflash.serving.engine_factory import (
     check_method,
     length_policy_factory,
 )
-from adaflash.serving.length_policy import check_length_policy
-from adaflash.serving.request import Request
+from adaflash.engine.request import Request
+from adaflash.models.device import placed
+from adaflash.models.drafter import DrafterConfig
+from adaflash.models.drafter_checkpoint import init_drafter, load_drafter
+from adaflash.models.dtype import resolve_dtype
+from adaflash.models.length_head import load_length_head
+from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
+from adaflash.models.target import TargetModel, load_target_as
+from adaflash.models.text_codec import TextCodec
+from adaflash.speculative.length_policy import check_length_policy
 from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import (
@@ -39,7 +41,7 @@ from adaflash.speculative.reference import (
 )
 from adaflash.speculative.sampling import SamplingParams
 
-__all__ = ["METHODS", "Completion", "Pipeline", "TextCodec", "check_draft_length", "uses_engine"]
+__all__ = ["METHODS", "Completion", "Pipeline", "check_draft_length", "uses_engine"]
 
 # Token ids 3-16 of SmolLM2's vocabulary are code/meta specials that chat never uses; one is the mask.
 DEFAULT_MASK_TOKEN_IDS = {"smollm2-135m": 16}
@@ -62,34 +64,6 @@ def check_draft_length(method: str, length_policy: str | None, draft_length: int
         raise ValueError(f"--draft-length applies to the reference loop (--method dflash without --length-policy); "
                          f"--method {method} runs the {policy} length policy on the serving engine, which picks the "
                          "draft lengths (for a fixed one use --length-policy fixed:K)")
-
-
-class TextCodec:
-    """Prompts to token ids (raw text as is, chat messages through the model's chat template) and back, and the
-    tokens that end a generation: what the CLI and the server share, so their outputs agree."""
-
-    def __init__(self, tokenizer, eos_token_ids: Sequence[int]) -> None:
-        self.tokenizer = tokenizer
-        eos = set(eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.stop_token_ids = tuple(sorted(eos))
-
-    def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        if messages is not None:
-            if not messages:
-                raise ValueError("messages is empty")
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
-        else:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not ids:
-            raise ValueError("the prompt encodes to no tokens")
-        return list(ids)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
 @dataclass(frozen=True)
@@ -140,17 +114,19 @@ class Pipeline:
     def load(
         cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto",
         length_policy: str | None = None, draft_vocab: str | None = None, carry_policy_state: bool = False,
-        prompt_lookup: PromptLookup | None = None,
+        prompt_lookup: PromptLookup | None = None, device: str | None = None,
     ) -> "Pipeline":
+        """`device`: where the models run (default: the process's, `--device`; models/device.py)."""
         if length_policy is not None:
             check_length_policy(length_policy)  # a bad spec fails before the (slow) load, not at the first generation
         checkpoint = resolve_target(model)
-        torch_dtype = resolve_dtype(dtype)
-        target = load_target_as(checkpoint, dtype)
+        device = placed(device)
+        torch_dtype = resolve_dtype(dtype, device.type)
+        target = load_target_as(checkpoint, dtype, device)
         proposer, head = None, None
         if drafter is not None:
-            proposer = DFlashProposer(load_drafter(drafter, dtype=torch_dtype, draft_vocab=draft_vocab), target)
-            head = load_length_head(drafter)
+            proposer = DFlashProposer(load_drafter(drafter, torch_dtype, device, draft_vocab), target)
+            head = load_length_head(drafter, device)
         return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model), length_policy=length_policy,
                    length_head=head, carry_policy_state=carry_policy_state, prompt_lookup=prompt_lookup)
 

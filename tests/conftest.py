@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -28,6 +30,8 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
 
 # Tiny models gain nothing from threads, and a busy second core makes OpenMP wait in 16 ms slices.
 torch.set_num_threads(1)
+# The suite runs on the CPU, GPU or not (tests that take a device fixture move to CUDA themselves, `pytest -m cuda`).
+os.environ["ADAFLASH_DEVICE"] = "cpu"
 
 
 @pytest.fixture(autouse=True)

@@ -122,6 +122,31 @@ def exact_joint(target, prompt: list[int], params, length: int) -> dict[tuple[in
     return joint
 
 
+def sampled_counts(target, proposer, prompt: list[int], params, exact: dict, n: int, draft_length: int = 2):
+    """Counts of the first len(exact key) sampled tokens over n runs: half through the reference loop (seeds 0..),
+    half as requests of one batched engine; returns (counts, the engine's requests)."""
+    from adaflash.engine.engine import Engine
+    from adaflash.engine.request import Request
+    from adaflash.speculative.length_policy import FixedLength
+    from adaflash.speculative.reference import speculative_generate
+
+    length = len(next(iter(exact)))
+    counts = dict.fromkeys(exact, 0)
+    for seed in range(n // 2):
+        counts[tuple(speculative_generate(target, proposer, prompt, length, params, draft_length=draft_length,
+                                          seed=seed).token_ids)] += 1
+    engine = Engine(target, proposer, FixedLength(draft_length), max_batch=16, max_queue=n,
+                    max_len=len(prompt) + length + proposer.block_size)
+    requests = [Request(f"s{i}", prompt, length, sampling=params, seed=10_000 + i) for i in range(n - n // 2)]
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    for r in requests:
+        counts[tuple(r.output_ids)] += 1
+    return counts, requests
+
+
 def law_pvalue(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float]) -> float:
     """Chi-square p-value of observed sequence counts against the exact law; cells expecting < 5 are pooled so the
     approximation holds."""

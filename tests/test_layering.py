@@ -1,8 +1,9 @@
-"""The package's layers import only downward (or sideways, within a layer).
+"""The package's parts import only downward.
 
 Every `import` and `from ... import` in adaflash/ is read with `ast`: module level, inside functions and under
-`if TYPE_CHECKING:` alike (a lazy import is still a dependency). A module may import its own layer and the
-layers below it, never one above.
+`if TYPE_CHECKING:` alike (a lazy import is still a dependency). Each top-level part of adaflash/ (a folder or a
+module) is one layer; a module may import its own part and the parts below it, never one above, so no two parts
+can import each other.
 """
 
 from __future__ import annotations
@@ -14,53 +15,38 @@ import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "adaflash"
 
-# Module (or package) prefix -> layer, bottom 0 to top. The longest matching prefix decides, so a listed module
-# overrides its package's entry. A module that matches nothing fails the test: place new modules here.
-LAYERS: dict[str, int] = {
-    # 0: prompt sets; a leaf every layer may use (it imports only itself).
-    "adaflash.data": 0,
-    # 1: the networks and their files: target runtime, KV cache, drafter, length heads, registry.
-    "adaflash.models": 1,
-    # 2: file formats shared by the serving recorder (writes) and training/evaluation (read): trajectories and
-    #    verification outcomes.
-    "adaflash.formats": 2,
-    # 3: the algorithms over token ids: sampling, verifier, proposer, reference loops.
-    "adaflash.speculative": 3,
-    # 4: the serving engine and what runs it: engine, request, scheduler, length policies, cost model, engine
-    #    config + factory, recorder, runner (engine thread), hot swap.
-    "adaflash.serving": 4,
-    # 5: text in, text out (tokenizer + the engine or the reference loops).
-    "adaflash.pipeline": 5,
-    # 6: training workflows above the engine (datagen drives the engine; online adaptation serves through the
-    #    pipeline and the runner): trainer, losses, datasets, length-head fitting, block outcomes, online rounds.
-    "adaflash.training": 6,
-    # 7: the top: front-ends and experiments. The HTTP server and its parts, every CLI module and its argument
-    #    helpers, evaluation/benchmarks/plots, export.
-    "adaflash.serving.server": 7,
-    "adaflash.serving.protocol": 7,
-    "adaflash.serving.gate": 7,
-    "adaflash.serving.metrics": 7,
-    "adaflash.serving.shutdown": 7,
-    "adaflash.serving.cli": 7,
-    "adaflash.training.cli": 7,
-    "adaflash.evaluation": 7,
-    "adaflash.export": 7,
-    "adaflash.cli": 7,
-    "adaflash.cli_args": 7,
-    "adaflash": 7,  # the package's own __init__
-}
+# The top-level parts of adaflash/, bottom to top. A new part fails the test until it is placed here.
+UNITS: list[str] = [
+    "data",  # prompt sets; imports nothing else of the package
+    "models",  # the networks and their files: target runtime, KV cache, drafter, length heads, tokenizer codec
+    "formats",  # trajectories and verification outcomes: written by the engine's recorder, read by training
+    "speculative",  # over token ids: sampling, verifier, proposer, prompt lookup, length policies, cost model
+    "engine",  # the continuous-batching engine, its factory, scheduler, runner thread, recorder, hot swap
+    "pipeline",  # text in, text out: tokenizer + the engine or the reference loops
+    "cli_args",  # argument helpers every command module shares
+    "plots",  # figures (matplotlib)
+    "training",  # drafter and length-head training, data generation, online adaptation; its commands
+    "server",  # the OpenAI-compatible HTTP server over the engine, and `adaflash serve`
+    "evaluation",  # benchmarks and reports; their commands
+    "export",  # GGUF export; its command
+    "cli",  # the `adaflash` command: every part's commands under one parser
+    "",  # the package's own __init__
+]
+LAYERS = {unit: i for i, unit in enumerate(UNITS)}
+
+
+def unit_of(module: str) -> str:
+    """`adaflash.engine.runner` -> `engine`; the package itself -> ''."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def layer_of(module: str) -> int | None:
+    return LAYERS.get(unit_of(module)) if module.split(".")[0] == "adaflash" else None
 
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def layer_of(module: str) -> int | None:
-    for prefix in sorted(LAYERS, key=len, reverse=True):
-        if module == prefix or module.startswith(prefix + "."):
-            return LAYERS[prefix]
-    return None
 
 
 def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, str]]:
@@ -89,28 +75,48 @@ def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, s
 SOURCES = sorted(PACKAGE_DIR.rglob("*.py"))
 
 
+def upward_imports(path: Path, source: str | None = None) -> list[str]:
+    """Every import in the file (or in `source`, read as that file) of a part above the file's own."""
+    name = module_name(path)
+    here = layer_of(name)
+    found = []
+    for line, module in imported_modules(path, source):
+        there = layer_of(module)
+        if here is None or there is None or there > here:
+            found.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {name} ({unit_of(name) or 'adaflash'}) "
+                         f"imports {module} ({unit_of(module) or 'adaflash'})")
+    return found
+
+
 def test_the_walk_finds_the_package_and_its_lazy_imports():
     assert len(SOURCES) > 50
     cli = dict((m, line) for line, m in imported_modules(PACKAGE_DIR / "cli.py"))
     assert "adaflash.pipeline" in cli and "adaflash.training.datagen" in cli  # the second one is function-level
 
 
-def test_every_module_has_a_layer():
+def test_every_part_has_a_layer():
+    parts = {p.relative_to(PACKAGE_DIR).parts[0].removesuffix(".py") for p in SOURCES}
+    parts = {"" if part == "__init__" else part for part in parts}
+    assert parts == set(UNITS), f"place new parts in UNITS, drop gone ones: {sorted(parts ^ set(UNITS))}"
     unplaced = [module_name(p) for p in SOURCES if layer_of(module_name(p)) is None]
-    assert not unplaced, f"add these modules to LAYERS in {Path(__file__).name}: {unplaced}"
+    assert not unplaced, f"add these modules' parts to UNITS in {Path(__file__).name}: {unplaced}"
 
 
 def test_imports_only_go_down():
-    upward = []
-    for path in SOURCES:
-        name = module_name(path)
-        here = layer_of(name)
-        for line, module in imported_modules(path):
-            there = layer_of(module)
-            if there is None or (here is not None and there > here):
-                upward.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {name} (layer {here}) imports "
-                              f"{module} (layer {there})")
+    upward = [found for path in SOURCES for found in upward_imports(path)]
     assert not upward, "imports going up a layer:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("probe, source", [
+    ("engine/probe.py", "from adaflash.pipeline import Pipeline\n"),
+    ("speculative/probe.py", "def f():\n    from adaflash.engine import request\n"),
+    ("speculative/probe.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from adaflash.engine.request import Request\n"),
+    ("training/probe.py", "from adaflash.evaluation.tau import run\n"),
+    ("pipeline.py", "from .server import server\n"),
+    ("data/probe.py", "import adaflash.models.registry\n"),
+])
+def test_an_upward_import_is_caught(probe, source):
+    assert len(upward_imports(PACKAGE_DIR / probe, source)) == 1
 
 
 def test_data_is_a_leaf():
@@ -123,19 +129,22 @@ def test_data_is_a_leaf():
     ("from adaflash.training.trainer import train\n", ["adaflash.training.trainer"]),
     ("def f():\n    from adaflash import pipeline\n", ["adaflash.pipeline"]),
     ("import adaflash.cli_args as a\n", ["adaflash.cli_args"]),
-    ("from .engine import Engine\n", ["adaflash.serving.engine"]),
+    ("from .engine import Engine\n", ["adaflash.engine.engine"]),
     ("from ..pipeline import Pipeline\n", ["adaflash.pipeline"]),
-    ("if TYPE_CHECKING:\n    from adaflash.evaluation.plots import pyplot\n", ["adaflash.evaluation.plots"]),
+    ("if TYPE_CHECKING:\n    from adaflash.plots import pyplot\n", ["adaflash.plots"]),
 ])
 def test_imported_modules_reads_every_form(source, expected):
-    probe = PACKAGE_DIR / "serving" / "layering_probe.py"  # never written: `source` is parsed as this file
+    probe = PACKAGE_DIR / "engine" / "layering_probe.py"  # never written: `source` is parsed as this file
     assert [m for _, m in imported_modules(probe, source)] == expected
 
 
 def test_the_table_puts_the_named_cycles_in_order():
     # Each pair was a cycle once: the left side may not import the right side any more.
-    assert layer_of("adaflash.serving.recorder") < layer_of("adaflash.training.trainer")
-    assert layer_of("adaflash.pipeline") < layer_of("adaflash.serving.server")
-    assert layer_of("adaflash.training.online") < layer_of("adaflash.evaluation.plots")
-    assert layer_of("adaflash.training.length_head") < layer_of("adaflash.cli_args")
-    assert layer_of("adaflash.formats.trajectories") < layer_of("adaflash.serving.recorder")
+    assert layer_of("adaflash.engine.recorder") < layer_of("adaflash.training.trainer")
+    assert layer_of("adaflash.pipeline") < layer_of("adaflash.server.server")
+    assert layer_of("adaflash.engine.engine") < layer_of("adaflash.pipeline")
+    assert layer_of("adaflash.training.cli") < layer_of("adaflash.evaluation.tau")
+    assert layer_of("adaflash.speculative.length_policy") < layer_of("adaflash.engine.request")
+    assert layer_of("adaflash.models.text_codec") < layer_of("adaflash.engine.engine")
+    assert layer_of("adaflash.training.length_head") < layer_of("adaflash.cli")
+    assert layer_of("adaflash.formats.trajectories") < layer_of("adaflash.engine.recorder")

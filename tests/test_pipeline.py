@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from adaflash.cli import main
-from adaflash.pipeline import Pipeline, TextCodec, check_draft_length, uses_engine
+from adaflash.models.text_codec import TextCodec
+from adaflash.pipeline import Pipeline, check_draft_length, uses_engine
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ Each line is either `{"prompt": "..."}` (a single user turn) or `{"messages": [{
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,12 @@ def _prompt(obj: Any, stem: str, lineno: int) -> Prompt:
 
 
 def read_prompts_file(path: str | Path) -> list[Prompt]:
+    """The prompts of a JSONL file, gzip-compressed where its name ends in .gz (a prepared set that travels)."""
     path = Path(path)
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as f:
+    opened = gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
+    with opened as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

@@ -2,7 +2,7 @@
 
     adaflash eval context-length --drafter dflash=DIR --drafter adaflash=DIR2 \
         --benchmarks gsm8k,humaneval,sharegpt-chat,mgsm --levels 0,512,1024,2048 --limit 6 \
-        --out docs/results/context_length
+        --out docs/results/adaflash/context_length
 
 A long context is built the way a user builds one: a conversation whose earlier turns are other eval prompts
 of the same benchmark, each followed by the target's own greedy answer, before the prompt being answered.
@@ -23,10 +23,10 @@ import torch
 
 from adaflash.cli_args import command_group
 from adaflash.data import load_prompts
+from adaflash.evaluation.drafter_eval import greedy_trajectories, head_cut, target_trajectories
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
-from adaflash.evaluation.drafter_eval import greedy_trajectories, head_cut, target_trajectories
 from adaflash.training.block_outcomes import score_blocks
 
 DEFAULT_BENCHMARKS = "gsm8k,humaneval,sharegpt-chat,mgsm"  # one per domain: math, code, chat, multilingual
@@ -118,7 +118,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    from adaflash.evaluation.plots import pyplot
+    from adaflash.plots import pyplot
 
     plt = pyplot()
     benches = list(next(iter(report["drafters"].values())))

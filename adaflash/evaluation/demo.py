@@ -22,7 +22,7 @@ DEMO_PROMPTS = [
 ]
 
 # Prompt-lookup drafts a step: 3 paid best here on every domain of the target's own responses, since a 5-token
-# verify already costs ~2x a decode step on a 2-core CPU (docs/results/prompt_lookup_sim.md).
+# verify already costs ~2x a decode step on a 2-core CPU (docs/results/serving/prompt_lookup_sim.md).
 DEMO_LOOKUP_TOKENS = 3
 
 

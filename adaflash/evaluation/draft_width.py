@@ -1,6 +1,6 @@
 """Does a draft block need all its positions? Accept length and drafter cost, whole block vs anchor + drafts.
 
-    python -m adaflash.evaluation.draft_width --limit 4 --max-new-tokens 96 --json docs/results/draft_width.json
+    python -m adaflash.evaluation.draft_width --limit 4 --max-new-tokens 96 --json docs/results/runtime/draft_width.json
 
 The DFlash drafter was trained on whole blocks (anchor + 15 masks, non-causal inside the block). Asked for k drafts,
 the proposer can run the whole block or only anchor + k positions; later positions are masks whose keys the earlier
@@ -104,7 +104,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=4, help="eval prompts per domain")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--lengths", default="2,4,7", help="fixed draft lengths to compare at")
-    p.add_argument("--json", default="docs/results/draft_width.json")
+    p.add_argument("--json", default="docs/results/runtime/draft_width.json")
     args = p.parse_args()
     configure_process(None)
     report = run(args)

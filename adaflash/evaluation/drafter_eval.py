@@ -1,7 +1,7 @@
 """Drafters compared along the same target trajectories (teacher forcing): accept length per benchmark and per
 block position, with and without their length heads (by context length: `context_length.py`).
 
-    adaflash eval drafters --drafter dflash=DIR --drafter dflash+rkl=DIR2 --limit 8 --out docs/results/variance
+    adaflash eval drafters --drafter dflash=DIR --drafter dflash+rkl=DIR2 --limit 8 --out docs/results/adaflash/drafters
 
 Greedy verification of a full block keeps exactly the drafts that equal the target's own continuation, so
 scoring every anchor of the target's greedy responses (`score_blocks`) measures what serving with full
@@ -23,12 +23,12 @@ import torch
 
 from adaflash.cli_args import command_group
 from adaflash.data import EVAL_BENCHMARKS, load_prompts
+from adaflash.engine.engine_factory import EngineConfig, build_engine
+from adaflash.engine.request import Request
 from adaflash.formats.outcomes import Outcomes
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
-from adaflash.serving.engine_factory import EngineConfig, build_engine
-from adaflash.serving.request import Request
 from adaflash.training.block_outcomes import BlockScores, score_blocks
 
 

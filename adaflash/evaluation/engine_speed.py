@@ -1,6 +1,6 @@
 """Benchmark: our engine's batched AR decoding vs transformers' eager `generate` at the same batch size.
 
-    python -m adaflash.evaluation.engine_speed --batch 64 --max-new-tokens 32 --json docs/results/engine_speed.json
+    python -m adaflash.evaluation.engine_speed --batch 64 --max-new-tokens 32 --json docs/results/runtime/engine_speed.json
 
 Both decode the same chat prompts greedily to the same length (eos ignored), alternating; reports output
 tokens/s, the ratio, and the engine's achieved FLOP/s as a fraction of this machine's measured matmul peak.
@@ -19,12 +19,12 @@ import torch
 
 from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
+from adaflash.engine.engine_factory import EngineConfig, EngineModels, build_engine
+from adaflash.engine.request import Request
 from adaflash.evaluation.flops import linear_flops_per_token, matmul_peak_flops, served_gflops
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.registry import load_tokenizer, resolve_target
 from adaflash.models.target import load_target_as
-from adaflash.serving.engine_factory import EngineConfig, EngineModels, build_engine
-from adaflash.serving.request import Request
 
 
 def engine_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int) -> float:
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", default="docs/results/engine_speed.json")
+    parser.add_argument("--json", default="docs/results/runtime/engine_speed.json")
     args = parser.parse_args()
     configure_process(None)  # as every adaflash command runs (threads, allocator)
     dtype = resolve_dtype(args.dtype)

@@ -1,7 +1,7 @@
 """Score drafters on the held-out split of regenerated data, with the two numbers the training loop logs there.
 
     python -m adaflash.evaluation.holdout --data-dir runs/data/a runs/data/b --holdout 64 \
-        --drafter runs/train/x/drafter runs/train/y/drafter --json docs/results/holdout.json
+        --drafter runs/train/x/drafter runs/train/y/drafter --json docs/results/drafter/holdout.json
 
 `holdout`: the expected full-block accept length at random anchors (the training curves' number); `decoded`: the
 same responses walked as greedy decoding would, i.e. the tokens per target pass `generate` gives on those prompts.

@@ -1,6 +1,6 @@
 """Which linear kernel runs each of the target's weight shapes at each row count on this machine, and why.
 
-    python -m adaflash.evaluation.kernel_choice --json docs/results/kernel_choice.json
+    python -m adaflash.evaluation.kernel_choice --json docs/results/runtime/kernel_choice.json
 
 Loads the target (which times torch's stock kernel, the packed fp32 kernel and, for a GGUF target, the quantized
 kernel once per machine and thread count, models/kernels/selection.py) plus the shipped drafter's trimmed head,
@@ -73,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default="docs/results/kernel_choice.json")
+    parser.add_argument("--json", default="docs/results/runtime/kernel_choice.json")
     args = parser.parse_args()
     result = run(args.model, args.threads)
     out = Path(args.json)

@@ -2,7 +2,7 @@
 
     adaflash bench load --base-url http://127.0.0.1:8000 --streams 128 --duration 120
     adaflash bench load --base-url http://127.0.0.1:8000 --streams 8 --duration 600 --max-tokens 32 --soak \
-        --disconnect-rate 0.1 --json docs/results/soak.json --markdown docs/results/soak.md
+        --disconnect-rate 0.1 --json docs/results/serving/soak.json --markdown docs/results/serving/soak.md
 
 Every request must end answered in full (200, a finish reason, usage, `data: [DONE]`, no error event) or
 cleanly refused (429/503); anything else is a lost request. Afterwards the server's /metrics must show no

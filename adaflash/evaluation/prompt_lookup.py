@@ -1,6 +1,6 @@
 """Our speculative speedup vs transformers' prompt-lookup decoding speedup, per domain, in one run.
 
-    python -m adaflash.evaluation.prompt_lookup --per-domain 3 --max-new-tokens 96 --json docs/results/prompt_lookup.json
+    python -m adaflash.evaluation.prompt_lookup --per-domain 3 --max-new-tokens 96 --json docs/results/serving/prompt_lookup.json
 
 For each eval prompt the runs alternate in one process: transformers `generate` greedy, transformers with
 `prompt_lookup_num_tokens` (n-gram drafts from the prompt), our AR, our speculative method (the shipped DFlash
@@ -137,7 +137,7 @@ def main() -> None:
     p.add_argument("--ours-lookup", type=_lookup_lengths, default=[], metavar="K[,K2...]",
                    help="also run ours with our prompt-lookup drafts first (--prompt-lookup K), once per K")
     p.add_argument("--skip", type=int, default=0, help="start each domain's prompts at this index")
-    p.add_argument("--json", default="docs/results/prompt_lookup.json")
+    p.add_argument("--json", default="docs/results/serving/prompt_lookup.json")
     args = p.parse_args()
     configure_process(None)
     report = run(args)

@@ -1,6 +1,6 @@
 """Where a target step's time goes: torch.profiler over a decode step, a 16-token verify and a batch-64 step.
 
-    python -m adaflash.evaluation.runtime_profile --json docs/results/runtime_profile.json
+    python -m adaflash.evaluation.runtime_profile --json docs/results/runtime/runtime_profile.json
 
 Profiled op by op (the Python layer loop, ADAFLASH_LAYER_STEP=0): each op's self CPU time is put in one bucket:
 linears (the LM head apart, told by its vocabulary-sized weight), attention (SDPA and the K/V cache writes), norms /
@@ -110,7 +110,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", default="docs/results/runtime_profile.json")
+    p.add_argument("--json", default="docs/results/runtime/runtime_profile.json")
     args = p.parse_args()
     configure_process(None)
     target = load_target_as(resolve_target(args.model), args.dtype)

@@ -1,6 +1,6 @@
 """Benchmark: our runtime's batch-1 AR decoding vs transformers' `generate`, side by side in one process.
 
-    python -m adaflash.evaluation.runtime_speed --json docs/results/runtime_speed.json
+    python -m adaflash.evaluation.runtime_speed --json docs/results/runtime/runtime_speed.json
 
 Both decode the same chat prompts greedily to the same length, alternating run by run (this machine is
 noisy); medians are reported with the measured memory bandwidth and the bandwidth limit of the weight bytes a
@@ -310,7 +310,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", default="docs/results/runtime_speed.json")
+    parser.add_argument("--json", default="docs/results/runtime/runtime_speed.json")
     args = parser.parse_args()
     configure_process(None)  # as every adaflash command runs (threads, allocator)
     results = run(args.model, args.dtypes.split(","), args.max_new_tokens, args.repeats)

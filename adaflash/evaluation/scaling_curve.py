@@ -1,7 +1,7 @@
 """A training run's report: the summary (JSON + markdown) and its scaling curves (held-out accept length per domain
 against training tokens seen; the decoded one too where the run logged it).
 
-    python -m adaflash.evaluation.scaling_curve runs/train/smollm2-drafter --out docs/results/drafter_training
+    python -m adaflash.evaluation.scaling_curve runs/train/smollm2-drafter --out docs/results/drafter/training
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from adaflash.evaluation.plots import pyplot
+from adaflash.plots import pyplot
 from adaflash.training.summary import summarise, to_markdown
 
 

@@ -1,7 +1,7 @@
 """`adaflash eval sensitivity`: how gsm8k accept length responds to the distillation's alpha, tau and gamma,
 to the block head's rate and to the per-position head's threshold.
 
-    adaflash eval sensitivity --config configs/smollm2-adaflash.toml --steps 30 --out docs/results/sensitivity
+    adaflash eval sensitivity --config configs/smollm2-adaflash.toml --steps 30 --out docs/results/adaflash/sensitivity
 
 Each distillation setting is one short run of the same recipe from the same starting drafter (one value
 changed at a time, the others at the release's defaults), scored by full-block greedy accept length along the
@@ -51,10 +51,10 @@ def threshold_table(head, scores, thresholds=THRESHOLDS) -> list[dict]:
 def _cmd(args: argparse.Namespace) -> int:
     from adaflash.evaluation.drafter_eval import target_trajectories
     from adaflash.evaluation.offline import provenance, write_json
-    from adaflash.evaluation.plots import pyplot
     from adaflash.models.drafter_checkpoint import load_drafter
     from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead, load_length_head
     from adaflash.pipeline import Pipeline
+    from adaflash.plots import pyplot
     from adaflash.training.block_outcomes import score_blocks
     from adaflash.training.trainer import TeacherCache, TrainConfig, train
 

@@ -2,7 +2,7 @@
 
     adaflash bench sweep --server "ar=--method ar" --server "dflash-fixed16=--method dflash --length-policy fixed:15" \
         --server "dflash-throughput=--method dflash --length-policy throughput" \
-        --datasets gsm8k,mt-bench --concurrency 1,8,32,64 --out docs/results/serve_sweep
+        --datasets gsm8k,mt-bench --concurrency 1,8,32,64 --out docs/results/serving/serve_sweep
 
 Starts one real server per configuration (each on its own port, same --max-batch), then for every dataset
 and concurrency level runs the `bench serve` client against each server in turn, so the methods of one
@@ -125,7 +125,7 @@ def _ratio_cell(result: dict) -> str:
 
 
 def plot_sweep(cells: list[dict], names: list[str], path: Path) -> None:
-    from adaflash.evaluation.plots import pyplot
+    from adaflash.plots import pyplot
 
     plt = pyplot()
     datasets = list(dict.fromkeys(c["dataset"] for c in cells))

@@ -1,7 +1,7 @@
 """Where a speculative engine step's time goes at batch 1, beside a plain decode step.
 
     python -m adaflash.evaluation.step_profile --dataset gsm8k --limit 4 --max-new-tokens 96 --lengths 1,2,3 \
-        --json docs/results/step_profile.json
+        --json docs/results/runtime/step_profile.json
 
 The engine `serve` runs (one slot) generates greedily for the same prompts under AR and under each fixed draft length
 k, alternating, in one process. Timers around the engine's parts split every decode step's wall time: the drafter's
@@ -24,10 +24,10 @@ import torch
 
 from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
+from adaflash.engine.engine_factory import EngineConfig, build_engine
+from adaflash.engine.request import Request
 from adaflash.evaluation.offline import command_line, cpu_label, machine_info, provenance, write_json
-from adaflash.serving.cost_model import CalibratedCost
-from adaflash.serving.engine_factory import EngineConfig, build_engine
-from adaflash.serving.request import Request
+from adaflash.speculative.cost_model import CalibratedCost
 
 PARTS = ("context_feed", "draft_pass", "draft_head", "target_pass")
 

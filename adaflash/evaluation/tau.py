@@ -1,7 +1,7 @@
 """τ evaluation: DFlash's accept length on the seven evaluation benchmarks (math, code, chat, multilingual), vs AR.
 
     adaflash eval tau --limit 10 --max-new-tokens 128          # uses the shipped drafter
-    -> docs/results/tau.json, tau.md, tau_accept_length.png, tau_per_position.png
+    -> docs/results/drafter/tau.json, tau.md, tau_accept_length.png, tau_per_position.png
 
 A thin layer over `run_offline_bench`: it loads each benchmark's eval split, runs AR and DFlash side by
 side (greedy, checked lossless) and lays the per-benchmark and per-domain numbers out as a table and plots.
@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from adaflash.data import EVAL_BENCHMARKS, DatasetUnavailableError, Prompt, load_prompts
 from adaflash.cli_args import add_model_args, add_policy_state_arg, command_group
-from adaflash.models.registry import resolve_drafter
+from adaflash.data import EVAL_BENCHMARKS, DatasetUnavailableError, Prompt, load_prompts
 from adaflash.evaluation.offline import (
     command_line,
     cpu_label,
@@ -29,6 +28,7 @@ from adaflash.evaluation.offline import (
     run_offline_bench,
     write_json,
 )
+from adaflash.models.registry import resolve_drafter
 
 METHODS = ("ar", "dflash")
 SPECULATIVE = "dflash"
@@ -132,7 +132,7 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    from adaflash.evaluation.plots import plot_accept_length, plot_per_position
+    from adaflash.plots import plot_accept_length, plot_per_position
 
     tau = report["tau"]
     curves = {d: m["per_position_acceptance"] for d, m in tau["by_domain"].items()}
@@ -144,7 +144,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
 def run_tau_eval(
     pipeline,
-    out_dir: str | Path = "docs/results",
+    out_dir: str | Path = "docs/results/drafter",
     limit: int | None = 10,
     max_new_tokens: int = 128,
     draft_length: int | None = None,
@@ -205,5 +205,5 @@ def register_cli(subparsers) -> None:
     p.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")
     add_model_args(p)
     add_policy_state_arg(p)
-    p.add_argument("--out-dir", default="docs/results", help="where tau.json, tau.md and the plots go (default docs/results)")
+    p.add_argument("--out-dir", default="docs/results/drafter", help="where tau.json, tau.md and the plots go (default docs/results/drafter)")
     p.set_defaults(func=_cmd_tau)

@@ -1,6 +1,6 @@
 """How much of the target's own output a trimmed draft vocabulary covers, and what each size costs to draft.
 
-    adaflash eval vocab --data runs/data/smollm2-v2 --sizes 4096,8192,16384 --holdout 200 --out docs/results/draft_vocab
+    adaflash eval vocab --data runs/data/smollm2-v2 --sizes 4096,8192,16384 --holdout 200 --out docs/results/drafter/draft_vocab
 
 The vocabulary is ranked on the training samples' responses exactly as `train drafter` ranks it (the same
 held-out split); coverage is measured on the held-out samples' responses, per domain: the share of the target's
@@ -158,5 +158,5 @@ def register_cli(subparsers) -> None:
     p.add_argument("--drafter", default=None, help="a drafter with a trimmed vocabulary: its accept length per size")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--out", default="docs/results/draft_vocab", help="writes OUT.json and OUT.md")
+    p.add_argument("--out", default="docs/results/drafter/draft_vocab", help="writes OUT.json and OUT.md")
     p.set_defaults(func=_cmd)

@@ -11,7 +11,7 @@ What vLLM 0.32.0's hooks can carry of our length policy (read from its source):
   which vLLM does not expose to any hook.
 So per request and per step, what is lost is the head's request-specific survival estimate and the per-request cut;
 what is kept is the cost-aware choice under load: for each batch size B, the length that `allocate_drafts` (our
-throughput policy, length_policy.py) picks for B requests with the drafter's measured per-position survival,
+throughput policy, speculative/length_policy.py) picks for B requests with the drafter's measured per-position survival,
 against a step-cost model.
 
 Survival comes from vLLM's own acceptance counters (`vllm_offline.py` output: per-request acceptance histograms)
@@ -42,7 +42,7 @@ def survival_from_histograms(histograms: Sequence[Sequence[int]]) -> list[float]
 def length_for_batch(survival: Sequence[float], cost, batch: int, max_draft: int) -> int:
     """The draft length our throughput policy gives each of `batch` requests with this survival curve (identical
     requests: the greedy allocation gives them lengths at most one apart; the most common one is taken)."""
-    from adaflash.serving.length_policy import allocate_drafts
+    from adaflash.speculative.length_policy import allocate_drafts
 
     lengths = allocate_drafts([list(survival[:max_draft])] * batch, cost, max_draft)
     return max(sorted(set(lengths)), key=lengths.count)
@@ -78,7 +78,7 @@ def _histograms(path: Path) -> list[list[int]]:
 
 
 def _cost_model(path: str | None, target: str, drafter: str | None, max_tokens: int):
-    from adaflash.serving.cost_model import CostModel, cost_model_for
+    from adaflash.speculative.cost_model import CostModel, cost_model_for
 
     if path is not None:
         return CostModel.from_json(Path(path).read_text())

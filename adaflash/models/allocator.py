@@ -1,7 +1,7 @@
 """Keep large freed buffers in the heap: a prefill pass allocates and frees ~25 MB activations per layer, and glibc's
 default hands each back to the OS (munmap / heap trim) only to fault the pages in again, zeroed, at the next
 allocation - ~60k page faults a 2048-token pass. With the thresholds raised the pages are reused: a prefill pass
-0.91-0.98x the time, resident memory the same (docs/results/session20/README.md). `ADAFLASH_MALLOC=default` keeps
+0.91-0.98x the time, resident memory the same (docs/results/runtime/malloc_ab.txt). `ADAFLASH_MALLOC=default` keeps
 glibc's defaults; elsewhere than glibc this does nothing."""
 
 from __future__ import annotations

@@ -330,7 +330,7 @@ class DFlashDrafter(nn.Module):
 
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin of the batch's positions (one sequence's: views of the table, no gather)."""
-        return rope_cos_sin(batch.positions.to(self.device), self.config.head_dim, self.config.rope_theta, self.dtype,
+        return rope_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta, self.dtype, device=self.device,
                             first=batch.single_start)
 
     @torch.inference_mode()
@@ -411,8 +411,9 @@ class DFlashDrafter(nn.Module):
         device = self.fc.weight.device
         ctx = self.hidden_norm(self.fc(context_features))
         block_pos = (anchors[:, None] + torch.arange(b, device=anchors.device)[None, :]).reshape(-1)
-        ctx_cos, ctx_sin = rope_cos_sin(torch.arange(seq_len, device=device), cfg.head_dim, cfg.rope_theta, ctx.dtype)
-        blk_cos, blk_sin = rope_cos_sin(block_pos.to(device), cfg.head_dim, cfg.rope_theta, ctx.dtype)
+        ctx_cos, ctx_sin = rope_cos_sin(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta, ctx.dtype, first=0,
+                                        device=device)
+        blk_cos, blk_sin = rope_cos_sin(block_pos.cpu(), cfg.head_dim, cfg.rope_theta, ctx.dtype, device=device)
         # [A*B, L + A*B] mask: context before the block's anchor, plus the block itself.
         sees_ctx = torch.arange(seq_len, device=device)[None, :] < anchors.to(device).repeat_interleave(b)[:, None]
         block_id = torch.arange(a, device=device).repeat_interleave(b)

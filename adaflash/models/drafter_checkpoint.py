@@ -14,26 +14,76 @@ from pathlib import Path
 import torch
 
 from adaflash.models.config import read_config_json
+from adaflash.models.device import placed
 from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
 from adaflash.models.safetensors_io import atomic_write, check_state, read_tensors, save_tensors
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # sharded weights, as HF (and vLLM, SGLang) write and read them
 
 
-def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write atomically: files land under temporary names and are renamed into place."""
+def save_drafter(drafter: DFlashDrafter, path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                 max_shard_bytes: int | None = None) -> Path:
+    """Write atomically: files land under temporary names and are renamed into place. `max_shard_bytes`: weights larger
+    than this go into HF-style shards (model-0000i-of-0000n.safetensors + model.safetensors.index.json), e.g. to
+    leave a machine through a channel that carries files up to a size."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
-    save_tensors(path / WEIGHTS_FILE, state)
+    _save_weights(path, state, max_shard_bytes)
     if drafter.draft_vocab is not None:
         drafter.draft_vocab.save(path)
     else:
         (path / VOCAB_FILE).unlink(missing_ok=True)
     atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n"))
     return path
+
+
+def _save_weights(path: Path, state: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    for stale in [path / WEIGHTS_FILE, path / INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_tensors(path / WEIGHTS_FILE, state)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_tensors(path / name, shard)
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": weight_map}
+    atomic_write(path / INDEX_FILE, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2) + "\n"))
+
+
+def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The weights of a drafter folder (one file or HF-style shards) and the file to name in errors."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a usable shard index: {exc}") from exc
+        state: dict[str, torch.Tensor] = {}
+        for name in files:
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"{index} names {name}, which is missing")
+            state.update(read_tensors(path / name))
+        return state, index
+    weights_file = path / WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"drafter checkpoint {path} has no {WEIGHTS_FILE} (nor a sharded {INDEX_FILE})")
+    return read_tensors(weights_file), weights_file
 
 
 def load_drafter_config(path: str | Path) -> DrafterConfig:
@@ -44,15 +94,13 @@ def load_drafter_config(path: str | Path) -> DrafterConfig:
         raise ValueError(f"{Path(path) / CONFIG_FILE} is not a usable DFlash drafter config: {exc}") from exc
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
                  draft_vocab: str | None = None) -> DFlashDrafter:
-    """`draft_vocab`: None (as saved), "full" (ignore a trimmed vocabulary) or K (keep its K most frequent ids)."""
+    """`draft_vocab`: None (as saved), "full" (ignore a trimmed vocabulary) or K (keep its K most frequent ids).
+    `device`: default the process's (models/device.py)."""
     path = Path(path)
     config = load_drafter_config(path)
-    weights_file = path / WEIGHTS_FILE
-    if not weights_file.is_file():
-        raise FileNotFoundError(f"drafter checkpoint {path} has no {WEIGHTS_FILE}")
-    state = read_tensors(weights_file)
+    state, weights_file = _read_weights(path)
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
     check_state(weights_file, state, drafter.state_dict())
@@ -62,7 +110,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
         drafter.set_draft_vocab(DraftVocab.load(path, raw["draft_vocab"], config.vocab_size))
     if draft_vocab is not None:
         drafter.set_draft_vocab(_cut_vocab(drafter.draft_vocab, draft_vocab, path))
-    return drafter.to(device).eval()
+    return drafter.to(placed(device)).eval()
 
 
 def _cut_vocab(vocab: DraftVocab | None, spec: str, path: Path) -> DraftVocab | None:

@@ -35,6 +35,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.lengths = [0] * num_slots
+        self.decode_graphs: dict[int, object] = {}  # slot -> its captured decode step (models/decode_graph.py)
 
     @property
     def num_slots(self) -> int:

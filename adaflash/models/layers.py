@@ -91,19 +91,23 @@ def _kernel_library():
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, first: int | None = None
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, first: int | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, 1, head_dim] for absolute positions (half-split layout, as HF checkpoints use): rows of one table
-    per (head_dim, theta, dtype, device), grown to the largest position asked so far - one gather a call where
-    computing them costs ~9 small ops (~3 a decode step: target, drafter context, draft block). `first`: the
-    positions are first, first + 1, ... (one sequence's): the same rows as views, no gather."""
+    """cos/sin [T, 1, head_dim] on `device` (default the positions') for absolute positions (half-split layout, as HF
+    checkpoints use): rows of one table per (head_dim, theta, dtype, device), grown to the largest position asked so
+    far - one gather a call where computing them costs ~9 small ops (~3 a decode step: target, drafter context, draft
+    block). `first`: the positions are first, first + 1, ... (one sequence's): the same rows as views, no gather.
+    Host positions with an accelerator `device`: the table's size is read on the host, with no device sync."""
+    device = positions.device if device is None else torch.device(device)
     if first is not None:
         t = positions.numel()
-        cos, sin = _rope_table(head_dim, theta, dtype, positions.device, first + t)
+        cos, sin = _rope_table(head_dim, theta, dtype, device, first + t)
         return cos[first : first + t, None, :], sin[first : first + t, None, :]
     needed = int(positions.max()) + 1 if positions.numel() else 0
-    cos, sin = _rope_table(head_dim, theta, dtype, positions.device, needed)
-    return cos[positions][:, None, :], sin[positions][:, None, :]
+    cos, sin = _rope_table(head_dim, theta, dtype, device, needed)
+    index = positions.to(device)
+    return cos[index][:, None, :], sin[index][:, None, :]
 
 
 _ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

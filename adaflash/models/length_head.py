@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from adaflash.models.config import read_config_json
+from adaflash.models.device import placed
 from adaflash.models.safetensors_io import atomic_write, check_state, read_tensors, save_tensors
 
 KINDS = ("block", "position")
@@ -156,8 +157,9 @@ def save_length_head(head: LengthHead, drafter_dir: str | Path) -> Path:
     return drafter_dir / HEAD_FILE
 
 
-def load_length_head(drafter_dir: str | Path, device: str | torch.device = "cpu") -> LengthHead | None:
-    """The head saved beside a drafter, in fp32 eval mode, or None if the drafter has none."""
+def load_length_head(drafter_dir: str | Path, device: str | torch.device | None = None) -> LengthHead | None:
+    """The head saved beside a drafter, in fp32 eval mode, or None if the drafter has none. `device`: default the
+    process's (models/device.py)."""
     drafter_dir = Path(drafter_dir)
     raw = read_config_json(drafter_dir, "a DFlash drafter checkpoint (config.json + model.safetensors)")
     if CONFIG_KEY not in raw:
@@ -173,4 +175,4 @@ def load_length_head(drafter_dir: str | Path, device: str | torch.device = "cpu"
     head = build_length_head(config)
     check_state(head_file, state, head.state_dict())
     head.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
-    return head.to(device).eval()
+    return head.to(placed(device)).eval()

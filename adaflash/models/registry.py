@@ -132,13 +132,19 @@ def resolve_target(name_or_path: str = DEFAULT_TARGET) -> Path:
             _convert_gguf(_gguf_path(target), out_dir)
         return out_dir
     path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":  # a GGUF Llama checkpoint: converted once, as the embedded ones
+        out_dir = cache_root() / "targets" / f"{path.stem}-fp32"
+        if not (out_dir / "model.safetensors").is_file():
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(path, out_dir)
+        return out_dir
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face checkpoint directory")
         return path
     raise FileNotFoundError(
-        f"unknown model {name_or_path!r}: expected one of {sorted(EMBEDDED_TARGETS)} "
-        "or a local HF checkpoint directory (config.json + *.safetensors + tokenizer)"
+        f"unknown model {name_or_path!r}: expected one of {sorted(EMBEDDED_TARGETS)}, a local HF checkpoint "
+        "directory (config.json + *.safetensors + tokenizer) or a Llama-family .gguf file"
     )
 
 

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from adaflash.models.config import TransformerConfig
+from adaflash.models.decode_graph import DecodeGraph, graphs_enabled
+from adaflash.models.device import placed
 from adaflash.models.dtype import int8_activations, resolve_dtype
 from adaflash.models.gguf_blocks import QuantizedWeight, quantized_weights
 from adaflash.models.kernels import attention as attention_kernel
@@ -74,6 +76,9 @@ class TargetModel(nn.Module):
         self.lm_head_blocks: QuantizedWeight | None = None
         self.layer_steps: LayerSteps | None = None  # one kernel call per layer, where use_fast_linears made it possible
         self.int8_activations = False  # --dtype int8: the GGUF-blocked linears round their inputs to int8 (another model)
+        # One-sequence, one-token steps through a replayed CUDA graph (decode_graph.py): on by default on CUDA; on a
+        # CPU the same static step runs eagerly where a test turns it on.
+        self.static_decode: bool | None = None  # None: graphs_enabled(device)
 
     def use_fast_linears(self, quantized: dict[str, QuantizedWeight] | None = None,
                          int8_activations: bool = False) -> bool:
@@ -125,7 +130,7 @@ class TargetModel(nn.Module):
     def rows_independent(self) -> bool:
         """Whether a position's K/V and logits are bitwise the same in every pass (a prefill of any split, a
         verification, a decode step, in any batch): the int8 target, whose linears and attention (the ragged kernel,
-        prefills too) compute each row alone. What makes a reused prompt prefix exact (serving/prefix_reuse.py)."""
+        prefills too) compute each row alone. What makes a reused prompt prefix exact (engine/prefix_reuse.py)."""
         return self.int8_activations and attention_kernel.available(self.dtype, self.device, self.config.head_dim)
 
     @property
@@ -173,9 +178,19 @@ class TargetModel(nn.Module):
                 raise ValueError(f"slot {slot} holds {cache.lengths[slot]} positions but the batch starts at {start}")
         if max(batch.ends) > cache.max_len:
             raise ValueError(f"sequence of {max(batch.ends)} positions exceeds the cache's {cache.max_len}")
+        static = graphs_enabled(self.device) if self.static_decode is None else self.static_decode
+        if (static and batch.num_tokens == 1 and not capture_layers and compute_logits
+                and (logit_indices is None or logit_indices.tolist() in ([0], [-1]))):
+            slot = batch.slots[0]
+            graph = cache.decode_graphs.get(slot)
+            if graph is None:
+                graph = cache.decode_graphs[slot] = DecodeGraph(self, cache, slot)
+            logits = graph(token_ids, batch.starts[0])
+            cache.lengths[slot] = batch.starts[0] + 1
+            return ForwardOutput(logits=logits, hidden=None)
         # int8: every pass, prefills too, on the ragged kernel (one model at every split: exact prefix reuse).
         attention = RaggedAttention(batch, causal=True, device=self.device, ragged_prefill=self.int8_activations)
-        cos, sin = rope_cos_sin(batch.positions.to(self.device), cfg.head_dim, cfg.rope_theta, self.dtype,
+        cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype, device=self.device,
                                 first=batch.single_start)
         capture = set(capture_layers)
         logits = None
@@ -268,14 +283,16 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
                 int8_activations: bool = False) -> TargetModel:
     """Load a Llama / Qwen2 / Qwen3 HF checkpoint directory (config.json + safetensors) into our runtime.
 
     `int8_activations` (`--dtype int8`): fp32, but every linear the GGUF stores as Q4_1 / Q8_0 blocks runs with its
     inputs rounded to int8 per 32 values (int8_linear.cpp) - a faster, slightly different model than the fp32 one,
-    the same in every pass, so speculative decoding stays lossless against it."""
+    the same in every pass, so speculative decoding stays lossless against it. `device`: default the process's
+    (models/device.py); our CPU kernels are packed only on a CPU."""
     path = Path(path)
+    device = placed(device)
     cfg = TransformerConfig.from_dir(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
@@ -285,21 +302,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: s
                     tensors[key] = f.get_tensor(key)
         except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
             raise ValueError(f"cannot read weights from {file}: {exc}") from exc
-    with torch.device("meta"):
-        model = TargetModel(cfg)
-    state = {}
-    for ours, theirs in _hf_weight_map(cfg).items():
-        missing = [n for n in theirs if n not in tensors]
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks tensors {missing} (needed for {ours})")
-        state[ours] = torch.cat([tensors[n] for n in theirs], dim=0).to(dtype)
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head = model.embed_tokens
-    model = model.to(device)
-    leftover = [n for n, p in model.named_parameters() if p.is_meta]
-    if leftover:
-        raise ValueError(f"checkpoint {path} did not provide {leftover}")
+    model = target_from_hf_tensors(cfg, tensors, dtype, device, f"checkpoint {path}")
     if fast_linears_available(model.lm_head):
         linears = {ours: [(n, tensors[n]) for n in theirs] for ours, theirs in _hf_weight_map(cfg).items()
                    if ours.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down", "embed_tokens", "lm_head")}
@@ -311,6 +314,51 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: s
     return model.eval()
 
 
-def load_target_as(path: str | Path, dtype_name: str = "auto", device: str = "cpu") -> TargetModel:
+def target_from_hf_tensors(cfg: TransformerConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                           device: str | torch.device, source: str = "the state dict") -> TargetModel:
+    """Our runtime over HF-named tensors (a checkpoint's, or a transformers model's `state_dict()`), on `device`,
+    with torch's kernels (load_target adds our CPU kernels where they run)."""
+    with torch.device("meta"):
+        model = TargetModel(cfg)
+    state = {}
+    for ours, theirs in _hf_weight_map(cfg).items():
+        missing = [n for n in theirs if n not in tensors]
+        if missing:
+            raise ValueError(f"{source} lacks tensors {missing} (needed for {ours})")
+        state[ours] = torch.cat([tensors[n].to(device) for n in theirs], dim=0).to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head = model.embed_tokens
+    model = model.to(device)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise ValueError(f"{source} did not provide {leftover}")
+    return model.eval()
+
+
+def random_target(cfg: TransformerConfig, dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> TargetModel:
+    """A target of `cfg`'s shapes with random weights, built on `device` (normal(0, 0.02), unit norms): what timing a
+    pass needs (its cost depends on shapes, not values) without a checkpoint to download."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in `dtype` directly: an 8B target never exists in fp32
+    try:
+        with torch.device(device):
+            model = TargetModel(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm") or name.endswith("final_norm"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def load_target_as(path: str | Path, dtype_name: str = "auto", device: str | torch.device | None = None) -> TargetModel:
     """load_target from a `--dtype` name: auto, bf16, fp32, or int8 (fp32 with the int8-activation linears)."""
-    return load_target(path, resolve_dtype(dtype_name, device), device, int8_activations=int8_activations(dtype_name))
+    device = placed(device)
+    return load_target(path, resolve_dtype(dtype_name, device.type), device, int8_activations=int8_activations(dtype_name))

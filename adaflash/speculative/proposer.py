@@ -37,6 +37,7 @@ class DFlashProposer:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, whole_block: bool = False) -> None:
         drafter.config.check_compatible(target.config)
         self.whole_block = whole_block
+        drafter = drafter.to(target.device)  # the drafter reads the target's features, embeddings and LM head
         drafter.use_fast_linears(target.int8_activations)
         self.drafter = drafter
         self.target = target
@@ -79,7 +80,7 @@ class DFlashProposer:
         `width` (default: the whole block) = anchor + the positions wanted. A learned length head judges the whole
         block before any vocabulary projection runs; `propose` knows its draft lengths and runs a block only as
         wide as the longest (measured on eval prompts: accept lengths -0.03..+0.02 from the whole block's, for a
-        drafter pass of 2.3 instead of 6.1 ms at two positions - docs/results/draft_width.md)."""
+        drafter pass of 2.3 instead of 6.1 ms at two positions - docs/results/runtime/draft_width.md)."""
         block_ids = self._block_ids(anchors, width)
         return self.drafter.draft_hidden(cache, self.target.embed(block_ids), slots)
 
@@ -151,7 +152,7 @@ class DFlashProposer:
         """The drafted rows' logits [sum(num_draft), V]: draft_hidden, then the norm and the draft head, in one kernel
         call where the drafter's layer step runs (else None, running nothing): the same kernels on the same values as
         draft_hidden + draft_tokens, so the same drafts (tested); propose 0.87-0.89x the time at batch 1
-        (docs/results/session18/draft_ab.txt)."""
+        (docs/results/runtime/draft_ab.txt)."""
         if self._head_linear is None or not sum(num_draft):
             return None
         rows = torch.tensor([r * width + 1 + j for r, k in enumerate(num_draft) for j in range(k)], dtype=torch.long)

@@ -14,7 +14,8 @@ import torch
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.target import TargetModel
 from adaflash.speculative.proposer import DFlashProposer
-from adaflash.speculative.sampling import SamplingParams, draw_exponentials, logits_to_probs, sample_tokens
+from adaflash.speculative.sampling import (SamplingParams, draw_exponentials, draw_uniforms, logits_to_probs,
+                                           sample_tokens)
 from adaflash.speculative.verify import verify_greedy, verify_sampling
 
 
@@ -143,14 +144,14 @@ def speculative_generate(
 
         # Verify [anchor, d_1..d_k] in one pass: row j predicts the token after block position j.
         block = RaggedBatch.build([0], [anchor_pos], [k + 1])
-        block_ids = torch.cat([torch.tensor(tokens[-1:]), drafts.tokens])
+        block_ids = torch.cat([torch.tensor(tokens[-1:], device=drafts.tokens.device), drafts.tokens])
         out = target(block_ids, block, target_cache, capture_layers=layers)
         if sampling.greedy:
             result = verify_greedy(drafts.tokens, out.logits.argmax(-1), [k])
         else:
             target_probs = logits_to_probs(out.logits, sampling)
-            uniforms = torch.rand(k, generator=generator)
-            noise = draw_exponentials((1, target_probs.shape[-1]), generator)
+            uniforms = draw_uniforms(k, generator, target_probs.device)
+            noise = draw_exponentials((1, target_probs.shape[-1]), generator, target_probs.device)
             result = verify_sampling(drafts.tokens, drafts.probs[0], target_probs, [k], uniforms, noise)
         accepted = int(result.num_accepted[0])
 

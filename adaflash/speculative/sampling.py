@@ -59,11 +59,19 @@ def sample_from_weights(weights: torch.Tensor, exponentials: torch.Tensor) -> to
     return torch.argmax(weights / exponentials, dim=-1)
 
 
-def draw_exponentials(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+def draw_exponentials(shape: tuple[int, ...], generator: torch.Generator | None,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """Exp(1) noise from `generator` (a request's seeded CPU generator: the same draws on every device), placed on
+    `device`."""
     # Clamped away from 0 so a zero weight divided by the noise is never 0/0.
-    return torch.empty(shape).exponential_(1.0, generator=generator).clamp_min_(1e-30)
+    return torch.empty(shape).exponential_(1.0, generator=generator).clamp_min_(1e-30).to(device)
+
+
+def draw_uniforms(n: int, generator: torch.Generator | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """U(0, 1) draws from `generator`, placed on `device` (the acceptance tests of rejection sampling)."""
+    return torch.rand(n, generator=generator).to(device)
 
 
 def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One sample per row of [N, V] probabilities."""
-    return sample_from_weights(probs, draw_exponentials(tuple(probs.shape), generator))
+    return sample_from_weights(probs, draw_exponentials(tuple(probs.shape), generator, probs.device))

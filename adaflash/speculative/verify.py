@@ -48,15 +48,16 @@ class _Layout:
     target_row_of_draft: torch.Tensor  # [sum(K)] target row that judges each draft
 
     @classmethod
-    def of(cls, num_draft: Sequence[int]) -> "_Layout":
-        counts = torch.tensor(_checked_counts(num_draft), dtype=torch.long)
+    def of(cls, num_draft: Sequence[int], device: torch.device | str = "cpu") -> "_Layout":
+        counts = torch.tensor(_checked_counts(num_draft), dtype=torch.long, device=device)
         draft_offsets = counts.cumsum(0) - counts
-        request_of_draft = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        arange = torch.arange(len(counts), device=device)
+        request_of_draft = torch.repeat_interleave(arange, counts)
         return cls(
             counts=counts,
             draft_offsets=draft_offsets,
-            target_offsets=draft_offsets + torch.arange(len(counts)),
-            target_row_of_draft=torch.arange(int(counts.sum())) + request_of_draft,
+            target_offsets=draft_offsets + arange,
+            target_row_of_draft=torch.arange(int(counts.sum()), device=device) + request_of_draft,
         )
 
     @property
@@ -67,8 +68,8 @@ class _Layout:
         """Per request, the length of the all-True prefix of its slice of the flat `accept` [sum(K)]."""
         kmax = int(self.counts.max())
         if kmax == 0:
-            return torch.zeros(len(self.counts), dtype=torch.long)
-        pos = torch.arange(kmax)
+            return torch.zeros(len(self.counts), dtype=torch.long, device=self.counts.device)
+        pos = torch.arange(kmax, device=self.counts.device)
         valid = pos[None, :] < self.counts[:, None]
         idx = (self.draft_offsets[:, None] + pos[None, :]).clamp(max=self.total - 1)
         return (accept[idx] & valid).long().cumprod(dim=1).sum(dim=1)
@@ -117,13 +118,17 @@ def verify_sampling(
 
     draft_probs [sum(K), V], target_probs [sum(K) + R, V], uniforms [sum(K)] ~ U(0,1),
     exponentials [R, V] ~ Exp(1) (the noise for the one final sample per request).
+    Runs where `target_probs` live; the other inputs are moved there.
     """
-    layout = _Layout.of(num_draft)
+    device = target_probs.device
+    draft_tokens, draft_probs = draft_tokens.to(device), draft_probs.to(device)
+    uniforms, exponentials = uniforms.to(device), exponentials.to(device)
+    layout = _Layout.of(num_draft, device)
     total = layout.total
     if draft_probs.shape[0] != total or target_probs.shape[0] != total + len(layout.counts):
         raise ValueError("draft_probs needs sum(K) rows and target_probs sum(K) + R rows")
     p_x = target_probs[layout.target_row_of_draft, draft_tokens]
-    q_x = draft_probs[torch.arange(total), draft_tokens]
+    q_x = draft_probs[torch.arange(total, device=device), draft_tokens]
     # u < p/q without dividing (q_x > 0 for any token the drafter actually sampled).
     accept = uniforms * q_x < p_x
     num_accepted = layout.accepted_prefix_len(accept)

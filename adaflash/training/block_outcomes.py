@@ -68,18 +68,19 @@ def score_blocks(
         limit = anchors_per_sequence or len(sample.tokens)
         anchors = sample_anchors(sample, limit, torch.Generator().manual_seed(seed * 100003 + i))
         block, labels = block_inputs(sample, anchors, cfg.block_size, cfg.mask_token_id)
+        block, labels, at = block.to(target.device), labels.to(target.device), anchors.to(target.device)
         features, final = teacher_pass(target, sample.tokens, cfg.target_layer_ids)
-        teacher = teacher_logits(target, final, anchors)
+        teacher = teacher_logits(target, final, at)
         hidden = drafter(features.to(dtype), F.embedding(block, target.embed_tokens).to(dtype), anchors).float()
         logits = F.linear(hidden[:, 1:], head.weight)
         valid = labels != IGNORE
         correct = (head.ids_of(logits.argmax(-1)) == labels) & valid
-        hidden_all.append(hidden.to(torch.bfloat16))
-        drafted_all.append(valid.sum(1))
-        accepted_all.append(correct.long().cumprod(1).sum(1))
+        hidden_all.append(hidden.to("cpu", torch.bfloat16))
+        drafted_all.append(valid.sum(1).cpu())
+        accepted_all.append(correct.long().cumprod(1).sum(1).cpu())
         anchors_all.append(anchors)
         # The target's distribution for the first draft position (token a+1) is its logits at the anchor.
-        div_all.append(divergence("rkl", logits[:, 0], head.restrict(teacher.float()), 1.0))
+        div_all.append(divergence("rkl", logits[:, 0], head.restrict(teacher.float()), 1.0).cpu())
     if not hidden_all:
         raise ValueError("no trajectory with a response of at least 2 tokens to score")
     outcomes = Outcomes(torch.cat(hidden_all), torch.cat(drafted_all).long(), torch.cat(accepted_all).long())

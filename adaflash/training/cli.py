@@ -9,13 +9,15 @@ import shutil
 from pathlib import Path
 
 from adaflash.cli_args import command_group
+from adaflash.models.device import current_device
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from adaflash.training.trainer import TrainConfig, train
 
     cfg = TrainConfig.from_file(args.config, data_dir=args.data_dir, out_dir=args.out_dir, max_steps=args.max_steps,
-                                loss=args.loss)
+                                loss=args.loss, time_limit_s=args.time_limit, save_every_s=args.save_every_s,
+                                model=args.model)
     print(f"drafter written to {train(cfg)}")
     return 0
 
@@ -47,7 +49,7 @@ def _cmd_train_distill(args: argparse.Namespace) -> int:
 
 def _cmd_online(args: argparse.Namespace) -> int:
     from adaflash.models.registry import resolve_drafter
-    from adaflash.evaluation.plots import plot_online
+    from adaflash.plots import plot_online
     from adaflash.training.online import OnlineAdaptation, OnlineConfig
 
     start = resolve_drafter(args.model, args.drafter, "adaflash" if args.drafter is None else "dflash")
@@ -61,10 +63,10 @@ def _cmd_online(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_length_head(args) -> int:
-    from adaflash.evaluation.plots import plot_reliability
     from adaflash.formats.outcomes import load_outcomes
     from adaflash.models.drafter_checkpoint import load_drafter_config
     from adaflash.models.length_head import save_length_head
+    from adaflash.plots import plot_reliability
     from adaflash.training.length_head import LengthHeadTrainConfig, summary_line, train_length_head
 
     drafter_cfg = load_drafter_config(args.drafter)
@@ -80,13 +82,14 @@ def _cmd_train_length_head(args) -> int:
         from adaflash.training.block_outcomes import score_blocks
 
         target = load_target(resolve_target(args.model), dtype=torch.float32)
-        outcomes = score_blocks(target, load_drafter(args.drafter, dtype=torch.float32),
+        outcomes = score_blocks(target, load_drafter(args.drafter, torch.float32, target.device),
                                 read_trajectories(args.trajectories), args.anchors_per_sequence, args.seed).outcomes
     cfg = LengthHeadTrainConfig(
         kind=args.kind, head_dim=args.head_dim, lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
         held_out_frac=args.held_out_frac, seed=args.seed, rate=args.rate,
     )
-    head, report = train_length_head(outcomes, cfg, drafter_cfg.hidden_size, drafter_cfg.block_size)
+    head, report = train_length_head(outcomes, cfg, drafter_cfg.hidden_size, drafter_cfg.block_size,
+                                     device=current_device())
     out = Path(args.out)
     if not (out.exists() and out.resolve() == Path(args.drafter).resolve()):
         shutil.copytree(args.drafter, out, dirs_exist_ok=True)
@@ -134,8 +137,13 @@ def register_cli(subparsers) -> None:
     p.add_argument("--data-dir", nargs="+", default=None,
                    help="override the config's data_dir (several directories train as one set)")
     p.add_argument("--out-dir", default=None, help="override the config's out_dir")
+    p.add_argument("--model", default=None, help="override the config's target (registry name, checkpoint dir or .gguf)")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--loss", default=None, choices=["ce", "ce+kl", "rkl", "fkl", "tv"], help="override the config's loss")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="end training after this long (checkpoint and exported drafter, as a finished run)")
+    p.add_argument("--save-every-s", type=float, default=None, metavar="SECONDS",
+                   help="also checkpoint whenever this long passed since the last save")
     p.set_defaults(func=_cmd_train_drafter)
 
     d = group.add_parser(

@@ -29,9 +29,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from adaflash.data.prompt import Prompt
+from adaflash.engine.engine import Engine
+from adaflash.engine.request import Request
 from adaflash.models.target import TargetModel
-from adaflash.serving.engine import Engine
-from adaflash.serving.request import Request
 from adaflash.speculative.sampling import SamplingParams
 
 MANIFEST = "manifest.json"
@@ -48,6 +48,9 @@ class DataGenConfig:
     temperature: float = 0.0
     seed: int = 0
     top_logprobs: int = 0  # k > 0: keep the target's top-k log-probabilities per response token
+    # False: tokens only; training recomputes the features with the target inside its step (on a GPU the target's
+    # forward is cheaper than storing ~3.5 KB a token and reading it back).
+    store_features: bool = True
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Sample:
     domain: str
     tokens: list[int]
     prompt_len: int
-    features: torch.Tensor  # [len(tokens) - 1, n*d]
+    features: torch.Tensor | None  # [len(tokens) - 1, n*d]; None: not stored (store_features=False)
     top_logprobs: torch.Tensor | None = None  # [len(tokens) - prompt_len, k]
     top_ids: torch.Tensor | None = None
 
@@ -64,7 +67,7 @@ class Sample:
 class ShardSample(NamedTuple):
     tokens: list[int]
     prompt_len: int
-    features: torch.Tensor
+    features: torch.Tensor | None  # None: the data holds tokens only
     top_logprobs: torch.Tensor | None  # fp16 [response tokens, k], None if the data has no soft targets
     top_ids: torch.Tensor | None
 
@@ -80,8 +83,9 @@ def generate_samples(
     The engine keeps `config.batch_size` sequences running: a new job is admitted as soon as one ends.
     Sampling (temperature > 0) seeds each request from its prompt id, so a resumed run draws the same.
     """
+    capture = config.capture_layers if config.store_features else ()
     engine = Engine(target, None, max_batch=config.batch_size, max_queue=config.batch_size,
-                    max_len=config.max_prompt_tokens + config.max_new_tokens + 1, capture_layers=config.capture_layers)
+                    max_len=config.max_prompt_tokens + config.max_new_tokens + 1, capture_layers=capture)
     sampling = SamplingParams(temperature=config.temperature)
     running: dict[str, tuple[Prompt, list[int], list[int], list, list, list]] = {}
     pending = iter(jobs)
@@ -95,7 +99,7 @@ def generate_samples(
             prompt, ids = job
             seed = zlib.crc32(f"{config.seed}/{prompt.id}".encode())
             engine.add_request(Request(prompt.id, ids, config.max_new_tokens, sampling, tuple(stop_token_ids), seed,
-                                       top_logprobs=config.top_logprobs, return_features=True))
+                                       top_logprobs=config.top_logprobs, return_features=config.store_features))
             running[prompt.id] = (prompt, ids, [], [], [], [])
         if not engine.has_work():
             return
@@ -110,7 +114,8 @@ def generate_samples(
                 del running[out.request_id]
                 tokens = ids + response
                 yield Sample(
-                    prompt.id, prompt.domain, tokens, len(ids), torch.cat(feats)[: len(tokens) - 1],
+                    prompt.id, prompt.domain, tokens, len(ids),
+                    torch.cat(feats)[: len(tokens) - 1] if config.store_features else None,
                     torch.cat(logprobs).half() if logprobs else None,
                     torch.cat(top_ids).int() if top_ids else None,
                 )
@@ -142,8 +147,9 @@ def write_shard(out_dir: Path, index: int, samples: Sequence[Sample]) -> dict:
         "tokens": tokens,
         "offsets": offsets,
         "prompt_lens": torch.tensor([s.prompt_len for s in samples], dtype=torch.int32),
-        "features": torch.cat([s.features for s in samples]).to(torch.bfloat16).contiguous(),
     }
+    if all(s.features is not None for s in samples):
+        tensors["features"] = torch.cat([s.features for s in samples]).to(torch.bfloat16).contiguous()
     if all(s.top_logprobs is not None for s in samples):
         tensors["top_logprobs"] = torch.cat([s.top_logprobs for s in samples]).half().contiguous()
         tensors["top_ids"] = torch.cat([s.top_ids for s in samples]).int().contiguous()
@@ -166,14 +172,14 @@ def read_shard(path: Path) -> Iterator[ShardSample]:
     except Exception as exc:  # safetensors raises its own error types for truncated files
         raise ValueError(f"training shard {path} is corrupt: {exc}") from exc
     offsets, feat_offset, soft_offset = data["offsets"].tolist(), 0, 0
-    soft = "top_logprobs" in data
+    soft, features = "top_logprobs" in data, data.get("features")
     for j in range(len(offsets) - 1):
         tokens = data["tokens"][offsets[j] : offsets[j + 1]].tolist()
         prompt_len = int(data["prompt_lens"][j])
         n_feat, n_soft = len(tokens) - 1, len(tokens) - prompt_len
         rows = slice(soft_offset, soft_offset + n_soft)
         yield ShardSample(
-            tokens, prompt_len, data["features"][feat_offset : feat_offset + n_feat],
+            tokens, prompt_len, features[feat_offset : feat_offset + n_feat] if features is not None else None,
             data["top_logprobs"][rows] if soft else None, data["top_ids"][rows] if soft else None,
         )
         feat_offset += n_feat
@@ -187,14 +193,19 @@ def generate_dataset(
     prompts: Sequence[Prompt],
     out_dir: str | Path,
     config: DataGenConfig,
+    stop_at: float | None = None,
 ) -> dict:
-    """Regenerate responses for `prompts` into `out_dir`, resuming from whatever it already holds."""
+    """Regenerate responses for `prompts` into `out_dir`, resuming from whatever it already holds. `stop_at` (a
+    time.monotonic() deadline): no prompt starts after it; those running finish and are kept, a rerun resumes."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(out_dir) or {"config": asdict(config), "shards": [], "skipped": []}
     held = manifest["config"]
     if tuple(held["capture_layers"]) != tuple(config.capture_layers):
         raise ValueError(f"{out_dir} was generated with capture layers {held['capture_layers']}")
+    if held.get("store_features", True) != config.store_features:
+        raise ValueError(f"{out_dir} was generated {'with' if held.get('store_features', True) else 'without'} features; "
+                         "this run asks for the other")
     if held.get("top_logprobs", 0) != config.top_logprobs:
         raise ValueError(f"{out_dir} holds top-{held.get('top_logprobs', 0)} soft targets, this run asks for top-{config.top_logprobs}")
     seen: set[str] = set()
@@ -208,6 +219,8 @@ def generate_dataset(
 
     def jobs() -> Iterator[tuple[Prompt, list[int]]]:
         for p in todo:
+            if stop_at is not None and time.monotonic() >= stop_at:
+                return
             ids = encode(p)
             if len(ids) > config.max_prompt_tokens:
                 manifest["skipped"].append(p.id)  # too long for this run's budget; recorded, not lost

@@ -81,7 +81,8 @@ def _read_data_dir(data_dir: str | Path, capture_layers: tuple[int, ...]) -> lis
     if manifest is None or not manifest["shards"]:
         raise FileNotFoundError(f"no regenerated data in {data_dir}: run `adaflash data generate --out {data_dir}`")
     found = tuple(manifest["config"]["capture_layers"])
-    if found != tuple(capture_layers):
+    tokens_only = not manifest["config"].get("store_features", True)  # any drafter's features are recomputed
+    if found != tuple(capture_layers) and not tokens_only:
         raise ValueError(f"{data_dir} holds features of target layers {found}, the drafter reads {capture_layers}")
     return [
         TrainSample(torch.tensor(s.tokens, dtype=torch.long), s.prompt_len, s.features, s.top_logprobs, s.top_ids,

@@ -1,5 +1,5 @@
 """Train and calibrate a candidate-length head on recorded verification outcomes (its command, `adaflash train
-length-head`, is in `training/cli.py`; its reliability diagram in `evaluation/plots.py`).
+length-head`, is in `training/cli.py`; its reliability diagram in `plots.py`).
 
 Outcomes are censored: when the target verified only `drafted` < B-1 drafts and accepted all of them, we
 do not know how many more it would have accepted. The block head trains only on uncensored outcomes; the
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaflash.formats.outcomes import Outcomes
 from adaflash.models.length_head import (
     KINDS,
     LengthHead,
@@ -25,7 +26,6 @@ from adaflash.models.length_head import (
     build_length_head,
     save_length_head,
 )
-from adaflash.formats.outcomes import Outcomes
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 One process runs the serving engine (continuous batching, on its own thread, exactly as `serve` does) and,
 between rounds, the trainer - on that same thread, between two engine steps, so that all the compute shares one
-OpenMP pool (a second pool slows every parallel region: serving/runner.py, EngineRunner.launch). Each round serves
+OpenMP pool (a second pool slows every parallel region: engine/runner.py, EngineRunner.launch). Each round serves
 fresh GSM-Symbolic problems with the current drafter while a recorder writes the on-policy buffer; then the
 drafter is distilled on the buffer (reverse KL by default), its candidate-length head is refitted on the new
 drafter's own block outcomes, and the candidate is scored on a held-out slice (full-block greedy accept length
@@ -23,19 +23,19 @@ from pathlib import Path
 import torch
 
 from adaflash.data import GSMSymbolicStream, load_prompts
-from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
-from adaflash.models.drafter_checkpoint import latest_version, load_drafter, publish_version
-from adaflash.models.length_head import load_length_head, save_length_head
-from adaflash.pipeline import Pipeline
-from adaflash.serving.engine_factory import (
+from adaflash.engine.engine_factory import (
     EngineConfig,
     build_engine,
     default_length_policy,
     length_policy_factory,
 )
-from adaflash.serving.recorder import TrajectoryRecorder
-from adaflash.serving.request import Request
-from adaflash.serving.runner import EngineRunner
+from adaflash.engine.recorder import TrajectoryRecorder
+from adaflash.engine.request import Request
+from adaflash.engine.runner import EngineRunner
+from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
+from adaflash.models.drafter_checkpoint import latest_version, load_drafter, load_drafter_config, publish_version
+from adaflash.models.length_head import load_length_head, save_length_head
+from adaflash.pipeline import Pipeline
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.training.block_outcomes import score_blocks
 from adaflash.training.length_head import LengthHeadTrainConfig, train_length_head
@@ -130,7 +130,7 @@ class OnlineAdaptation:
         return self.runner.call(lambda engine: fn()).result()
 
     def _score(self, drafter_dir: Path, trajectories) -> float:
-        return self._on_engine(lambda: score_blocks(self.target, load_drafter(drafter_dir, dtype=torch.float32),
+        return self._on_engine(lambda: score_blocks(self.target, load_drafter(drafter_dir, torch.float32, self.target.device),
                                                     trajectories, seed=self.cfg.seed).accept_length)
 
     def run(self) -> list[dict]:
@@ -167,8 +167,8 @@ class OnlineAdaptation:
         if promoted:
             self.current = publish_version(candidate, self.versions)
             self.runner.call(lambda e: e.swap_proposer(
-                DFlashProposer(load_drafter(self.current, dtype=self.target.dtype), self.target),
-                self._policy(load_length_head(self.current)), self.current.name)).result()
+                DFlashProposer(load_drafter(self.current, self.target.dtype, self.target.device), self.target),
+                self._policy(load_length_head(self.current, self.target.device)), self.current.name)).result()
         self._write({"round": r, "version": self.current.name, "candidate_held_out_accept_len": new,
                      "held_out_accept_len": new if promoted else now, "promoted": promoted,
                      "gsm8k_accept_len": self._score(self.current, gsm8k), "trajectories": len(requests),
@@ -187,11 +187,13 @@ class OnlineAdaptation:
     def _refit_head(self, r: int, candidate: Path) -> dict:
         """The head refitted on the candidate's own outcomes (the old drafter's hidden states are not its inputs)."""
         cfg = self.cfg
-        scores = score_blocks(self.target, load_drafter(candidate, dtype=torch.float32), read_trajectories(self.out / "buffer"),
-                              anchors_per_sequence=cfg.anchors_per_sequence, seed=cfg.seed + r)
-        d = load_drafter(candidate).config
+        scores = score_blocks(self.target, load_drafter(candidate, torch.float32, self.target.device),
+                              read_trajectories(self.out / "buffer"), anchors_per_sequence=cfg.anchors_per_sequence,
+                              seed=cfg.seed + r)
+        d = load_drafter_config(candidate)
         head, report = train_length_head(scores.outcomes, LengthHeadTrainConfig(
-            kind=cfg.head_kind, epochs=cfg.head_epochs, lr=cfg.head_lr, seed=cfg.seed + r), d.hidden_size, d.block_size)
+            kind=cfg.head_kind, epochs=cfg.head_epochs, lr=cfg.head_lr, seed=cfg.seed + r), d.hidden_size, d.block_size,
+            device=self.target.device)
         save_length_head(head, candidate)
         return report
 

@@ -1,6 +1,7 @@
 """The one drafter training loop: DFlash block training with a pluggable loss strategy.
 
-Runs alone or under `torchrun` (DDP; gloo on CPU, nccl on GPUs). Deterministic data order and anchors
+Runs on the process's device (`--device`: the target frozen in bf16 on CUDA, the drafter's fp32 weights trained under
+bf16 autocast there), alone or under `torchrun` (DDP; gloo on CPU, nccl with one GPU per rank). Deterministic data order and anchors
 (seeded by epoch and sample index) plus checkpoints holding weights, optimizer, scheduler and step make a
 killed run resume exactly where it stopped.
 """
@@ -16,12 +17,14 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from adaflash.models.device import current_device
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
 from adaflash.models.drafter_checkpoint import deepen_drafter, init_drafter, load_drafter, save_drafter
 from adaflash.models.registry import resolve_target
@@ -71,10 +74,15 @@ class TrainConfig:
     sequences_per_step: int = 4  # global, across all ranks
     anchors_per_sequence: int = 32
     grad_clip: float = 1.0
-    autocast_bf16: bool = False  # for GPUs / CPUs with native bf16
+    autocast_bf16: bool = False  # for CPUs with native bf16 (always on CUDA)
+    # Keep each sample's target pass (features, final states) in memory for later epochs and held-out scoring. Off for
+    # a large one-epoch run: the target's forward inside the step is cheaper than holding ~4.6 KB a token.
+    cache_teacher: bool = True
     seed: int = 0
     log_every: int = 10
     save_every: int = 50
+    save_every_s: float | None = None  # also checkpoint when this many seconds passed since the last save
+    time_limit_s: float | None = None  # end the run (checkpoint, export) once this many seconds of training passed
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> "TrainConfig":
@@ -137,7 +145,7 @@ def new_drafter(cfg: TrainConfig, target: TargetModel) -> DFlashDrafter:
 
 def continued_drafter(cfg: TrainConfig, target: TargetModel) -> DFlashDrafter:
     """init_from's drafter, deepened to cfg.num_layers and re-blocked to cfg.block_size where those are given."""
-    drafter = load_drafter(cfg.init_from, dtype=torch.float32).train()
+    drafter = load_drafter(cfg.init_from, dtype=torch.float32, device=target.device).train()
     drafter.config.check_compatible(target.config)
     if cfg.num_layers is not None and cfg.num_layers != drafter.config.num_layers:
         drafter = deepen_drafter(drafter, cfg.num_layers, seed=cfg.seed)
@@ -169,13 +177,14 @@ def _save_checkpoint(out_dir: Path, drafter: DFlashDrafter, optimizer, step: int
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_checkpoint(out_dir: Path, optimizer_factory) -> tuple[DFlashDrafter, torch.optim.Optimizer, int] | None:
+def _load_checkpoint(out_dir: Path, optimizer_factory,
+                     device: torch.device) -> tuple[DFlashDrafter, torch.optim.Optimizer, int] | None:
     ckpt = out_dir / "checkpoint"
     if not (ckpt / "trainer_state.pt").is_file():
         return None
-    drafter = load_drafter(ckpt, dtype=torch.float32).train()
+    drafter = load_drafter(ckpt, dtype=torch.float32, device=device).train()
     try:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False, map_location=device)
     except Exception as exc:
         raise ValueError(f"{ckpt / 'trainer_state.pt'} is corrupt: {exc}") from exc
     optimizer = optimizer_factory(drafter)
@@ -200,18 +209,22 @@ def teacher_logits(target: TargetModel, final_states: torch.Tensor, positions: t
 
 
 class TeacherCache:
-    """Target passes per training sample, computed once: the target is frozen, so later epochs reuse them."""
+    """Target passes per training sample, computed once: the target is frozen, so later epochs reuse them.
+    `keep=False` computes them at every use (the target's forward inside the training step)."""
 
-    def __init__(self, target: TargetModel, capture_layers) -> None:
-        self.target, self.capture_layers = target, tuple(capture_layers)
+    def __init__(self, target: TargetModel, capture_layers, keep: bool = True) -> None:
+        self.target, self.capture_layers, self.keep = target, tuple(capture_layers), keep
         self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, index: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if index not in self._store:
-            with torch.no_grad():
-                features, final = teacher_pass(self.target, tokens, self.capture_layers)
-            self._store[index] = (features.to(torch.bfloat16), final)  # features as the data shards keep them
-        return self._store[index]
+        if index in self._store:
+            return self._store[index]
+        with torch.no_grad():
+            features, final = teacher_pass(self.target, tokens, self.capture_layers)
+        passed = (features.to(torch.bfloat16), final)  # features as the data shards keep them
+        if self.keep:
+            self._store[index] = passed
+        return passed
 
 
 def _sequence_loss(drafter, dcfg, target: TargetModel, head: DraftHead, index: int, sample, cfg: TrainConfig, loss_fn,
@@ -219,10 +232,12 @@ def _sequence_loss(drafter, dcfg, target: TargetModel, head: DraftHead, index: i
     anchors = sample_anchors(sample, num_anchors or cfg.anchors_per_sequence, generator)
     block, labels = block_inputs(sample, anchors, dcfg.block_size, dcfg.mask_token_id)
     labels = head.rows_of(labels, ignore=IGNORE)  # MISS where the target's token is outside the draft vocabulary
+    device = target.device
+    block, labels = block.to(device), labels.to(device)
     features, teacher = sample.features, None
     if loss_fn.needs_soft_targets:
         logprobs, ids = block_soft_targets(sample, anchors, dcfg.block_size)
-        teacher = SoftTargets(logprobs, head.rows_of(ids))
+        teacher = SoftTargets(logprobs.to(device), head.rows_of(ids.to(device)))
     if features is None or loss_fn.needs_teacher:
         computed, final = teachers.get(index, sample.tokens)
         features = features if features is not None else computed
@@ -233,9 +248,9 @@ def _sequence_loss(drafter, dcfg, target: TargetModel, head: DraftHead, index: i
             positions = (anchors[:, None] + torch.arange(dcfg.block_size - 1)[None, :]).clamp(max=last)
             unique, inverse = torch.unique(positions, return_inverse=True)
             with torch.no_grad():
-                teacher = head.restrict(teacher_logits(target, final, unique))[inverse]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
-        hidden = drafter(features.float(), F.embedding(block, target.embed_tokens), anchors)
+                teacher = head.restrict(teacher_logits(target, final, unique.to(device)))[inverse.to(device)]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16 or device.type == "cuda"):
+        hidden = drafter(features.to(device).float(), F.embedding(block, target.embed_tokens), anchors)
         # The (trimmed) LM head, frozen, on the draft positions only; plain F.linear keeps autograd.
         logits = F.linear(hidden[:, 1:], head.weight).float()
     return loss_fn(logits, labels, teacher)
@@ -264,35 +279,42 @@ def holdout_record(drafter: DFlashDrafter, target: TargetModel, head: DraftHead,
 
 
 def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None,
-          teachers: TeacherCache | None = None) -> Path:
+          teachers: TeacherCache | None = None, on_checkpoint: Callable[[Path], None] | None = None) -> Path:
     """Train (or resume) a drafter; returns the directory of the final bf16 DFlash checkpoint.
 
     `stop_after` ends this invocation after that step (checkpoint saved, no export), as a time box or a
     kill would; running again resumes. `teachers` shares target passes between runs on the same data
-    (a hyper-parameter sweep).
+    (a hyper-parameter sweep). `on_checkpoint(dir)` runs after every checkpoint is published (rank 0): e.g. a
+    copy that leaves the machine while the run goes on.
     """
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    device = current_device()
+    if distributed and device.type == "cuda":  # one GPU per rank
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     if cfg.sequences_per_step % world:
         raise ValueError(f"sequences_per_step={cfg.sequences_per_step} must be divisible by the {world} ranks")
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    target = load_target(resolve_target(cfg.model), dtype=torch.float32)
+    # The frozen target: fp32 on a CPU (exact features, our kernels), bf16 on a GPU.
+    target = load_target(resolve_target(cfg.model), torch.float32 if device.type == "cpu" else torch.bfloat16, device)
     loss_fn = build_loss(cfg.loss, gamma=cfg.gamma, alpha=cfg.alpha, tau=cfg.tau, temperature=cfg.temperature,
                          soft_weight=cfg.soft_weight)
 
     def make_optimizer(model):
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
-    resumed = _load_checkpoint(out_dir, make_optimizer)
+    resumed = _load_checkpoint(out_dir, make_optimizer, device)
     if resumed is None:
         if cfg.init_from:
             drafter = continued_drafter(cfg, target)
         else:
             drafter = new_drafter(cfg, target)
+        drafter = drafter.to(device)
         optimizer, step = make_optimizer(drafter), 0
     else:
         drafter, optimizer, step = resumed
@@ -307,12 +329,15 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     if cfg.draft_vocab_size and drafter.draft_vocab is None and step == 0:
         drafter.set_draft_vocab(data_vocab([dataset.samples[i] for i in train_ids], cfg.draft_vocab_size, target.config.vocab_size))
     head = DraftHead(target.lm_head, drafter.draft_vocab)
-    teachers = teachers or TeacherCache(target, drafter.config.target_layer_ids)
+    teachers = teachers or TeacherCache(target, drafter.config.target_layer_ids, keep=cfg.cache_teacher)
     steps_per_epoch = len(train_ids) // cfg.sequences_per_step
     if steps_per_epoch == 0:
         raise ValueError(f"{len(dataset)} samples cannot fill one step of {cfg.sequences_per_step} sequences")
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
-    model = torch.nn.parallel.DistributedDataParallel(drafter) if distributed else drafter
+    if distributed:
+        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device] if device.type == "cuda" else None)
+    else:
+        model = drafter
     mean_response = sum(len(dataset.samples[i].tokens) - dataset.samples[i].prompt_len for i in train_ids) / len(train_ids)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, cfg.warmup_frac), last_epoch=step - 1)
     metrics_file = out_dir / "metrics.jsonl"
@@ -326,7 +351,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
         # Where a continued run starts (init_from's drafter on this data's held-out samples): the curve's first point.
         with metrics_file.open("a") as f:
             f.write(json.dumps({"step": 0, "train_tokens_seen": 0.0, **holdout()}) + "\n")
-    started = time.perf_counter()
+    started = last_save = time.perf_counter()
     while step < total:
         epoch, in_epoch = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ids), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
@@ -348,8 +373,13 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
         scheduler.step()
         step += 1
         bar.update(1)
-        due_log = step % cfg.log_every == 0 or step == total
-        due_holdout = bool(holdout_ids) and (step % cfg.save_every == 0 or step == total)
+        out_of_time = _agreed(cfg.time_limit_s is not None and time.perf_counter() - started >= cfg.time_limit_s,
+                              distributed, device)
+        last = step == total or out_of_time
+        due_save = step % cfg.save_every == 0 or last or _agreed(
+            cfg.save_every_s is not None and time.perf_counter() - last_save >= cfg.save_every_s, distributed, device)
+        due_log = step % cfg.log_every == 0 or last
+        due_holdout = bool(holdout_ids) and (step % cfg.save_every == 0 or last)
         if rank == 0 and (due_log or due_holdout):
             record = (_summarise(window, step, scheduler.get_last_lr()[0], float(grad_norm), time.perf_counter() - started)
                       if due_log else {"step": step})
@@ -361,10 +391,15 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
             if due_log:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['accuracy'][0]:.2f}")
                 window = {}
-        if rank == 0 and (step % cfg.save_every == 0 or step == total):
+        if rank == 0 and due_save:
             _save_checkpoint(out_dir, drafter, optimizer, step, cfg)
+            if on_checkpoint is not None:
+                on_checkpoint(out_dir / "checkpoint")
+            last_save = time.perf_counter()
         if distributed:
             dist.barrier()
+        if out_of_time:  # a time-boxed run ends as a finished one does: exported weights
+            break
         if stop_after is not None and step >= stop_after and step < total:
             if rank == 0:
                 _save_checkpoint(out_dir, drafter, optimizer, step, cfg)
@@ -377,6 +412,15 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     if distributed:
         dist.barrier()
     return final
+
+
+def _agreed(flag: bool, distributed: bool, device: torch.device) -> bool:
+    """A time-based decision every rank takes together (rank 0's clock decides: ranks never part at a barrier)."""
+    if not distributed:
+        return flag
+    decision = torch.tensor([float(flag)], device=device)
+    dist.broadcast(decision, src=0)
+    return bool(decision.item())
 
 
 def _accumulate(window: dict, loss: float, stats: dict) -> None:

@@ -84,7 +84,7 @@ def test_cli_tiny_model_writes_json_md_and_pngs(one_prompt_per_benchmark, tiny_c
 
 def test_cli_without_a_drafter_fails_clearly(tmp_path):
     args = _cli(["eval", "tau", "--model", str(tmp_path / "some-model")])
-    assert args.limit == 10 and args.max_new_tokens == 128 and args.out_dir == "docs/results"
+    assert args.limit == 10 and args.max_new_tokens == 128 and args.out_dir == "docs/results/drafter"
     with pytest.raises(ValueError, match="needs --drafter"):
         args.func(args)
 

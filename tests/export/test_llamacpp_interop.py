@@ -12,7 +12,7 @@ against our own runtime, on 24 held-out-style prompts (eval splits of four datas
    within 10% of our runtime's on the same prompts. Both engines run the target in
    F32 (llama.cpp's converter makes the F32 target GGUF) so their greedy trajectories stay close; tokens are not
    compared across engines.
-The numbers go to docs/results/llamacpp_interop.json. Needs `make peer` (binaries in .peer/bin); skipped otherwise.
+The numbers go to docs/results/peers/llamacpp_interop.json. Needs `make peer` (binaries in .peer/bin); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tests.export.peer_paths import BIN, CONVERTER, PEER_PYTHON, REPO
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
 
-RESULTS = REPO / "docs" / "results" / "llamacpp_interop.json"
+RESULTS = REPO / "docs" / "results" / "peers" / "llamacpp_interop.json"
 PROMPT_SETS = (("gsm8k", 6), ("humaneval", 6), ("mt-bench", 6), ("sharegpt-chat", 6))
 MAX_PROMPT_TOKENS = 384
 MIN_PROMPTS = 20

@@ -9,7 +9,7 @@ import pytest
 
 from adaflash.cli import main
 from adaflash.export.vllm_schedule import batch_schedule, length_for_batch, survival_from_histograms
-from adaflash.serving.cost_model import CostModel
+from adaflash.speculative.cost_model import CostModel
 
 SURVIVAL = [0.9 ** j for j in range(1, 16)]  # a drafter accepted 90% per position
 

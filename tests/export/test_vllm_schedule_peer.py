@@ -40,7 +40,7 @@ def scheduled(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
     from adaflash.pipeline import Pipeline
     import torch
 
-    from adaflash.serving.cost_model import cost_model_for
+    from adaflash.speculative.cost_model import cost_model_for
 
     work = tmp_path_factory.mktemp("vllm-schedule")
     drafter_dir = shipped_drafter("smollm2-135m")

@@ -228,3 +228,21 @@ def test_a_deepened_drafter_first_drafts_as_the_one_it_grew_from():
     assert deep.layers[3].self_attn.o_proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="shallower"):
         deepen_drafter(deep, 2)
+
+
+def test_sharded_checkpoint_round_trip(tmp_path):
+    """Weights over max_shard_bytes go into HF-style shards + index (what leaves a machine in bounded files); they
+    load as one file does, and a later unsharded save leaves no stale shard behind."""
+    cfg = DrafterConfig.for_target(TARGET, mask_token_id=5, num_layers=2, block_size=4)
+    drafter = init_drafter(cfg, seed=0)
+    save_drafter(drafter, tmp_path, dtype=torch.float32, max_shard_bytes=40_000)
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    assert not (tmp_path / "model.safetensors").exists()
+    loaded = load_drafter(tmp_path, dtype=torch.float32)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in drafter.state_dict().items())
+    save_drafter(drafter, tmp_path, dtype=torch.float32)
+    assert not list(tmp_path.glob("model-*-of-*.safetensors")) and (tmp_path / "model.safetensors").is_file()
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_drafter(tmp_path)

@@ -162,11 +162,11 @@ def test_int8_engine_reuses_a_slots_prompt_prefix_exactly(smollm2_dir, pipeline)
     prompt - here a second turn re-sending the first turn and the model's own answer, which the slot computed in decode
     steps - prefills only the rest, and produces exactly what a fresh engine does, AR and speculative alike (the
     drafter's context cache keeps its prefix too)."""
+    from adaflash.engine.engine import Engine
+    from adaflash.engine.request import Request
     from adaflash.models.drafter_checkpoint import load_drafter
     from adaflash.models.kernels.selection import fast_linears_available
     from adaflash.models.registry import shipped_drafter
-    from adaflash.serving.engine import Engine
-    from adaflash.serving.request import Request
     from adaflash.speculative.proposer import DFlashProposer
 
     if not fast_linears_available(pipeline.target.lm_head):

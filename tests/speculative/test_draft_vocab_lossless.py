@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from adaflash.engine.engine import Engine
+from adaflash.engine.request import Request
 from adaflash.models.draft_vocab import DraftVocab
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
-from adaflash.serving.engine import Engine
-from adaflash.serving.length_policy import FixedLength
-from adaflash.serving.request import Request
+from adaflash.speculative.length_policy import FixedLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 from adaflash.speculative.sampling import SamplingParams
-from tests.helpers import exact_joint, law_pvalue
+from tests.helpers import exact_joint, law_pvalue, sampled_counts
 from tests.speculative.test_reference import PROMPT
 
 VOCAB = 96
@@ -63,17 +63,6 @@ def test_trimmed_sampling_preserves_the_target_law(tiny_checkpoints):
     support = sorted({t for seq in exact for t in seq})
     # Keep only part of the target's support: its other tokens can come only from the target's residual.
     proposer = _trimmed_proposer(target, _vocab_around(support[: max(1, len(support) // 2)], extra=2), seed=3)
-    n = 1200
-    counts = dict.fromkeys(exact, 0)
-    for seed in range(n // 2):
-        counts[tuple(speculative_generate(target, proposer, PROMPT, 3, params, draft_length=2, seed=seed).token_ids)] += 1
-    engine = Engine(target, proposer, FixedLength(2), max_batch=16, max_queue=n, max_len=64)
-    reqs = [Request(f"s{i}", PROMPT, 3, sampling=params, seed=10_000 + i) for i in range(n - n // 2)]
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_work():
-        engine.step()
-    for r in reqs:
-        counts[tuple(r.output_ids)] += 1
+    counts, reqs = sampled_counts(target, proposer, PROMPT, params, exact, 1200)
     assert sum(sum(r.draft_lengths) for r in reqs) > 0 and any(a > 1 for r in reqs for a in r.accept_lengths)
     assert law_pvalue(counts, exact) > 1e-3

@@ -66,7 +66,7 @@ void score_keys(const float* const* q, const KV* k, const KV* v, int64_t len, in
   for (int64_t j0 = 0; j0 < blocked; j0 += 4) {
     // Software prefetch: the keys kKeysAhead rows on into L1, and these 4 keys' values into L2 for the output pass
     // (a sequence's KV head is a short stream the hardware prefetcher barely ramps up on). Batched decode steps
-    // 0.90-0.97x the time (docs/results/session17/attention_prefetch_ab.txt); the values' prefetch is most of it.
+    // 0.90-0.97x the time (docs/notes.md: attention_prefetch_ab.txt); the values' prefetch is most of it.
     for (int64_t c = 0; c < 4 * d * static_cast<int64_t>(sizeof(KV)); c += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(k + (j0 + kKeysAhead) * d) + c, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(v + j0 * d) + c, _MM_HINT_T1);
@@ -163,7 +163,7 @@ void output_lanes(const float* const* p, const KV* v, int64_t len, int64_t d, in
 namespace avx512 {
 // The output pass in 16-lane vectors where the CPU has AVX-512: each lane's FMA chain over the keys and its division
 // are the same instructions on the same values, so the same bits (tested). A 16-token verification's attention
-// 0.89-0.96x the time, batched decode 0.97-0.99x (docs/results/session19/attention_ab.txt). The score pass stays 8
+// 0.89-0.96x the time, batched decode 0.97-0.99x (docs/notes.md: attention_ab.txt). The score pass stays 8
 // lanes: with two keys a vector (each key's 8-lane chain kept) it measured 1.02-1.13x slower on top of this, with two
 // tokens' chains a vector 0.97-1.03x.
 // (::output_vecs in 16-lane types, not one template over both: a template defined under this target would compile the

@@ -10,7 +10,7 @@
 //
 // Why only Q8_0: Q4_1's nibbles must be widened to bytes in memory before a tile load, and with that the AMX pass was
 // never faster than the AVX512-VNNI one (1.4-1.8x slower at 2-4 rows, alike at 8-32, 1.16-1.20x slower at 64-256
-// once the VNNI path prefetched; docs/results/session19/int8_tried_and_dropped.txt). On session 19's Xeon the tile
+// once the VNNI path prefetched; docs/notes.md: int8_tried_and_dropped.txt). On an AMX Xeon the tile
 // instructions and the AVX-512 scaling do not overlap (a 16-row block: ~31-36 cycles of tile work, then ~46 of
 // scaling; amx_overlap_bench.cpp there), so the tile path gains only what it saves of the dot instructions.
 #include <immintrin.h>

@@ -146,9 +146,9 @@ void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, co
 }
 
 // One panel for every row: tiles of up to kRows rows, the panel read from memory by the first and from L1 by the
-// rest. 4 rows' int16 sums for both halves fill the registers. Tiles of 8 rows taking one half a pass (session 17)
+// rest. 4 rows' int16 sums for both halves fill the registers. Tiles of 8 rows taking one half a pass
 // were a little slower: passes of 8-64 rows take 0.94-0.99x their time this way (with the parallel rounding below,
-// docs/results/session18/int8_tile_rows_ab.txt); 3-row tiles measured alike.
+// docs/notes.md: int8_tile_rows_ab.txt); 3-row tiles measured alike.
 constexpr int kRows = 4;
 
 template <int Format>
@@ -263,7 +263,7 @@ int best_isa() {
 
 // From this many rows on, AMX runs a Q8_0 pass (where the CPU has it); fewer go to AVX512-VNNI, as Q4_1 always does
 // (int8_amx.cpp says why). The LM head: 0.87x the VNNI pass's time at 8 rows, 0.62-0.87x at 12-128
-// (docs/results/session19/int8_amx.txt).
+// (docs/notes.md: int8_amx.txt).
 constexpr int64_t kAmxMinRows = 8;
 
 inline float hmax(__m256 v) {

@@ -28,9 +28,9 @@ using PanelRows = void (*)(const Activations&, int64_t, const uint8_t*, int64_t,
 // Software prefetch distance in the weight stream, and the streaming itself: the hardware prefetchers do not run
 // far enough ahead of a kernel that computes while it streams. The first pass over a panel's block asks for the
 // lines kPrefetchAhead on (up to the end of the calling thread's share). Hint: AMD Zen 3 (AVX2) measured L1 / L2 /
-// non-temporal alike, and keeps L1 (T0): 1.1x at one row, 1.2x at 4 (docs/results/session17/int8_prefetch_ab.txt);
-// the AVX-512 Intel Xeon of session 19 streamed a 1-row pass 1.2-1.3x faster into L2 (T1) than without (L1 at 8 KB
-// measured as none: its ~16 line-fill buffers cannot hold 128 lines in flight; docs/results/session19/).
+// non-temporal alike, and keeps L1 (T0): 1.1x at one row, 1.2x at 4 (docs/notes.md: int8_prefetch_ab.txt);
+// an AVX-512 Intel Xeon (AMX) streamed a 1-row pass 1.2-1.3x faster into L2 (T1) than without (L1 at 8 KB
+// measured as none: its ~16 line-fill buffers cannot hold 128 lines in flight; docs/notes.md).
 constexpr int64_t kPrefetchAhead = 8192;
 
 template <_mm_hint Hint>

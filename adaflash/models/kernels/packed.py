@@ -117,15 +117,13 @@ def _load() -> ctypes.CDLL | None:
 
 
 def open_library(path: Path) -> ctypes.CDLL:
-    """Load a build of the kernel library and declare its functions' signatures (the benchmarks also open older
-    builds, to time them against this one in one process)."""
+    """Load a build of the kernel library and declare its functions' signatures."""
     lib = ctypes.CDLL(str(path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.adaflash_pack.argtypes = [ptr, i64, i64, ptr, i32]
     lib.adaflash_pack.restype = None
-    if hasattr(lib, "adaflash_linear_allow_avx512"):  # (builds before session 19 lack it)
-        lib.adaflash_linear_allow_avx512.argtypes = [i32]
-        lib.adaflash_linear_allow_avx512.restype = None
+    lib.adaflash_linear_allow_avx512.argtypes = [i32]
+    lib.adaflash_linear_allow_avx512.restype = None
     lib.adaflash_packed_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
     lib.adaflash_packed_linear.restype = None
     lib.adaflash_pack_quantized.argtypes = [ptr, i64, i64, i32, ptr, i32]
@@ -138,17 +136,15 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.adaflash_pack_int8.restype = None
     lib.adaflash_int8_linear.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, ptr, i32]
     lib.adaflash_int8_linear.restype = None
-    if hasattr(lib, "adaflash_int8_isa"):  # (builds before session 19 lack it)
-        lib.adaflash_int8_isa.argtypes = []
-        lib.adaflash_int8_isa.restype = i32
-        lib.adaflash_int8_limit_isa.argtypes = [i32]
-        lib.adaflash_int8_limit_isa.restype = None
+    lib.adaflash_int8_isa.argtypes = []
+    lib.adaflash_int8_isa.restype = i32
+    lib.adaflash_int8_limit_isa.argtypes = [i32]
+    lib.adaflash_int8_limit_isa.restype = None
     lib.adaflash_ragged_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float,
                                               ptr, i32, i32]
     lib.adaflash_ragged_attention.restype = None
-    if hasattr(lib, "adaflash_attention_allow_avx512"):  # (builds before session 19 lack it)
-        lib.adaflash_attention_allow_avx512.argtypes = [i32]
-        lib.adaflash_attention_allow_avx512.restype = None
+    lib.adaflash_attention_allow_avx512.argtypes = [i32]
+    lib.adaflash_attention_allow_avx512.restype = None
     lib.adaflash_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, i32]
     lib.adaflash_rms_norm.restype = None
     lib.adaflash_rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
@@ -165,10 +161,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.adaflash_decoder_layer.restype = None
     lib.adaflash_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i32]
     lib.adaflash_decoder_layers.restype = None
-    if hasattr(lib, "adaflash_decoder_forward"):  # (builds before session 18 lack it)
-        lib.adaflash_decoder_forward.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
-                                                 ptr, i32]
-        lib.adaflash_decoder_forward.restype = ctypes.c_int
+    lib.adaflash_decoder_forward.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
+                                             ptr, i32]
+    lib.adaflash_decoder_forward.restype = ctypes.c_int
     lib.adaflash_context_scratch_floats.argtypes = [ptr, i64]
     lib.adaflash_context_scratch_floats.restype = i64
     lib.adaflash_drafter_context.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]

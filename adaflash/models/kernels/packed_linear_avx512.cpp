@@ -3,8 +3,8 @@
 // into its k-chunk. Each output keeps its one FMA chain over k and each weight its dequantisation (the same
 // instructions per lane), so every output is bitwise the 8-lane path's (tested), from about half the instructions.
 // A separate file under its own target: templates shared with the 8-lane code would compile that code for AVX-512
-// too, and it must run on AVX2-only CPUs. Measured on session 19's Xeon: the fp32 target's forwards of 1-2 tokens
-// 0.92-1.00x the time, 4-8 tokens 0.82-0.90x, 16 tokens 0.90-0.94x (docs/results/session19/fp32_lanes_ab.txt).
+// too, and it must run on AVX2-only CPUs. Measured on an AMX Xeon: the fp32 target's forwards of 1-2 tokens
+// 0.92-1.00x the time, 4-8 tokens 0.82-0.90x, 16 tokens 0.90-0.94x (docs/notes.md: fp32_lanes_ab.txt).
 #include <immintrin.h>
 
 #include <cstdint>

@@ -3,7 +3,7 @@ them).
 
 Why: a decode step streams every weight once from memory (~97 MB for SmolLM2 with `--dtype int8`, three times the
 L3); with 4 KB pages that stream walks a TLB miss every 4 KB, with transparent huge pages (`madvise`, the default
-setting of most kernels) one per 2 MB. Measured: 0.98-0.99x a decode step (docs/results/session17/huge_pages_ab.txt)
+setting of most kernels) one per 2 MB. Measured: 0.98-0.99x a decode step (docs/results/runtime/huge_pages_ab.txt)
 - small. Weights are carved from 64 MB chunks in packing order, so a layer's four linears sit next to each other; a
 chunk's memory is freed only when every weight carved from it is, so this suits weights kept for the model's life
 (not the kernel choice's candidates, some of which are dropped). Where the kernel has no transparent huge pages the

@@ -1,0 +1,246 @@
+"""What a step costs on this machine: the target's verify time against the batch's total tokens and the drafter's
+time per drafting request, profiled once (`profile_cost_model`) and cached on disk per target, drafter, size and
+thread count (`cost_model_for`), then corrected online from the engine's measured step times (`CalibratedCost`).
+The expected-throughput length policies (`length_policy.py`) read it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+# The profiling method's version, part of a cached profile's file name: a profile taken by an older method is not read.
+# 2: round-robin over the points after a warm-up round, where 1 timed them one after another.
+PROFILE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one target verify pass as a function of the batch's total tokens, plus the drafter's
+    cost per drafting request: `draft_s` for a whole block, or by draft length where `draft_widths` were profiled
+    (the proposer runs a block only as wide as the drafts it is asked for).
+
+    Profiled on the running machine (`profile_cost_model`), piecewise-linear in between the measured points.
+    """
+
+    total_tokens: tuple[int, ...]
+    verify_s: tuple[float, ...]
+    draft_s: float
+    draft_widths: tuple[int, ...] = ()  # drafter block widths profiled (anchor + drafts), ascending
+    draft_width_s: tuple[float, ...] = ()
+
+    def verify(self, tokens: int) -> float:
+        return _interpolate(self.total_tokens, self.verify_s, tokens)
+
+    def draft(self, num_draft: int) -> float:
+        """The drafter's seconds for one request drafting `num_draft` tokens (0: not drafting)."""
+        if num_draft <= 0:
+            return 0.0
+        if not self.draft_widths:
+            return self.draft_s
+        return _interpolate(self.draft_widths, self.draft_width_s, num_draft + 1, through_zero=False)
+
+    def to_json(self) -> str:
+        return json.dumps({"total_tokens": self.total_tokens, "verify_s": self.verify_s, "draft_s": self.draft_s,
+                           "draft_widths": self.draft_widths, "draft_width_s": self.draft_width_s})
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        d = json.loads(text)
+        return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]),
+                   tuple(d.get("draft_widths", ())), tuple(d.get("draft_width_s", ())))
+
+
+class CalibratedCost:
+    """A profiled `CostModel` corrected online by the engine's measured step times (`observe`).
+
+    The profile times the target's forward and the drafter's block alone. A real speculative step also pays the
+    engine's own work per drafting request - feeding it the kept features, verifying, rolling caches back, host
+    lists - which the profile never sees (2-4 ms a step on a Zen 1 EPYC in fp32, docs/notes.md, "Length policies"),
+    and the machine's speed drifts after the profile. In place, each verified draft token may also cost more than
+    the standalone profile says (an AMX Xeon: a 3-token verify 1.5x a decode step inside the engine, 1.1x alone).
+    Three running estimates fix these: `scale`, measured / predicted over steps where nobody drafted (the drift);
+    `per_draft_s`, the seconds a drafting request adds beyond the scaled prediction; and `per_extra_draft_s`, what each
+    of its drafts after the first adds. The last two are a least-squares fit of the drafting steps' excess over their
+    drafting requests and extra drafts (a step whose drafts are all single fits the first alone). All are exponentially
+    weighted, forgetting by `forget` per observed step, starting from the profile (scale 1, 0 s) worth `prior_steps`
+    steps; a step far off the prediction (a garbage collection, a first-shape warm-up) counts as at most 4x or 1/4 of
+    it. While no plain step is seen the scale stays at its prior and the fit absorbs any drift; the plain steps that
+    follow restore the split (`DraftingCheck`'s plain stretches make sure some come). The engine reports only steps
+    whose drafter work is what their lengths say (`Engine._speculate`).
+    """
+
+    def __init__(self, profile: CostModel, forget: float = 0.98, prior_steps: float = 4.0) -> None:
+        if not 0.0 < forget <= 1.0 or prior_steps <= 0:
+            raise ValueError(f"forget must be in (0, 1] and prior_steps > 0, got {forget} and {prior_steps}")
+        self.profile, self.forget = profile, forget
+        self._scale_sum, self._scale_weight = prior_steps, prior_steps  # sum of measured/predicted, of weights
+        # The excess fit's normal equations over (drafting requests, extra drafts); the prior: (0 s, 0 s), a ridge.
+        self._dd, self._de, self._ee = prior_steps, 0.0, prior_steps
+        self._d_excess, self._e_excess = 0.0, 0.0
+
+    @property
+    def scale(self) -> float:
+        return self._scale_sum / self._scale_weight
+
+    @property
+    def per_draft_s(self) -> float:
+        return (self._d_excess * self._ee - self._e_excess * self._de) / (self._dd * self._ee - self._de ** 2)
+
+    @property
+    def per_extra_draft_s(self) -> float:
+        return (self._e_excess * self._dd - self._d_excess * self._de) / (self._dd * self._ee - self._de ** 2)
+
+    def predicted(self, lengths: Sequence[int]) -> float:
+        """The profile's seconds for a step that verifies these draft lengths (one per request, 0: plain)."""
+        return self.profile.verify(sum(k + 1 for k in lengths)) + sum(self.profile.draft(k) for k in lengths)
+
+    def observe(self, lengths: Sequence[int], seconds: float) -> None:
+        """One engine step (its requests' draft lengths) took `seconds` of wall time."""
+        if not lengths:
+            return
+        predicted, drafting = self.predicted(lengths), sum(1 for k in lengths if k > 0)
+        if predicted <= 0:
+            return
+        seconds = min(max(seconds, predicted * self.scale / 4), predicted * self.scale * 4)
+        f = self.forget
+        if drafting == 0:
+            self._scale_sum = f * self._scale_sum + seconds / predicted
+            self._scale_weight = f * self._scale_weight + 1.0
+        else:
+            excess, extra = seconds - self.scale * predicted, sum(k - 1 for k in lengths if k > 0)
+            self._dd, self._de, self._ee = f * self._dd + drafting ** 2, f * self._de + drafting * extra, \
+                f * self._ee + extra ** 2
+            self._d_excess, self._e_excess = f * self._d_excess + drafting * excess, f * self._e_excess + extra * excess
+
+    def verify(self, tokens: int) -> float:
+        return self.scale * self.profile.verify(tokens)
+
+    def draft(self, num_draft: int) -> float:
+        if num_draft <= 0:
+            return 0.0
+        # A correction below zero says the profile over-priced drafting; it cannot make drafting free.
+        return max(0.0, self.scale * self.profile.draft(num_draft) + self.per_draft_s
+                   + self.per_extra_draft_s * (num_draft - 1))
+
+
+def _interpolate(xs: tuple, ys: tuple, x: float, through_zero: bool = True) -> float:
+    """Piecewise-linear through the points, extrapolated linearly past the last; below the first, towards 0 (a
+    verify of fewer tokens) or flat (a drafter pass has a floor)."""
+    if x <= xs[0]:
+        return ys[0] * x / xs[0] if through_zero else ys[0]
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 7) -> CostModel:
+    """Measure verify time at a few total-token counts and the drafter's step at a few widths, on this machine.
+
+    Round-robin, after one warm-up round: each repeat times every point once, so a slow stretch of the machine (these
+    VMs drift by tens of percent within a minute) falls on all points alike instead of bending the curve; medians.
+    Timed one point after another, a profile had a 2-token verify cheaper than a 1-token one (4.75 vs 4.78 ms, session
+    20's Xeon), and the throughput policy, reading the extra tokens as free, drafted where drafting lost."""
+    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.speculative.sampling import SamplingParams
+
+    from adaflash.models.device import synchronize
+
+    points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
+    cache = target.new_cache(1, context + max_tokens)
+    target(torch.arange(context) + 100, RaggedBatch.build([0], [0], [context]), cache)
+
+    def verify(n: int) -> None:
+        target(torch.arange(n) + 100, RaggedBatch.build([0], [context], [n]), cache)
+        cache.rollback(0, context)
+        synchronize(target.device)  # a pass is over when the device has run it
+
+    times = _round_robin(verify, points, repeats)
+    widths, width_s = [], []
+    if proposer is not None:
+        dcache = proposer.new_cache(1, context + proposer.block_size)
+        hidden = torch.zeros(context, len(proposer.capture_layers) * target.config.hidden_size, dtype=target.dtype)
+        proposer.add_context(dcache, hidden, RaggedBatch.build([0], [0], [context]))
+        widths = sorted({w for w in (2, 4, 8, proposer.block_size) if w <= proposer.block_size})
+        fed = RaggedBatch.build([0], [context], [2])
+
+        def draft_step(w: int) -> None:
+            """What a drafting request costs the drafter in one step: feeding the features of the last step's kept
+            positions (two, typically: at batch 1 the feed is a third of the drafter's time), then a block of
+            anchor + drafts, whose cost grows with the draft length."""
+            proposer.add_context(dcache, hidden[:2], fed)
+            proposer.propose(dcache, [0], [100], [w - 1], [SamplingParams()], [None])
+            dcache.rollback(0, context)
+            synchronize(target.device)
+
+        width_s = _round_robin(draft_step, widths, repeats)
+    return CostModel(tuple(points), tuple(times), width_s[-1] if width_s else 0.0, tuple(widths), tuple(width_s))
+
+
+def _round_robin(run, points: Sequence[int], repeats: int) -> list[float]:
+    """The median seconds of run(point) per point: one untimed round, then `repeats` rounds over every point."""
+    for point in points:
+        run(point)
+    samples: list[list[float]] = [[] for _ in points]
+    for _ in range(repeats):
+        for i, point in enumerate(points):
+            start = time.perf_counter()
+            run(point)
+            samples[i].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in samples]
+
+
+@functools.lru_cache(maxsize=16)
+def _read_cost_model(path: str, modified_ns: int) -> CostModel:
+    """A cached profile, parsed once per process and file version: every engine a pipeline builds (one per generation)
+    reads the same profile for its policy and its lookup sizing."""
+    return CostModel.from_json(Path(path).read_text())
+
+
+def load_or_profile_cost_model(target, proposer, max_tokens: int, cache_file: Path | None) -> CostModel:
+    if cache_file is not None and cache_file.is_file():
+        return _read_cost_model(str(cache_file), cache_file.stat().st_mtime_ns)
+    model = profile_cost_model(target, proposer, max_tokens)
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(model.to_json())
+    return model
+
+
+def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
+    """Where this target + drafter's cost model is cached in the user cache (one file per machine setting)."""
+    from adaflash.models.device import describe
+    from adaflash.models.kernels.selection import kernel_fingerprint
+    from adaflash.models.registry import cache_root
+
+    # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
+    # The draft vocabulary too: trimming it exists to make drafting cheaper. And the CPU + kernel build + kernel mode:
+    # a new kernel changes every cost. Without a drafter (prompt lookup alone) only the verify costs are profiled.
+    if proposer is None:
+        drafter = "-nodrafter"
+    else:
+        d = proposer.drafter.config
+        drafter = f"-L{d.num_layers}-B{d.block_size}-V{d.draft_vocab_size or 'full'}"
+    if target.device.type == "cpu":
+        machine = f"th{torch.get_num_threads()}-k{kernel_fingerprint()}"
+    else:  # a GPU's pass costs depend on the GPU, not on the host's threads or our CPU kernels
+        gpu = "".join(c if c.isalnum() else "_" for c in describe(target.device))
+        machine = f"{target.device.type}-{gpu}"
+    name = f"{Path(str(model_name)).name}-{target.numerics}{drafter}-T{max_tokens}-{machine}-p{PROFILE_VERSION}.json"
+    return cache_root() / "cost_models" / name
+
+
+def cost_model_for(target, proposer, model_name: str, max_tokens: int) -> CostModel:
+    """The cost model of this target + drafter (None: the target alone) on this machine, profiled once and cached in
+    the user cache."""
+    return load_or_profile_cost_model(target, proposer, max_tokens, cost_model_file(target, proposer, model_name, max_tokens))

@@ -1,0 +1,208 @@
+"""The prepared GPU run (`make gpu-check`): what AdaFlash's CUDA path costs at Qwen3-8B's shapes, on a bare machine.
+
+No download: a target of Qwen3-8B's shapes with random bf16 weights is built on the GPU (a pass's cost depends on
+shapes, not values). Written to --out (at most 8 small files, what the device tool brings back):
+- verify_cost.json / verify_cost.md: forward ms for batch {1, 8, 32, 64} x new tokens {1, 2, 4, 8, 16}, every
+  sequence at 1K context, and verify-16 / decode at batch 1;
+- cost_model.json: the batch-1 profile in the format the throughput length policy reads (speculative/cost_model.py), with
+  a random 5-layer block-16 DFlash drafter of Qwen3-8B's shapes for the draft costs;
+- in gpu_check.json: our AR decode (with its decode steps replayed from CUDA graphs, and eager) against transformers'
+  `generate` over the same weights, alternating, medians.
+`--tiny` runs the same code at toy shapes in seconds (the CPU dry run `make test` holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's package, not installed on the GPU machine
+
+from adaflash.models.config import TransformerConfig  # noqa: E402
+from adaflash.models.device import describe, synchronize, use_device  # noqa: E402
+from adaflash.models.drafter import DrafterConfig  # noqa: E402
+from adaflash.models.drafter_checkpoint import init_drafter  # noqa: E402
+from adaflash.models.kv_cache import RaggedBatch  # noqa: E402
+from adaflash.models.target import random_target, target_from_hf_tensors  # noqa: E402
+from adaflash.speculative.cost_model import profile_cost_model  # noqa: E402
+from adaflash.speculative.proposer import DFlashProposer  # noqa: E402
+from adaflash.speculative.reference import autoregressive_generate  # noqa: E402
+
+# Qwen3-8B's config.json, less what does not change a pass's cost.
+QWEN3_8B = dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=40960, eos_token_id=151645)
+TINY = dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, eos_token_id=1)
+FULL_GRID = dict(batches=(1, 8, 32, 64), new_tokens=(1, 2, 4, 8, 16), context=1024, decode_tokens=128, repeats=10)
+TINY_GRID = dict(batches=(1, 2), new_tokens=(1, 2, 4), context=32, decode_tokens=8, repeats=2)
+QWEN3_MASK_ID = 151669  # DFlash's mask row for Qwen3 (an unused row of the padded embedding)
+
+
+def timed_ms(run, device: torch.device, repeats: int) -> float:
+    """Median wall ms of run() after two warm-up calls, the device synchronised around each call."""
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def verify_cost_table(target, device: torch.device, grid: dict) -> dict:
+    """Forward ms of every (batch, new tokens) cell with each sequence at `context` cached positions (random K/V: the
+    attention reads them whatever they hold) and logits for every new row, as a verify pass needs."""
+    context, widest = grid["context"], max(grid["new_tokens"])
+    cache = target.new_cache(max(grid["batches"]), context + widest)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    vocab = target.config.vocab_size
+    rows = []
+    for b in grid["batches"]:
+        for n in grid["new_tokens"]:
+            batch = RaggedBatch.build(list(range(b)), [context] * b, [n] * b)
+            ids = torch.randint(100, vocab, (b * n,), device=device)
+
+            def run() -> None:
+                cache.lengths[:b] = [context] * b
+                target(ids, batch, cache)
+
+            rows.append({"batch": b, "new_tokens": n, "total_tokens": b * n,
+                         "ms": timed_ms(run, device, grid["repeats"])})
+    one = {r["new_tokens"]: r["ms"] for r in rows if r["batch"] == 1}
+    return {"context": context, "cells": rows, "verify16_over_decode_batch1": one[widest] / one[1]}
+
+
+def ar_against_transformers(hf_config: dict, device: torch.device, dtype: torch.dtype, grid: dict) -> dict:
+    """Batch-1 greedy decoding of `decode_tokens` after a `context`-token prompt: our reference AR loop (decode steps
+    from CUDA graphs where the device has them, and eager) and transformers' generate over the same random weights,
+    alternating three rounds; medians and token agreement."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in hf_config.items() if k != "architectures"}))
+    finally:
+        torch.set_default_dtype(previous)
+    hf = hf.eval()
+    ours = target_from_hf_tensors(TransformerConfig.from_hf_dict(hf_config), hf.state_dict(), dtype, device)
+    prompt = torch.randint(100, hf_config["vocab_size"], (grid["context"],), generator=torch.Generator().manual_seed(0))
+    n = grid["decode_tokens"]
+    ids = prompt[None].to(device)
+
+    def run_ours(static: bool | None = None) -> list[int]:
+        ours.static_decode = static  # None: the default (graphs on CUDA)
+        return autoregressive_generate(ours, prompt.tolist(), n).token_ids
+
+    def run_hf() -> list[int]:
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+        return out[0, ids.shape[1]:].tolist()
+
+    runs = {"ours": run_ours, "ours_eager": lambda: run_ours(False), "transformers": run_hf}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    tokens = {}
+    for run in runs.values():  # warm-up: kernels, allocator, caches
+        run()
+    for _ in range(3):
+        for name, run in runs.items():
+            synchronize(device)
+            start = time.perf_counter()
+            tokens[name] = run()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    agree = next((i for i, (a, b) in enumerate(zip(tokens["ours"], tokens["transformers"])) if a != b), n)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    del hf
+    return {"prompt_tokens": grid["context"], "new_tokens": n, "seconds": med,
+            "tokens_per_s": {k: n / v for k, v in med.items()}, "ours_speedup": med["transformers"] / med["ours"],
+            "ours_eager_speedup": med["transformers"] / med["ours_eager"], "greedy_tokens_agree_first": agree,
+            "graphs_agree_with_eager": tokens["ours"] == tokens["ours_eager"]}
+
+
+def drafter_cost_model(target, device: torch.device, grid: dict) -> dict:
+    """The batch-1 cost profile the throughput policy reads, with a random 5-layer, block-16 drafter of these shapes."""
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=min(QWEN3_MASK_ID, target.config.vocab_size - 1),
+                                   num_layers=5, block_size=16)
+    proposer = DFlashProposer(init_drafter(cfg, seed=0, dtype=target.dtype), target)
+    model = profile_cost_model(target, proposer, max_tokens=16, context=grid["context"], repeats=grid["repeats"])
+    return json.loads(model.to_json())
+
+
+def markdown(report: dict) -> str:
+    table = report["verify_cost"]
+    batches = sorted({c["batch"] for c in table["cells"]})
+    widths = sorted({c["new_tokens"] for c in table["cells"]})
+    ms = {(c["batch"], c["new_tokens"]): c["ms"] for c in table["cells"]}
+    lines = [f"# Verify cost at Qwen3-8B's shapes ({report['shapes']})", "",
+             f"{report['machine']['device_name']}, torch {report['machine']['torch']}, {report['dtype']}, random weights, "
+             f"every sequence at {table['context']} cached positions; median ms of a forward pass (logits for every "
+             f"new row). Command: `{report['command']}`.", "",
+             "| batch \\ new tokens | " + " | ".join(str(w) for w in widths) + " |",
+             "|---" * (len(widths) + 1) + "|"]
+    lines += [f"| {b} | " + " | ".join(f"{ms[b, w]:.2f}" for w in widths) + " |" for b in batches]
+    lines += ["", f"verify-{widths[-1]} / decode at batch 1: **{table['verify16_over_decode_batch1']:.2f}x**"]
+    ar = report.get("ar_vs_transformers")
+    if ar:
+        lines += ["", f"AR decode, batch 1, {ar['prompt_tokens']}-token prompt + {ar['new_tokens']} tokens (3 alternating "
+                  f"rounds, medians): ours {ar['tokens_per_s']['ours']:.1f} tok/s (eager "
+                  f"{ar['tokens_per_s']['ours_eager']:.1f}), transformers' generate "
+                  f"{ar['tokens_per_s']['transformers']:.1f} tok/s: **{ar['ours_speedup']:.2f}x** (eager "
+                  f"{ar['ours_eager_speedup']:.2f}x); greedy tokens agree with transformers' for the first "
+                  f"{ar['greedy_tokens_agree_first']} of {ar['new_tokens']}; graphs and eager give the same tokens: "
+                  f"{ar['graphs_agree_with_eager']}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda (the check) or cpu (the dry run)")
+    p.add_argument("--tiny", action="store_true", help="toy shapes and a small grid: the dry run, seconds")
+    p.add_argument("--out", required=True, help="folder for the result files")
+    p.add_argument("--skip-transformers", action="store_true", help="leave out the transformers comparison")
+    args = p.parse_args(argv)
+    device = use_device(args.device)
+    if args.tiny:
+        torch.set_num_threads(1)  # toy shapes gain nothing from threads, and a busy core stalls OpenMP's waits
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf_config, grid = (TINY, TINY_GRID) if args.tiny else (QWEN3_8B, FULL_GRID)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"command": " ".join(["python", "gpu/check.py", *(argv if argv is not None else sys.argv[1:])]),
+              "shapes": "tiny" if args.tiny else "Qwen3-8B", "dtype": str(dtype).removeprefix("torch."),
+              "machine": {"device_name": describe(device), "torch": torch.__version__, "python": platform.python_version(),
+                          "cuda": torch.version.cuda}}
+    started = time.perf_counter()
+    target = random_target(TransformerConfig.from_hf_dict(hf_config), dtype, device)
+    report["verify_cost"] = verify_cost_table(target, device, grid)
+    (out / "verify_cost.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["cost_model"] = drafter_cost_model(target, device, grid)
+    (out / "cost_model.json").write_text(json.dumps(report["cost_model"]) + "\n")
+    del target
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if not args.skip_transformers:
+        report["ar_vs_transformers"] = ar_against_transformers(hf_config, device, dtype, grid)
+    report["elapsed_s"] = time.perf_counter() - started
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "verify_cost.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

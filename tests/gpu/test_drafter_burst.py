@@ -1,0 +1,32 @@
+"""`make gpu-drafter` runs as it is on a bare GPU machine: its dry run stages the real payload (the target's GGUF in
+parts, a prompt file, the gguf wheel), unpacks and converts it, generates data with the target, probes and trains,
+and leaves a loadable drafter where the device tool brings files back from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+from adaflash.models.drafter_checkpoint import load_drafter
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_drafter_dry_run(tmp_path):
+    stage, out = tmp_path / "stage", tmp_path / "out"
+    run = dict(cwd=ROOT, check=True, capture_output=True, timeout=900)
+    subprocess.run(["make", "-s", "gpu-stage", "TINY=1", f"STAGE={stage}"], **run)
+    parts = sorted(stage.iterdir())
+    assert len(parts) >= 4 and all(p.stat().st_size <= 25e6 for p in parts)  # each travels beside the working tree
+    subprocess.run(["make", "-s", "gpu-drafter", "DEVICE=cpu", "TINY=1", f"STAGE={stage}", f"GPU_OUT={out}",
+                    "BUDGET_S=300"], **run)
+    report = json.loads((out / "burst.json").read_text())
+    assert report["phases"]["data"]["response_tokens"] > 0
+    assert report["phases"]["train"]["steps"] == report["phases"]["train_probe"]["planned_steps"]
+    returned = [p for p in out.rglob("*") if p.is_file() and "work" not in p.relative_to(out).parts]
+    assert len(returned) <= 8 and all(p.stat().st_size <= 16 << 20 for p in returned)
+    drafter = load_drafter(out / "drafter", dtype=torch.float32, device="cpu")
+    assert drafter.config.block_size == 16 and drafter.draft_vocab is not None

@@ -1,0 +1,78 @@
+"""The drafting check: two arms (drafting, plain) run in stretches, each judged by the tokens it commits a second; the
+chosen arm's stretch doubles while the choice stands, so a losing arm is found early and later explored rarely."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
+
+
+def _steps(check: DraftingCheck, n: int, rate: dict[bool, float], tokens: int = 2) -> list[bool]:
+    """n steps, each arm committing `tokens` at its rate; the arm of each step."""
+    arms = []
+    for _ in range(n):
+        arm = check.next_step_drafts()
+        check.record(tokens, tokens / rate[arm])
+        arms.append(arm)
+    return arms
+
+
+def test_the_chosen_arm_runs_then_the_other_is_explored_then_the_choice_is_made():
+    check = DraftingCheck(explore=3, first=5, settle=1)
+    assert _steps(check, 8, {True: 100.0, False: 100.0}) == [True] * 5 + [False] * 3
+    assert check.rates == {True: pytest.approx(100.0)}  # the explored stretch closes when the next one starts
+    _steps(check, 1, {True: 100.0, False: 100.0})
+    assert check.rates == {True: pytest.approx(100.0), False: pytest.approx(100.0)} and check.drafting_chosen
+
+
+def test_the_chosen_stretch_doubles_while_the_choice_stands_up_to_the_longest():
+    check = DraftingCheck(explore=2, first=4, longest=16, settle=1)
+    arms = _steps(check, 4 + 2 + 8 + 2 + 16 + 2 + 16 + 2, {True: 100.0, False: 90.0})
+    runs = [len(list(g)) for _, g in __import__("itertools").groupby(arms)]
+    assert runs == [4, 2, 8, 2, 16, 2, 16, 2]
+
+
+def test_plain_is_chosen_only_where_it_beats_drafting_by_the_margin_and_a_flip_restarts_the_doubling():
+    check = DraftingCheck(explore=3, first=5, settle=1, margin=0.05)
+    assert _steps(check, 18, {True: 100.0, False: 104.0})[8:] == [True] * 10  # within the margin: drafting stays
+    check = DraftingCheck(explore=3, first=5, settle=1, margin=0.05)
+    assert _steps(check, 16, {True: 100.0, False: 110.0})[8:] == [False] * 5 + [True] * 3  # drafting now explored
+    assert not check.drafting_chosen and check.stretch == 5
+
+
+def test_a_decisive_loss_is_rechecked_four_times_less_often():
+    check = DraftingCheck(explore=2, first=4, longest=64, settle=1, margin=0.05, decisive=0.12)
+    arms = _steps(check, 4 + 2 + 8 + 2 + 32 + 2, {True: 100.0, False: 130.0})
+    runs = [len(list(g)) for _, g in __import__("itertools").groupby(arms)]
+    assert runs == [4, 2 + 8, 2, 32, 2]  # plain won by 30%: its stretches 8, then 32
+
+
+def test_the_steps_right_after_a_switch_are_not_measured():
+    """While the caches refill after a switch the first `settle` steps run slow; they must not count."""
+    check = DraftingCheck(explore=4, first=4, settle=2)
+    for _ in range(9):
+        arm = check.next_step_drafts()
+        check.record(1, 1.0 if check.since_switch < 2 else (0.01 if arm else 0.02))
+    assert check.rates[True] == pytest.approx(100.0) and check.rates[False] == pytest.approx(50.0)
+
+
+def test_a_new_stretch_moves_an_arms_rate_by_follow():
+    check = DraftingCheck(explore=3, first=3, longest=3, settle=1, follow=0.5)
+    _steps(check, 6, {True: 100.0, False: 50.0})
+    _steps(check, 6, {True: 200.0, False: 50.0})
+    check.next_step_drafts()
+    assert check.rates[True] == pytest.approx(150.0)
+
+
+def test_checks_are_kept_per_power_of_two_batch_size():
+    checks = DraftingChecks(DraftingCheck(explore=3, first=5, settle=1, drafting_chosen=False))
+    assert [DraftingChecks.bucket(n) for n in (1, 2, 3, 4, 5, 33, 64)] == [1, 2, 4, 4, 8, 64, 64]
+    assert checks.of(5) is checks.of(8) and checks.of(8) is not checks.of(9)
+    assert not checks.of(1).drafting_chosen and checks.of(1).explore == 3  # the template's settings
+
+
+@pytest.mark.parametrize("bad", [dict(settle=0), dict(explore=8, settle=8), dict(first=32, longest=16)])
+def test_impossible_stretches_are_refused(bad):
+    with pytest.raises(ValueError, match="settle < explore"):
+        DraftingCheck(**bad)

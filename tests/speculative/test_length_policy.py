@@ -1,0 +1,306 @@
+"""Draft-length policies by themselves (no engine): their decisions, their feedback and the spec parser."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaflash.engine.request import Request
+from adaflash.speculative.cost_model import CostModel
+from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks, DraftingGuard
+from adaflash.speculative.length_policy import (
+    FixedLength,
+    HeuristicLength,
+    LearnedThroughputLength,
+    LookupLength,
+    ThroughputLength,
+    allocate_drafts,
+    build_length_policy,
+    check_length_policy,
+    needs_cost_model,
+)
+
+FREE_VERIFY = CostModel(total_tokens=(1, 64), verify_s=(0.01, 0.01), draft_s=0.0)  # batch-1 machine: tokens are free
+LINEAR = CostModel(total_tokens=(1, 64), verify_s=(0.01, 0.64), draft_s=0.0)  # every token costs a full pass
+
+
+def _requests(n: int) -> list[Request]:
+    return [Request(f"r{i}", [1, 2], 8) for i in range(n)]
+
+
+def test_fixed_length_is_capped_by_max_draft():
+    policy = build_length_policy("fixed:5")
+    assert isinstance(policy, FixedLength) and policy.name == "fixed:5"
+    assert policy.decide(_requests(2), max_draft=3) == [3, 3]
+
+
+def test_heuristic_grows_after_a_full_accept_and_shrinks_after_a_rejection():
+    policy, (r,) = HeuristicLength(initial=4), _requests(1)
+    assert policy.decide([r], 15) == [4]
+    policy.feedback(r, drafted=4, accepted=4)
+    assert policy.decide([r], 15) == [6]
+    policy.feedback(r, drafted=6, accepted=2)
+    assert policy.decide([r], 15) == [5]
+    policy.feedback(r, drafted=0, accepted=0)  # no drafts: nothing learned
+    assert policy.decide([r], 15) == [5]
+
+
+def test_allocate_drafts_long_when_verification_is_free_and_none_when_it_is_not():
+    survival = [[0.9 ** j for j in range(1, 8)]] * 2
+    assert allocate_drafts(survival, FREE_VERIFY, max_draft=7) == [7, 7]
+    assert allocate_drafts(survival, LINEAR, max_draft=7) == [0, 0]
+    assert allocate_drafts(survival, FREE_VERIFY, max_draft=3) == [3, 3]
+
+
+def test_allocate_drafts_gives_the_likelier_request_more():
+    survival = [[0.95 ** j for j in range(1, 8)], [0.3 ** j for j in range(1, 8)]]
+    cost = CostModel(total_tokens=(1, 2, 16), verify_s=(0.01, 0.0102, 0.016), draft_s=0.0)
+    high, low = allocate_drafts(survival, cost, max_draft=7)
+    assert high > low
+
+
+def test_allocate_drafts_prices_the_draft_block_by_its_width():
+    survival = [[0.8 ** j for j in range(1, 8)]]
+    whole = CostModel((1, 64), (0.01, 0.01), draft_s=0.012)  # any draft pays a whole block: not worth it here
+    by_width = CostModel((1, 64), (0.01, 0.01), draft_s=0.012, draft_widths=(2, 8), draft_width_s=(0.0005, 0.012))
+    assert allocate_drafts(survival, whole, 7) == [0]
+    assert allocate_drafts(survival, by_width, 7) == [4]  # short blocks pay; past 4 the widening costs more
+
+
+def test_throughput_counts_per_position_outcomes_and_pools_them_across_requests():
+    policy, (r,) = ThroughputLength(FREE_VERIFY, prior=0.6, prior_trials=2.0, decay=1.0, optimism=0.0), _requests(1)
+    assert policy.alpha(r) == pytest.approx(0.6)  # no evidence: the prior
+    policy.feedback(r, drafted=4, accepted=4)  # 4 successes in 4 trials
+    policy.feedback(r, drafted=4, accepted=1)  # position 2 failed: 1 success in 2 trials
+    assert r.policy_state["successes"] == 5 and r.policy_state["trials"] == 6
+    # Pooled counts, not an average of per-step ratios: (1.2 + 5) / (2 + 6).
+    assert policy.shared_alpha == pytest.approx(6.2 / 8)
+    assert policy.alpha(r) == pytest.approx((5 + 2 * policy.shared_alpha) / 8)
+    fresh = _requests(1)[0]
+    assert policy.alpha(fresh) == pytest.approx(policy.shared_alpha)  # the prior of the next request
+
+
+def test_throughput_bound_is_optimistic_while_unsure_and_reopens_as_evidence_ages():
+    policy, (r,) = ThroughputLength(FREE_VERIFY, prior=0.4, forget=0.9), _requests(1)
+    assert policy.alpha(r, policy.optimism) > policy.alpha(r) == pytest.approx(0.4)  # few trials: bound above mean
+    for _ in range(20):
+        policy.feedback(r, drafted=1, accepted=0)
+    closed = policy.alpha(r, policy.optimism)
+    assert closed < 0.1
+    for _ in range(40):  # steps without new outcomes: the old ones fade
+        policy.decide([r], 7)
+    assert policy.alpha(r, policy.optimism) > closed + 0.1
+
+
+def test_throughput_optimism_buys_one_probe_token_not_a_longer_draft():
+    cost = CostModel(total_tokens=(1, 2, 3, 4), verify_s=(0.0048, 0.0058, 0.0069, 0.0081), draft_s=0.0009)
+    policy, (r,) = ThroughputLength(cost, prior=0.3), _requests(1)
+    assert allocate_drafts([[0.3 ** j for j in range(1, 8)]], cost, 7) == [0]  # the mean says: do not draft
+    assert allocate_drafts([[policy.alpha(r, policy.optimism) ** j for j in range(1, 8)]], cost, 7)[0] > 1
+    assert policy.decide([r], 7) == [1]
+
+
+def test_throughput_does_not_absorb_a_request_whose_prior_other_domains_pulled_down():
+    """The served failure this replaces: chat requests drag the shared estimate under the bar, and a math request
+    that would gain from drafting never drafts, so never learns that it should."""
+    cost = CostModel(total_tokens=(1, 2, 3, 4), verify_s=(0.0048, 0.0058, 0.0069, 0.0081), draft_s=0.0009)
+    policy = ThroughputLength(cost)
+    for i in range(200):  # earlier requests whose first draft was kept 30% of the time: below this machine's bar
+        policy.feedback(_requests(1)[0], drafted=1, accepted=int(i % 10 < 3))
+    assert policy.shared_alpha == pytest.approx(0.3, abs=0.02)
+    assert allocate_drafts([[policy.shared_alpha]], cost, 1) == [0]
+    math_request, drafted = _requests(1)[0], 0
+    for step in range(60):
+        (k,) = policy.decide([math_request], 15)
+        policy.feedback(math_request, k, k)  # this request's drafts are always right
+        drafted += k
+    assert drafted > 60  # it learned to draft, within a 60-token request
+
+
+def test_throughput_stops_drafting_long_once_measured_steps_say_drafting_costs_more():
+    """The profile prices a one-draft step at +1 ms over decode; this machine's engine adds 6 ms per drafting request
+    (its feed, verifier, rollback). The calibrated policy learns that from the step times and drafts longer only
+    where the gain pays for it; the profile-only policy keeps drafting at the profile's length. (The policies alone, without
+    the drafting check that would also stop them drafting: test_a_losing_heuristic_falls_back_....)"""
+    cost = CostModel(total_tokens=(1, 2, 4, 8), verify_s=(0.010, 0.011, 0.012, 0.014), draft_s=0.001)
+    calibrated = build_length_policy("throughput", cost).policy
+    profiled = build_length_policy("throughput-profiled", cost).policy
+    assert profiled.name == "throughput-profiled" and calibrated.name == "throughput"
+    lengths = {}
+    for policy in (calibrated, profiled):
+        for _ in range(100):
+            r = _requests(1)[0]
+            (k,) = policy.decide([r], 7)
+            policy.feedback(r, k, min(k, 1))  # the first draft is always kept, the second never: alpha ~ 0.5
+            seconds = cost.verify(k + 1) + cost.draft(k) + (0.006 if k else 0.0)
+            policy.observe_step([k], seconds)
+        lengths[policy.name] = policy.decide(_requests(1), 7)[0]
+    assert lengths["throughput-profiled"] >= 2  # the profile alone says drafting pays
+    assert lengths["throughput"] <= 1  # at most the one-token probe: 6 ms a draft does not pay for ~0.5 token
+    assert calibrated.step_cost.per_draft_s == pytest.approx(0.006, abs=0.001)
+
+
+def test_throughput_probes_an_idle_request():
+    policy, (r,) = ThroughputLength(LINEAR, probe_every=3), _requests(1)
+    assert [policy.decide([r], 7)[0] for _ in range(5)] == [0, 0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("bogus", "unknown length policy"),
+    ("fixed:-1", "must be >= 0"),
+    ("throughput", "needs a cost model"),
+    ("throughput-profiled", "needs a cost model"),
+    ("adaflash", "needs a cost model"),
+    ("block-head", "BlockLengthHead"),
+])
+def test_build_length_policy_rejects(spec, message):
+    with pytest.raises(ValueError, match=message):
+        build_length_policy(spec)
+
+
+def test_check_length_policy_parses_without_models():
+    for spec in ("fixed:3", "heuristic", "throughput", "throughput-profiled", "adaflash", "block-head"):
+        check_length_policy(spec)
+    with pytest.raises(ValueError, match="unknown length policy"):
+        check_length_policy("fastest")
+    assert needs_cost_model("throughput") and needs_cost_model("throughput-profiled") and needs_cost_model("adaflash")
+    assert not needs_cost_model("fixed:3") and not needs_cost_model("block-head")
+
+
+def test_free_drafts_pay_no_drafter_pass():
+    survival = [[0.8 ** j for j in range(1, 8)]]
+    whole = CostModel((1, 64), (0.01, 0.01), draft_s=0.012)
+    assert allocate_drafts(survival, whole, 7) == [0]  # a drafter pass would cost more than the drafts gain
+    assert allocate_drafts(survival, whole, 7, free_drafts=True) == [7]  # lookups: verification alone, free here
+
+
+def test_lookup_length_trims_by_cost_and_keeps_its_estimate_apart_from_the_drafters():
+    cost = CostModel(total_tokens=(1, 2, 4, 8), verify_s=(0.010, 0.0115, 0.013, 0.016), draft_s=0.0)
+    lookup, drafter = LookupLength(cost, optimism=0.0), ThroughputLength(cost)
+    (r,) = _requests(1)
+    proposals = [[5, 6, 7, 8, 9, 10, 11]]
+    assert lookup.decide([r], proposals) == [3]  # at alpha 0.5 a 4-token verify pays, a 5-token one no longer
+    for _ in range(30):  # this request's lookups are always right
+        lookup.feedback(r, drafted=3, accepted=3)
+    assert lookup.decide([r], proposals) == [7]
+    assert lookup.decide([r], [[5, 6]]) == [2]  # never past the match
+    assert "trials" not in r.policy_state and drafter.alpha(r) == pytest.approx(0.6)  # the drafter's prior untouched
+    (miss,) = _requests(1)
+    for _ in range(20):  # another request whose lookups always miss
+        lookup.feedback(miss, drafted=1, accepted=0)
+    assert lookup.decide([miss], proposals) == [0]
+    # Under load the same estimate verifies fewer: 8 requests already fill the cheap part of the curve.
+    many = _requests(8)
+    for q in many:
+        for _ in range(5):
+            lookup.feedback(q, drafted=2, accepted=1)
+    assert sum(lookup.decide(many, proposals * 8)) < 8 * lookup.decide(many[:1], proposals)[0]
+
+
+def test_lookup_length_probes_one_token_while_unsure():
+    cost = CostModel(total_tokens=(1, 2, 3, 4), verify_s=(0.0048, 0.0058, 0.0069, 0.0081), draft_s=0.0)
+    lookup, (r,) = LookupLength(cost, prior=0.15), _requests(1)
+    assert LookupLength(cost, prior=0.15, optimism=0.0).decide([r], [[1, 2, 3]]) == [0]  # the mean says no
+    assert lookup.decide([r], [[1, 2, 3]]) == [1]  # its bound says one token may pay
+    assert lookup.decide([r], [[]]) == [0]  # no match, nothing to verify
+
+
+class _ConstantHead:
+    """A position head that sees every block alike: each draft accepted with probability p."""
+
+    def __init__(self, p: float) -> None:
+        self.p = p
+
+    def survival(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([[self.p ** j for j in range(1, hidden.shape[1])]] * len(hidden))
+
+
+def test_adaflash_stops_looking_where_its_head_keeps_declining():
+    """A look costs a drafter pass: a request whose blocks the head keeps declining must not pay it every step, and
+    one it keeps approving drafts every step."""
+    cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.012, 0.64), draft_s=0.0)  # 1 draft pays above ~0.2
+    looks, drafting = {}, {}
+    for p in (0.05, 0.15, 0.9):
+        policy, (r,) = LearnedThroughputLength(cost, _ConstantHead(p)), _requests(1)
+        looks[p] = drafting[p] = 0
+
+        def hidden_of(indices):
+            looks[p] += 1
+            return torch.zeros(len(indices), 8, 4)
+
+        for _ in range(300):
+            (k,) = policy.decide([r], 7, hidden_of)
+            drafting[p] += k > 0
+            policy.feedback(r, drafted=k, accepted=k)
+        assert drafting[p] == (300 if p == 0.9 else 0)
+    assert looks[0.9] == drafting[0.9]
+    assert 0 < looks[0.05] < looks[0.15] < 100  # it still looks now and then: the evidence fades, the request reopens
+
+
+def test_a_guarded_policy_drafts_only_in_the_drafting_arm():
+    """Where the check has found plain steps commit more a second (the drafter slows the steps around it), the policy
+    drafts nothing but in the explored stretch; the tokens each step committed reach the check with its time."""
+    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1, drafting_chosen=False))
+    policy, (r,) = DraftingGuard(FixedLength(3), checks), _requests(1)
+    drafted = []
+    for _ in range(12):
+        (k,) = policy.decide([r], 7)
+        drafted.append(k > 0)
+        policy.feedback(r, drafted=k, accepted=k)
+        policy.observe_step([k], 0.01 if k else 0.005)  # plain steps commit 1 token in 5 ms: 200/s
+    assert drafted == [False] * 8 + [True] * 4
+    check = checks.of(1)
+    assert check.rates == {False: pytest.approx(200.0)}  # the drafting stretch closes at the next step
+    (k,) = policy.decide([r], 7)
+    assert check.rates[True] == pytest.approx(400.0) and check.drafting_chosen and k > 0  # 4 tokens in 10 ms
+
+
+def test_each_batch_size_has_its_own_check():
+    """Tokens a second are comparable only at one batch size: a batch's steps never advance one request's check."""
+    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1))
+    policy = DraftingGuard(HeuristicLength(initial=3), checks)
+    for _ in range(5):
+        lengths = policy.decide(_requests(3), 7)
+        assert lengths == [3, 3, 3]
+    assert set(checks.by_size) == {4} and checks.of(3) is checks.of(4) and checks.of(1) is not checks.of(4)
+    assert checks.of(4).left == 3 and checks.of(1).arm is None
+
+
+@pytest.mark.parametrize("spec", ["heuristic", "throughput", "throughput-profiled"])
+def test_every_adaptive_policy_is_guarded_and_reads_through(spec):
+    cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)
+    policy = build_length_policy(spec, cost)
+    assert isinstance(policy, DraftingGuard) and policy.name == spec
+    if spec != "heuristic":
+        assert policy.step_cost is not None and policy.shared_alpha == pytest.approx(0.6)
+    assert not isinstance(build_length_policy("fixed:3"), DraftingGuard)
+
+
+def test_a_losing_heuristic_falls_back_to_plain_within_a_few_dozen_steps():
+    """transformers' schedule never stops drafting on its own; behind the check, a drafter that slows every step to
+    no gain is dropped after its first stretch and the plain one, then tried again ever more rarely."""
+    policy, (r,) = build_length_policy("heuristic"), _requests(1)
+    arms = []
+    for _ in range(400):
+        (k,) = policy.decide([r], 7)
+        arms.append(k > 0)
+        policy.feedback(r, drafted=k, accepted=0)  # every draft rejected: one token a step either way
+        policy.observe_step([k], 0.013 if k else 0.010)
+    check = policy.checks.of(1)
+    first = check.first + check.explore
+    assert all(arms[: check.first]) and not any(arms[check.first : first])
+    assert not check.drafting_chosen and sum(arms[first:]) <= 2 * check.explore  # the drafting arm explored rarely
+
+
+def test_the_policies_of_one_factory_share_their_drafting_checks():
+    """A pipeline builds a policy per generation and a server one per drafter: what the check measured of this machine
+    must carry over, as the calibration does."""
+    from adaflash.engine.engine_factory import LengthPolicyFactory
+    from adaflash.speculative.cost_model import CalibratedCost
+
+    cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)
+    factory = LengthPolicyFactory("throughput", CalibratedCost(cost))
+    first, second = factory(), factory()
+    assert first is not second and first.checks is second.checks is factory.checks
+    assert first.step_cost is second.step_cost
+    assert build_length_policy("throughput", cost).checks is not build_length_policy("throughput", cost).checks
