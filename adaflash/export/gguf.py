@@ -217,3 +217,10 @@ def register_cli(subparsers) -> None:
     gguf_cmd.add_argument("--tokenizer-pre", default=None,
                           help="llama.cpp pre-tokenizer name, for a target tokenizer this exporter does not recognise")
     gguf_cmd.set_defaults(func=_cmd_export_gguf)
+
+    from adaflash.export.vllm import register_subcommand as register_vllm
+
+    register_vllm(export_sub)  # export vllm
+    from adaflash.export.vllm_schedule import register_subcommand as register_vllm_schedule
+
+    register_vllm_schedule(export_sub)  # export vllm-schedule

@@ -1,0 +1,123 @@
+"""`adaflash export vllm-schedule`: AdaFlash's throughput length policy as a vLLM batch-size schedule.
+
+What vLLM 0.32.0's hooks can carry of our length policy (read from its source):
+- `speculative_config.num_speculative_tokens_per_batch_size = [(start, end, k), ...]` (dynamic speculative decoding):
+  one draft length for every request of a step, chosen by the step's batch size. The DFlash proposer drafts k for
+  all requests; k = 0 turns drafting off at that batch size. This is what we export.
+- `method: "custom_class"` loads a proposer by name, but vLLM calls it with token ids only (`propose(sampled_token_ids,
+  num_tokens_no_spec, token_ids_cpu)`, like n-gram): no target hidden states, so it cannot run a DFlash drafter.
+- The DFlash proposer returns a [batch, k] tensor: per-request lengths inside one step are not expressible without
+  patching vLLM's model runner. Nor can our per-position length head run: it reads the drafter's hidden states,
+  which vLLM does not expose to any hook.
+So per request and per step, what is lost is the head's request-specific survival estimate and the per-request cut;
+what is kept is the cost-aware choice under load: for each batch size B, the length that `allocate_drafts` (our
+throughput policy, speculative/length_policy.py) picks for B requests with the drafter's measured per-position survival,
+against a step-cost model.
+
+Survival comes from vLLM's own acceptance counters (`vllm_offline.py` output: per-request acceptance histograms)
+or from our runtime's; the cost model is a `CostModel` JSON (our runtime's profile, `cost_model_for`, by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def survival_from_histograms(histograms: Sequence[Sequence[int]]) -> list[float]:
+    """P(drafts 1..j all accepted), j = 1..K, from acceptance histograms (count of verify steps with j accepted,
+    j = 0..K), summed over requests: from a fixed-K run (vLLM drafts K at every step there)."""
+    total = [sum(col) for col in zip(*histograms)]
+    steps = sum(total)
+    if steps == 0:
+        raise ValueError("no verify steps in the acceptance histograms")
+    k = len(total) - 1
+    return [sum(total[j:]) / steps for j in range(1, k + 1)]
+
+
+def length_for_batch(survival: Sequence[float], cost, batch: int, max_draft: int) -> int:
+    """The draft length our throughput policy gives each of `batch` requests with this survival curve (identical
+    requests: the greedy allocation gives them lengths at most one apart; the most common one is taken)."""
+    from adaflash.speculative.length_policy import allocate_drafts
+
+    lengths = allocate_drafts([list(survival[:max_draft])] * batch, cost, max_draft)
+    return max(sorted(set(lengths)), key=lengths.count)
+
+
+def batch_schedule(survival: Sequence[float], cost, max_draft: int, max_batch: int) -> list[list[int]]:
+    """[[start, end, k], ...] covering batch sizes 1..max_batch, one length per power-of-two bucket (evaluated at the
+    bucket's lower end), adjacent equal lengths merged."""
+    starts = [b for b in BUCKETS if b <= max_batch]
+    entries = []
+    for i, start in enumerate(starts):
+        end = starts[i + 1] - 1 if i + 1 < len(starts) else max_batch
+        k = length_for_batch(survival, cost, start, max_draft)
+        if entries and entries[-1][2] == k:
+            entries[-1][1] = end
+        else:
+            entries.append([start, end, k])
+    return entries
+
+
+def speculative_config(drafter: str, schedule: list[list[int]], max_draft: int) -> dict:
+    return {"method": "dflash", "model": drafter, "num_speculative_tokens": max_draft,
+            "num_speculative_tokens_per_batch_size": schedule}
+
+
+def _histograms(path: Path) -> list[list[int]]:
+    """Acceptance histograms from a vllm_offline.py output (`results[].spec.acceptance_histogram`)."""
+    report = json.loads(path.read_text())
+    hists = [r["spec"]["acceptance_histogram"] for r in report.get("results", []) if "spec" in r]
+    if not hists:
+        raise ValueError(f"{path} holds no per-request acceptance histograms (a vllm_offline.py run with a drafter)")
+    return hists
+
+
+def _cost_model(path: str | None, target: str, drafter: str | None, max_tokens: int):
+    from adaflash.speculative.cost_model import CostModel, cost_model_for
+
+    if path is not None:
+        return CostModel.from_json(Path(path).read_text())
+    from adaflash.pipeline import Pipeline
+
+    pipeline = Pipeline.load(target, drafter=drafter, dtype="fp32")
+    return cost_model_for(pipeline.target, pipeline.proposer, target, max_tokens)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    survival = survival_from_histograms(_histograms(Path(args.acceptance)))
+    max_draft = min(args.max_draft, len(survival))
+    cost = _cost_model(args.cost_model, args.target, args.cost_drafter, args.max_tokens)
+    schedule = batch_schedule(survival, cost, max_draft, args.max_batch)
+    config = speculative_config(args.drafter_dir, schedule, max_draft)
+    out = {"speculative_config": config, "survival": survival[:max_draft]}
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(json.dumps(config))
+    return 0
+
+
+def register_subcommand(export_sub) -> None:
+    from adaflash.models.registry import DEFAULT_TARGET
+
+    cmd = export_sub.add_parser(
+        "vllm-schedule", help="our throughput length policy as vLLM's num_speculative_tokens_per_batch_size",
+        description="For each batch size, the draft length our throughput policy picks from the drafter's measured "
+                    "per-position survival and a step-cost model; printed as a vLLM speculative_config.",
+    )
+    cmd.add_argument("--acceptance", required=True,
+                     help="vllm_offline.py output of a run with the drafter (its per-request acceptance histograms)")
+    cmd.add_argument("--drafter-dir", required=True, help="the exported drafter folder vLLM loads (OUT/drafter)")
+    cmd.add_argument("--cost-model", default=None, help="CostModel JSON; default: profile our runtime here (cached)")
+    cmd.add_argument("--target", default=DEFAULT_TARGET, help="target for the default cost profile")
+    cmd.add_argument("--cost-drafter", default=None, help="our drafter folder for the default cost profile")
+    cmd.add_argument("--max-tokens", type=int, default=1024, help="largest verify the cost profile covers")
+    cmd.add_argument("--max-draft", type=int, default=15)
+    cmd.add_argument("--max-batch", type=int, default=64)
+    cmd.add_argument("--out", default=None, help="also write the config and the survival curve here (JSON)")
+    cmd.set_defaults(func=_cmd)

@@ -1,0 +1,65 @@
+"""`adaflash export vllm-schedule`: our throughput policy's length per batch size, in the form vLLM's dynamic
+speculative decoding validates (`num_speculative_tokens_per_batch_size`: inclusive ranges from 1, sorted, disjoint)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adaflash.cli import main
+from adaflash.export.vllm_schedule import batch_schedule, length_for_batch, survival_from_histograms
+from adaflash.speculative.cost_model import CostModel
+
+SURVIVAL = [0.9 ** j for j in range(1, 16)]  # a drafter accepted 90% per position
+
+
+def _cost(per_token_s: float, base_s: float = 0.01, draft_s: float = 0.001) -> CostModel:
+    tokens = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+    return CostModel(tokens, tuple(base_s + per_token_s * t for t in tokens), draft_s)
+
+
+def _valid_for_vllm(schedule, max_batch: int) -> None:
+    """vLLM 0.32.0's validate_and_normalize_dynamic_sd_schedule rules, plus full coverage up to max_batch."""
+    assert schedule[0][0] == 1 and schedule[-1][1] == max_batch
+    for (s0, e0, k0), (s1, _, _) in zip(schedule, schedule[1:]):
+        assert s0 <= e0 and e0 + 1 == s1
+    assert all(k >= 0 for _, _, k in schedule)
+
+
+def test_survival_from_vllm_histograms():
+    # Two requests: steps with 0/1/2 accepted of K=3 drafts.
+    hists = [[2, 1, 1, 0], [1, 0, 0, 1]]
+    survival = survival_from_histograms(hists)
+    assert survival == pytest.approx([3 / 6, 2 / 6, 1 / 6])
+    with pytest.raises(ValueError, match="no verify steps"):
+        survival_from_histograms([[0, 0, 0]])
+
+
+def test_free_verification_drafts_the_whole_block_and_costly_verification_none():
+    assert length_for_batch(SURVIVAL, _cost(0.0), 1, 15) == 15
+    assert length_for_batch([0.01] * 15, _cost(0.01), 1, 15) == 0
+
+
+def test_lengths_shrink_as_the_batch_grows_when_tokens_cost():
+    # Verify time flat up to 8 tokens then linear: cheap extra tokens at batch 1, every token costs at batch 64.
+    tokens = (1, 8, 16, 32, 64, 128, 256, 1024)
+    cost = CostModel(tokens, tuple(0.02 + 0.002 * max(0, t - 8) for t in tokens), 0.001)
+    schedule = batch_schedule(SURVIVAL, cost, 15, 64)
+    _valid_for_vllm(schedule, 64)
+    lengths = [k for _, _, k in schedule]
+    assert lengths[0] > lengths[-1]
+    assert lengths == sorted(lengths, reverse=True)
+
+
+def test_cli_prints_a_speculative_config(tmp_path, capsys):
+    report = {"results": [{"spec": {"acceptance_histogram": [5, 3, 2, 0]}}, {"id": "ar-only"}]}
+    (tmp_path / "run.json").write_text(json.dumps(report))
+    (tmp_path / "cost.json").write_text(_cost(0.0005).to_json())
+    assert main(["export", "vllm-schedule", "--acceptance", str(tmp_path / "run.json"), "--drafter-dir", "D",
+                 "--cost-model", str(tmp_path / "cost.json"), "--max-batch", "32", "--out",
+                 str(tmp_path / "out.json")]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["method"] == "dflash" and config["model"] == "D" and config["num_speculative_tokens"] == 3
+    _valid_for_vllm(config["num_speculative_tokens_per_batch_size"], 32)
+    assert json.loads((tmp_path / "out.json").read_text())["survival"] == pytest.approx([0.5, 0.2, 0.0])
