@@ -15,7 +15,7 @@
    fault is present the runner is rerun with `--fix-context-k-norm` (each layer's own row); then vLLM's accepted
    count at every verify step equals ours on at least MIN_SAME_STEPS of the prompts. As shipped, it differs on
    some steps (the acceptance *rate* still lands close: the shipped drafter is rarely accepted past position 1).
-The numbers go to docs/results/vllm/interop.json. vLLM runs as a subprocess with its own venv's python.
+The numbers go to docs/results/peers/vllm_interop.json. vLLM runs as a subprocess with its own venv's python.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.peer, pytest.mark.slow]
 
 VLLM_PYTHON = Path(os.environ.get("ADAFLASH_PEER_DIR", REPO / ".peer")) / "vllm-venv" / "bin" / "python"
 RUNNER = REPO / "adaflash" / "evaluation" / "vllm_offline.py"
-RESULTS = REPO / "docs" / "results" / "vllm" / "interop.json"
+RESULTS = REPO / "docs" / "results" / "peers" / "vllm_interop.json"
 PROMPT_SETS = (("gsm8k", 6), ("humaneval", 6), ("mt-bench", 6), ("sharegpt-chat", 6))
 MAX_PROMPT_TOKENS = 384
 MIN_PROMPTS = 20

@@ -9,7 +9,7 @@ log-probabilities.
 1. Lossless: vLLM with the schedule returns vLLM AR's greedy tokens (up to float ties, as in the interop test).
 2. vLLM follows the schedule: every verify step drafted one of the schedule's lengths. At batch 32 the schedule may
    turn drafting off altogether, so the prompts also run one at a time (batch 1), where it drafts.
-Speeds (output tokens / second of the generate call) of the three go to docs/results/vllm/schedule.json; they are
+Speeds (output tokens / second of the generate call) of the three go to docs/results/peers/vllm_schedule.json; they are
 reported, not asserted (one round on a shared 2-core VM).
 """
 
@@ -25,7 +25,7 @@ from tests.export.test_vllm_interop import (NUM_SPEC, REPO, THREADS, first_diver
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
 
-RESULTS = REPO / "docs" / "results" / "vllm" / "schedule.json"
+RESULTS = REPO / "docs" / "results" / "peers" / "vllm_schedule.json"
 SETS = (("gsm8k", 8), ("humaneval", 8), ("mt-bench", 8), ("sharegpt-chat", 8))
 BATCH = 32
 MAX_BATCH = 64
