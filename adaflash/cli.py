@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that run no model here (clients, listings, file conversions): no --device of their own.
-_NO_MODEL_COMMANDS = {"data list", "data export", "bench serve", "bench load", "export gguf"}
+_NO_MODEL_COMMANDS = {"data list", "data export", "bench serve", "bench load", "export gguf", "export vllm",
+                      "export vllm-schedule"}
 
 
 def _commands(parser: argparse.ArgumentParser):
