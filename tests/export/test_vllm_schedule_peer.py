@@ -7,8 +7,9 @@ from that curve and our runtime's step-cost profile, then ROUNDS alternating rou
 schedule (medians reported; fixed-15 runs once: it is several times slower). None of the timed runs asks for
 log-probabilities.
 1. Lossless: vLLM with the schedule returns vLLM AR's greedy tokens (up to float ties, as in the interop test).
-2. vLLM follows the schedule: every verify step drafted one of the schedule's lengths. At batch 32 the schedule may
-   turn drafting off altogether, so the prompts also run one at a time (batch 1), where it drafts.
+2. vLLM follows the schedule: every verify step drafted one of the schedule's lengths, and one request at a time
+   (batch 1 throughout) exactly the schedule's batch-1 length, or nothing where that is 0. Whether the policy drafts
+   at all depends on the cost profile: with this drafter on 2 CPU cores it may turn drafting off everywhere.
 Speeds (output tokens / second of the generate call) of the three go to docs/results/peers/vllm_schedule.json; they are
 reported, not asserted (one round on a shared 2-core VM).
 """
@@ -114,5 +115,10 @@ def test_vllm_drafts_the_schedules_lengths(scheduled):
     allowed = {k for _, _, k in scheduled["schedule"]}
     drafted = {d for run in scheduled["policies"] for r in run["results"] if "spec" in r
                for d in r["spec"].get("per_step_drafted", [])}
-    assert drafted, "vLLM drafted nothing with the schedule, not even one request at a time"
     assert drafted <= allowed, (drafted, scheduled["schedule"])
+    # One request at a time every step runs at batch 1: exactly the schedule's batch-1 length (0: no drafting).
+    alone = scheduled["policies"][-1]
+    batch1 = next(k for start, end, k in scheduled["schedule"] if start <= 1 <= end)
+    steps = [d for r in alone["results"] if "spec" in r for d in r["spec"].get("per_step_drafted", [])]
+    assert set(steps) == ({batch1} if batch1 else set()), (set(steps), batch1)
+    assert alone["counters"].get("spec_decode_num_draft_tokens", 0) == batch1 * len(steps)
