@@ -6,8 +6,9 @@ target's LM head restricted to the K tokens the target itself emits most often. 
 propose those tokens; verification is unchanged, so the output stays exactly the target's.
 
 On disk it is an optional file beside the DFlash checkpoint (`draft_vocab.safetensors`: `token_ids` [K] int64,
-most frequent first) plus a `draft_vocab` key beside `dflash_config` in config.json. Loaders that know nothing of
-it (vLLM, SGLang, llama.cpp) read the same checkpoint with the full vocabulary.
+most frequent first) plus a `draft_vocab` key beside `dflash_config` in config.json. llama.cpp reads the checkpoint
+with the full vocabulary; vLLM loads every safetensors file in the folder and refuses this one, so `adaflash export
+vllm` writes the rows as the drafter's own lm_head + d2t map instead (docs/deploy.md).
 """
 
 from __future__ import annotations
