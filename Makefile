@@ -145,7 +145,8 @@ $(VLLM_VENV)/.installed:
 
 # The prepared GPU run (docs/gpu.md): runs as it is on a bare GPU machine (its python3 has torch, transformers,
 # safetensors, tokenizers; nothing is installed), writes at most 8 small files into GPU_OUT (the device tool's $$OUT).
-# `make gpu-check DEVICE=cpu TINY=1` is the dry run at toy shapes that `make test` holds.
+# `make gpu-check DEVICE=cpu TINY=1` is the dry run at toy shapes that `make test` holds (our CPU kernels off, so it runs
+# the torch ops CUDA runs).
 DEVICE ?= cuda
 GPU_OUT ?= $(if $(OUT),$(OUT),runs/gpu-check)
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
@@ -153,7 +154,7 @@ gpu-check:
 	mkdir -p $(GPU_OUT)
 	ADAFLASH_KERNELS=stock $(GPU_PY) -m pytest -q -p no:cacheprovider -m cuda tests/test_device_path.py \
 		$(if $(filter cpu,$(DEVICE)),--collect-only,) 2>&1 | tail -40 | tee $(GPU_OUT)/pytest_cuda.txt
-	$(GPU_PY) gpu/check.py --device $(DEVICE) --out $(GPU_OUT) $(if $(TINY),--tiny,)
+	ADAFLASH_KERNELS=stock $(GPU_PY) gpu/check.py --device $(DEVICE) --out $(GPU_OUT) $(if $(TINY),--tiny,)
 
 # The GPU burst that trains the SmolLM2 drafter (docs/gpu.md). Here: `make gpu-stage` writes the payload's parts into
 # .gpu-stage/ (git-ignored). There: the parts travel over back-to-back calls into STAGE, then `make gpu-drafter STAGE=..`.
