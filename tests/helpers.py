@@ -159,6 +159,25 @@ def law_pvalue(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], 
     return float(chisquare(observed, expected).pvalue)
 
 
+def held_out_prompts(pipeline, sets, max_tokens: int) -> list:
+    """(prompt, its token ids) for the first `count` eval-split prompts of each (name, count) in `sets` whose templated
+    ids fit in `max_tokens` (of the first 4 * count): the held-out prompts the peer interop tests share."""
+    from adaflash.data import load_prompts
+
+    chosen = []
+    for name, count in sets:
+        kept = 0
+        for prompt in load_prompts(name, "eval", limit=4 * count):
+            ids = pipeline.encode(messages=prompt.messages)
+            if len(ids) > max_tokens:
+                continue
+            chosen.append((prompt, ids))
+            kept += 1
+            if kept == count:
+                break
+    return chosen
+
+
 def regenerate_tiny_data(checkpoint: str, out, prompts: list[tuple[str, str]], **config) -> str:
     """`adaflash data generate` on a tiny target into `out`: one sample per (prompt id, domain), the prompt of id
     "x<i>" encoded as [3 + i, 7, 9 + i]; features of layers 1, 2; `config`: the rest of the `DataGenConfig`."""

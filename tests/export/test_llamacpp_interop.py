@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from adaflash.evaluation.peer import launched_process, llama_server_command, peer_env
+from tests import helpers
 from tests.export.peer_paths import BIN, CONVERTER, PEER_PYTHON, REPO
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
@@ -129,22 +130,10 @@ def speculative_simple(target: Path, drafter: Path, prompt_text: str) -> dict:
 
 
 def _prompts(pipeline) -> list[dict]:
-    from adaflash.data import load_prompts
-
-    chosen = []
-    for name, count in PROMPT_SETS:
-        kept = 0
-        for prompt in load_prompts(name, "eval", limit=4 * count):
-            ids = pipeline.encode(messages=prompt.messages)
-            if len(ids) > MAX_PROMPT_TOKENS:
-                continue
-            text = pipeline.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
-                                                          tokenize=False)
-            chosen.append({"id": prompt.id, "dataset": name, "ids": ids, "text": text})
-            kept += 1
-            if kept == count:
-                break
-    return chosen
+    return [{"id": prompt.id, "dataset": prompt.dataset, "ids": ids,
+             "text": pipeline.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
+                                                            tokenize=False)}
+            for prompt, ids in helpers.held_out_prompts(pipeline, PROMPT_SETS, MAX_PROMPT_TOKENS)]
 
 
 def _rate(accepted: int, drafted: int) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import helpers
 from tests.export.peer_paths import REPO
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
@@ -70,20 +71,8 @@ def run_vllm(python: Path, target: Path, prompts: Path, out: Path, drafter: Path
 
 
 def held_out_prompts(pipeline, sets=PROMPT_SETS) -> list[dict]:
-    from adaflash.data import load_prompts
-
-    chosen = []
-    for name, count in sets:
-        kept = 0
-        for prompt in load_prompts(name, "eval", limit=4 * count):
-            ids = pipeline.encode(messages=prompt.messages)
-            if len(ids) > MAX_PROMPT_TOKENS:
-                continue
-            chosen.append({"id": prompt.id, "dataset": name, "ids": ids})
-            kept += 1
-            if kept == count:
-                break
-    return chosen
+    return [{"id": prompt.id, "dataset": prompt.dataset, "ids": ids}
+            for prompt, ids in helpers.held_out_prompts(pipeline, sets, MAX_PROMPT_TOKENS)]
 
 
 def steps_before(accept_lengths: list[int], draft_lengths: list[int], limit: int) -> tuple[int, int, list[int]]:
