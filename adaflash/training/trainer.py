@@ -373,11 +373,12 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
         scheduler.step()
         step += 1
         bar.update(1)
-        out_of_time = _agreed(cfg.time_limit_s is not None and time.perf_counter() - started >= cfg.time_limit_s,
-                              distributed, device)
+        # (a setting left unset costs the ranks no broadcast)
+        out_of_time = cfg.time_limit_s is not None and _agreed(
+            time.perf_counter() - started >= cfg.time_limit_s, distributed, device)
         last = step == total or out_of_time
-        due_save = step % cfg.save_every == 0 or last or _agreed(
-            cfg.save_every_s is not None and time.perf_counter() - last_save >= cfg.save_every_s, distributed, device)
+        due_save = step % cfg.save_every == 0 or last or (cfg.save_every_s is not None and _agreed(
+            time.perf_counter() - last_save >= cfg.save_every_s, distributed, device))
         due_log = step % cfg.log_every == 0 or last
         due_holdout = bool(holdout_ids) and (step % cfg.save_every == 0 or last)
         if rank == 0 and (due_log or due_holdout):
