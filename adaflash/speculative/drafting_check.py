@@ -19,7 +19,7 @@ comparable only at one batch size, and a batch may draft where one request does 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 
@@ -112,10 +112,8 @@ class DraftingChecks:
 
     def of(self, batch: int) -> DraftingCheck:
         size = self.bucket(batch)
-        if size not in self.by_size:
-            t = self.template
-            self.by_size[size] = DraftingCheck(t.explore, t.first, t.longest, t.settle, t.margin, t.decisive, t.follow,
-                                               t.drafting_chosen)  # (its own rates and step times)
+        if size not in self.by_size:  # the template's settings, its own rates and step times
+            self.by_size[size] = replace(self.template, rates={}, step_s={})
         return self.by_size[size]
 
 
