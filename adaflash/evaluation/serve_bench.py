@@ -4,7 +4,8 @@
 
 Works against any OpenAI-compatible server (ours, vLLM, SGLang): streaming chat completions, greedy.
 Reports output tokens/s, requests/s, TTFT and time-per-output-token p50/p99 per concurrency level; when
-the server exposes our Prometheus metrics, also the accept length and mean verify length of the window.
+the server exposes our Prometheus metrics (or vLLM's speculative-decoding counters), also the accept length and mean
+verify length of the window.
 """
 
 from __future__ import annotations
@@ -81,8 +82,13 @@ async def _one_request(client: httpx.AsyncClient, model: str, messages: list[dic
     return RequestTiming(True, tokens if tokens is not None else chunks, ttft, time.perf_counter() - start, 200)
 
 
+# vLLM's speculative-decoding counters: draft steps, drafted tokens, accepted drafts.
+_VLLM_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total", "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                  "accepted": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
 async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
-    """Sums and counts of our accept / verify length histograms (absent on other servers)."""
+    """Sums and counts of our accept / verify length histograms, and vLLM's draft counters (absent elsewhere)."""
     try:
         text = (await client.get("/metrics")).text
     except httpx.HTTPError:
@@ -93,12 +99,24 @@ async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
             m = re.search(rf"^\S*{name}\S*_{kind}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
             if m:
                 found[f"{name}_{kind}"] = float(m.group(1))
+    for key, metric in _VLLM_COUNTERS.items():
+        m = re.search(rf"^{re.escape(metric)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+        if m:
+            found[f"vllm_{key}"] = float(m.group(1))
     return found
 
 
 def _window_mean(before: dict, after: dict, name: str) -> float | None:
+    """The window's mean accept or verify length: from our histograms, else from vLLM's counters (per draft step:
+    1 + accepted drafts, and drafted tokens; vLLM's steps without drafts are not counted)."""
     count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
-    return (after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)) / count if count > 0 else None
+    if count > 0:
+        return (after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)) / count
+    delta = {k: after.get(f"vllm_{k}", 0) - before.get(f"vllm_{k}", 0) for k in _VLLM_COUNTERS}
+    if delta["drafts"] <= 0:
+        return None
+    per_step = delta["accepted"] if name == "accept_length" else delta["draft_tokens"]
+    return (name == "accept_length") + per_step / delta["drafts"]
 
 
 async def run_level(

@@ -13,6 +13,9 @@ matmul peak timed in the same run) and OUT.png (throughput vs concurrency).
 `--peer NAME="llama-server args"` puts llama.cpp beside them (built by `make peer`; the same target GGUF unless
 the args give -m; one parallel slot per client at the highest concurrency), e.g.
 `--peer "llama-ar=" --peer "llama-dflash=-md drafter.gguf --spec-type draft-dflash --spec-draft-n-max 3"`.
+`--vllm NAME="vLLM server args"` puts vLLM's CPU build beside them (built by `make peer-vllm`; it serves
+`--vllm-model`, the target folder `adaflash export vllm` writes, fp32, same max batch), e.g.
+`--vllm "vllm-ar=" --vllm 'vllm-dflash=--speculative-config {"method": "dflash", "model": "OUT/drafter", ...}'`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import httpx
 from adaflash.cli_args import command_group
 from adaflash.evaluation.flops import matmul_peak_gflops, served_gflops
 from adaflash.evaluation.peer import (LLAMA_SERVER, launched_process, llama_server_command, peer_bin_dir, peer_env,
-                                      require_binary)
+                                      require_binary, VLLM_BUILD, vllm_bin_dir, vllm_env, vllm_server_command)
 from adaflash.evaluation.serve_bench import run_level
 from adaflash.models.config import TransformerConfig
 from adaflash.models.kernels.selection import cpu_model
@@ -55,6 +58,13 @@ def launched_peer(name: str, peer_args: list[str], port: int, parallel: int, ctx
     bin_dir = peer_bin_dir()
     cmd = llama_server_command(bin_dir, peer_args, port, parallel, ctx_per_slot, threads, model_gguf)
     return _serving(name, cmd, port, log_dir, peer_env(bin_dir), timeout_s)
+
+
+def launched_vllm(name: str, vllm_args: list[str], port: int, model_dir: Path, served_name: str, max_batch: int,
+                  max_model_len: int, log_dir: Path, threads: int | None, timeout_s: float = 900):
+    """vLLM's OpenAI server from `make peer-vllm` (.peer/vllm-venv) on an exported target folder; yields its base URL."""
+    cmd = vllm_server_command(vllm_bin_dir(), vllm_args, port, model_dir, served_name, max_batch, max_model_len)
+    return _serving(name, cmd, port, log_dir, vllm_env(threads), timeout_s)
 
 
 @contextmanager
@@ -174,13 +184,20 @@ def _fitting(pool: list[list[dict]], size: Callable[[list[dict]], int], max_toke
 def _cmd(args: argparse.Namespace) -> int:
     servers = [_parse_server(s) for s in args.server]
     peers = [_parse_server(s) for s in args.peer or []]
-    names = [n for n, _ in servers + peers]
+    vllms = [_parse_server(s) for s in args.vllm or []]
+    names = [n for n, _ in servers + peers + vllms]
     if len(set(names)) != len(names):
         raise SystemExit(f"server names must be distinct, got {names}")
     if peers:
         require_binary(peer_bin_dir(), LLAMA_SERVER)  # before any server starts: fail in a second, not minutes
         if not args.max_prompt_tokens:
             raise ValueError("--peer needs --max-prompt-tokens: llama-server's per-slot context is sized from it")
+    if vllms:
+        require_binary(vllm_bin_dir(), "python", VLLM_BUILD)
+        if not args.vllm_model or not args.max_prompt_tokens:
+            raise ValueError("--vllm needs --vllm-model (an `adaflash export vllm` target folder) and "
+                             "--max-prompt-tokens (vLLM's context length is sized from it)")
+    peer_cmds = {n: ["llama-server", *a] for n, a in peers} | {n: ["vllm", *a] for n, a in vllms}
     levels = [int(c) for c in args.concurrency.split(",")]
     datasets = args.datasets.split(",")
     out = Path(args.out)
@@ -210,6 +227,10 @@ def _cmd(args: argparse.Namespace) -> int:
                 urls[n] = stack.enter_context(launched_peer(n, a, args.port + len(servers) + i, parallel, ctx, log_dir,
                                                             args.threads, gguf))
         model = httpx.get(f"{urls[names[0]]}/v1/models", timeout=30).json()["data"][0]["id"]
+        for i, (n, a) in enumerate(vllms):  # served under our server's model name
+            urls[n] = stack.enter_context(launched_vllm(
+                n, a, args.port + len(servers) + len(peers) + i, Path(args.vllm_model), model, args.max_batch,
+                args.max_prompt_tokens + args.max_tokens + 64, log_dir, args.threads))
         if args.matmul_peak:  # with every server up and idle: the cores' peak in this run, for the compute table
             peaks.append(matmul_peak_gflops())
         for ds in datasets:
@@ -226,22 +247,22 @@ def _cmd(args: argparse.Namespace) -> int:
                 results = measure_cell(names, run, args.rounds)
                 cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts,
                               "prompt_tokens": sum(map(size, pool)), "results": results})
-                _write(out, args, servers, peers, cells, peaks, config)  # partial results survive an interruption
+                _write(out, args, servers, peer_cmds, cells, peaks, config)  # partial results survive an interruption
         if args.matmul_peak:
             peaks.append(matmul_peak_gflops())
-    _write(out, args, servers, peers, cells, peaks, config)
+    _write(out, args, servers, peer_cmds, cells, peaks, config)
     plot_sweep(cells, names, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     return 0 if all(r["failed"] == 0 for c in cells for r in c["results"].values()) else 1
 
 
-def _write(out: Path, args: argparse.Namespace, servers, peers, cells: list[dict], peaks: list[float],
-           config: TransformerConfig | None) -> None:
-    names = [n for n, _ in servers + peers]
+def _write(out: Path, args: argparse.Namespace, servers, peers: dict[str, list[str]], cells: list[dict],
+           peaks: list[float], config: TransformerConfig | None) -> None:
+    names = [n for n, _ in servers] + list(peers)
     compute = compute_table(cells, names, config, peaks) if peaks and config is not None else None
     meta = {"command": "adaflash " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
-            "servers": {n: a for n, a in servers}, "peers": {n: ["llama-server", *a] for n, a in peers},
+            "servers": {n: a for n, a in servers}, "peers": peers,
             "max_batch": args.max_batch, "max_tokens": args.max_tokens,
             "threads_per_server": args.threads or "torch default",
             **({"matmul_peak_gflops": peaks} if peaks else {})}
@@ -294,6 +315,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--peer", action="append", default=None,
                    help='NAME="llama-server args": a llama.cpp server from `make peer` beside ours (same GGUF unless -m)')
     p.add_argument("--peer-model", default=None, help="GGUF the peers load (default: --model's embedded GGUF)")
+    p.add_argument("--vllm", action="append", default=None,
+                   help='NAME="vLLM server args": vLLM\'s CPU build from `make peer-vllm` beside ours, serving --vllm-model')
+    p.add_argument("--vllm-model", default=None, help="the HF target folder vLLM serves (`adaflash export vllm` OUT/target)")
     p.add_argument("--datasets", default="gsm8k,mt-bench", help=f"eval prompt sets; {SIX_MIX} = the six benchmarks interleaved")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer prompts (tokenised for --model)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -93,11 +94,17 @@ def _cmd(args: argparse.Namespace) -> int:
     max_draft = min(args.max_draft, len(survival))
     cost = _cost_model(args.cost_model, args.target, args.cost_drafter, args.max_tokens)
     schedule = batch_schedule(survival, cost, max_draft, args.max_batch)
-    config = speculative_config(args.drafter_dir, schedule, max_draft)
-    out = {"speculative_config": config, "survival": survival[:max_draft]}
-    text = json.dumps(out, indent=1)
+    # Never drafting at any batch size: vLLM started with a speculative config still loads the drafter and captures
+    # the target's hidden states every step (0.94x its AR at 32 requests on a CPU, docs/results/peers/vllm_schedule.md),
+    # so the policy's choice is to serve without one.
+    config = speculative_config(args.drafter_dir, schedule, max_draft) if any(k for *_, k in schedule) else None
+    out = {"speculative_config": config, "schedule": schedule, "survival": survival[:max_draft]}
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    if config is None:
+        print(f"the throughput policy drafts at no batch size up to {args.max_batch} with this drafter's survival "
+              f"(P(first draft accepted) = {survival[0]:.2f}) and this step cost: serve without a speculative "
+              "config", file=sys.stderr)
     print(json.dumps(config))
     return 0
 

@@ -63,3 +63,25 @@ def test_sweep_with_a_peer_but_no_build_fails_before_starting_any_server(tmp_pat
     assert code == 2
     assert "no-peer/bin/llama-server does not exist: build llama.cpp with `make peer`" in capsys.readouterr().err
     assert not (tmp_path / "logs").exists()  # no server was launched
+
+
+def test_vllm_server_command_serves_the_folder_under_our_name(tmp_path: Path):
+    from adaflash.evaluation.peer import vllm_server_command
+
+    bin_dir, model = tmp_path / "bin", tmp_path / "target"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("")
+    with pytest.raises(FileNotFoundError, match="adaflash export vllm"):
+        vllm_server_command(bin_dir, [], 8000, model, "smollm2-135m", 64, 512)
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    spec = ["--speculative-config", '{"method": "dflash"}']
+    cmd = vllm_server_command(bin_dir, spec, 8000, model, "smollm2-135m", 64, 512)
+    assert cmd[:3] == [str(bin_dir / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--model") + 1] == str(model) and cmd[cmd.index("--served-model-name") + 1] == "smollm2-135m"
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "64" and cmd[cmd.index("--max-model-len") + 1] == "512"
+    assert spec[1] in cmd and cmd[cmd.index("--dtype") + 1] == "float32" and "--enforce-eager" in cmd
+    bf16 = vllm_server_command(bin_dir, ["--dtype", "bfloat16"], 8000, model, "m", 8, 256)
+    assert bf16.count("--dtype") == 1 and "bfloat16" in bf16
+    with pytest.raises(FileNotFoundError, match="make peer-vllm"):
+        vllm_server_command(tmp_path, [], 8000, model, "m", 8, 256)

@@ -40,3 +40,30 @@ def test_sweep_counts_tokens_failures_and_scrapes_accept_length():
 def test_percentile():
     assert _percentile([3, 1, 2], 0.5) == 2 and _percentile([], 0.5) is None
     assert _percentile(list(range(101)), 0.99) == 99
+
+
+def test_vllm_counters_give_the_window_accept_and_verify_length():
+    """vLLM exports draft steps, drafted and accepted tokens as counters: per draft step in the window, accept
+    length = 1 + accepted / drafts, verify length = drafted / drafts."""
+    from adaflash.evaluation.serve_bench import _window_mean
+
+    label = '{engine="0",model_name="m"}'
+
+    def scrape(drafts, drafted, accepted):
+        text = (f"vllm:spec_decode_num_drafts_total{label} {drafts}\n"
+                f"vllm:spec_decode_num_draft_tokens_total{label} {drafted}\n"
+                f"vllm:spec_decode_num_accepted_tokens_total{label} {accepted}\n")
+        return httpx.MockTransport(lambda request: httpx.Response(200, text=text))
+
+    import asyncio
+
+    from adaflash.evaluation.serve_bench import _scrape
+
+    async def read(transport):
+        async with httpx.AsyncClient(base_url="http://test", transport=transport) as client:
+            return await _scrape(client)
+
+    before, after = asyncio.run(read(scrape(9, 135, 3))), asyncio.run(read(scrape(19, 285, 8)))
+    assert _window_mean(before, after, "accept_length") == 1.5
+    assert _window_mean(before, after, "verify_length") == 15.0
+    assert _window_mean(before, before, "accept_length") is None  # no draft step in the window

@@ -63,3 +63,16 @@ def test_cli_prints_a_speculative_config(tmp_path, capsys):
     assert config["method"] == "dflash" and config["model"] == "D" and config["num_speculative_tokens"] == 3
     _valid_for_vllm(config["num_speculative_tokens_per_batch_size"], 32)
     assert json.loads((tmp_path / "out.json").read_text())["survival"] == pytest.approx([0.5, 0.2, 0.0])
+
+
+def test_cli_says_serve_without_speculation_when_no_batch_size_drafts(tmp_path, capsys):
+    """A schedule of zeros everywhere is not printed as a config: vLLM with one still pays for the drafter."""
+    report = {"results": [{"spec": {"acceptance_histogram": [98, 2, 0, 0]}}]}
+    (tmp_path / "run.json").write_text(json.dumps(report))
+    (tmp_path / "cost.json").write_text(_cost(0.02).to_json())
+    assert main(["export", "vllm-schedule", "--acceptance", str(tmp_path / "run.json"), "--drafter-dir", "D",
+                 "--cost-model", str(tmp_path / "cost.json"), "--out", str(tmp_path / "out.json")]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) is None and "serve without a speculative config" in captured.err
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert written["speculative_config"] is None and written["schedule"] == [[1, 64, 0]]
