@@ -15,7 +15,10 @@ throughput policy, speculative/length_policy.py) picks for B requests with the d
 against a step-cost model.
 
 Survival comes from vLLM's own acceptance counters (`vllm_offline.py` output: per-request acceptance histograms)
-or from our runtime's; the cost model is a `CostModel` JSON (our runtime's profile, `cost_model_for`, by default).
+or from our runtime's. The step cost is vLLM's own where it was timed (`vllm_step_cost.py`: its engine step at each
+batch size and draft length; the length per batch size is then the one with the most expected tokens per second of
+step), else a `CostModel` JSON, else our runtime's profile (`cost_model_for`): a proxy that misjudges vLLM, whose
+per-step overhead makes extra verified tokens far cheaper relative to a step than in our runtime.
 """
 
 from __future__ import annotations
@@ -64,6 +67,28 @@ def batch_schedule(survival: Sequence[float], cost, max_draft: int, max_batch: i
     return entries
 
 
+def schedule_from_step_costs(survival: Sequence[float], step_s: dict[str, dict[str, float]],
+                             max_batch: int) -> list[list[int]]:
+    """[[start, end, k], ...] from vLLM's timed steps (`vllm_step_cost.py`'s `step_s[B][k]`, k = 0 without a
+    speculative config): for each timed batch size B, the timed k with the most expected tokens per second,
+    (1 + survival[0] + ... + survival[k-1]) / step_s[B][k]; B covers batch sizes up to the next timed one."""
+    def tokens_per_s(batch: str, k: str) -> float:
+        return (1 + sum(survival[: int(k)])) / step_s[batch][k]
+
+    starts = sorted(int(b) for b in step_s if int(b) <= max_batch)
+    if not starts or starts[0] != 1:
+        raise ValueError(f"the step costs must time batch size 1 (timed: {sorted(step_s)})")
+    entries = []
+    for i, start in enumerate(starts):
+        end = starts[i + 1] - 1 if i + 1 < len(starts) else max_batch
+        k = int(max((k for k in step_s[str(start)] if int(k) <= len(survival)), key=lambda k: tokens_per_s(str(start), k)))
+        if entries and entries[-1][2] == k:
+            entries[-1][1] = end
+        else:
+            entries.append([start, end, k])
+    return entries
+
+
 def speculative_config(drafter: str, schedule: list[list[int]], max_draft: int) -> dict:
     return {"method": "dflash", "model": drafter, "num_speculative_tokens": max_draft,
             "num_speculative_tokens_per_batch_size": schedule}
@@ -92,8 +117,13 @@ def _cost_model(path: str | None, target: str, drafter: str | None, max_tokens: 
 def _cmd(args: argparse.Namespace) -> int:
     survival = survival_from_histograms(_histograms(Path(args.acceptance)))
     max_draft = min(args.max_draft, len(survival))
-    cost = _cost_model(args.cost_model, args.target, args.cost_drafter, args.max_tokens)
-    schedule = batch_schedule(survival, cost, max_draft, args.max_batch)
+    if args.vllm_step_costs:
+        step_s = json.loads(Path(args.vllm_step_costs).read_text())["step_s"]
+        schedule = schedule_from_step_costs(survival[:max_draft], step_s, args.max_batch)
+        max_draft = max(max(k for *_, k in schedule), 1)
+    else:
+        cost = _cost_model(args.cost_model, args.target, args.cost_drafter, args.max_tokens)
+        schedule = batch_schedule(survival, cost, max_draft, args.max_batch)
     # Never drafting at any batch size: vLLM started with a speculative config still loads the drafter and captures
     # the target's hidden states every step (0.94x its AR at 32 requests on a CPU, docs/results/peers/vllm_schedule.md),
     # so the policy's choice is to serve without one.
@@ -120,7 +150,11 @@ def register_subcommand(export_sub) -> None:
     cmd.add_argument("--acceptance", required=True,
                      help="vllm_offline.py output of a run with the drafter (its per-request acceptance histograms)")
     cmd.add_argument("--drafter-dir", required=True, help="the exported drafter folder vLLM loads (OUT/drafter)")
-    cmd.add_argument("--cost-model", default=None, help="CostModel JSON; default: profile our runtime here (cached)")
+    cost = cmd.add_mutually_exclusive_group()
+    cost.add_argument("--vllm-step-costs", default=None,
+                      help="vLLM's own step times (vllm_step_cost.py output): the length per batch size that gives "
+                           "vLLM the most expected tokens per second")
+    cost.add_argument("--cost-model", default=None, help="CostModel JSON; default: profile our runtime here (cached)")
     cmd.add_argument("--target", default=DEFAULT_TARGET, help="target for the default cost profile")
     cmd.add_argument("--cost-drafter", default=None, help="our drafter folder for the default cost profile")
     cmd.add_argument("--max-tokens", type=int, default=1024, help="largest verify the cost profile covers")

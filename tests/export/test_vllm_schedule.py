@@ -76,3 +76,28 @@ def test_cli_says_serve_without_speculation_when_no_batch_size_drafts(tmp_path, 
     assert json.loads(captured.out) is None and "serve without a speculative config" in captured.err
     written = json.loads((tmp_path / "out.json").read_text())
     assert written["speculative_config"] is None and written["schedule"] == [[1, 64, 0]]
+
+
+def test_schedule_from_vllm_step_costs_picks_the_most_tokens_per_second():
+    """vLLM's timed steps: at batch 1 a 3-token draft costs little more than a plain step (it pays), at batch 32 it
+    costs double (it does not); untimed k are never chosen, and a k beyond the survival curve is ignored."""
+    from adaflash.export.vllm_schedule import schedule_from_step_costs
+
+    survival = [0.3, 0.1, 0.05]
+    step_s = {"1": {"0": 0.050, "1": 0.055, "3": 0.060, "7": 0.07},
+              "8": {"0": 0.060, "1": 0.070, "3": 0.080},
+              "32": {"0": 0.100, "1": 0.140, "3": 0.200}}
+    assert schedule_from_step_costs(survival, step_s, 64) == [[1, 7, 3], [8, 31, 1], [32, 64, 0]]
+    with pytest.raises(ValueError, match="batch size 1"):
+        schedule_from_step_costs(survival, {"8": step_s["8"]}, 64)
+
+
+def test_cli_takes_vllm_step_costs(tmp_path, capsys):
+    report = {"results": [{"spec": {"acceptance_histogram": [50, 30, 10, 10]}}]}
+    (tmp_path / "run.json").write_text(json.dumps(report))
+    (tmp_path / "steps.json").write_text(json.dumps({"step_s": {"1": {"0": 0.05, "2": 0.055}, "2": {"0": 0.05, "2": 0.2}}}))
+    assert main(["export", "vllm-schedule", "--acceptance", str(tmp_path / "run.json"), "--drafter-dir", "D",
+                 "--vllm-step-costs", str(tmp_path / "steps.json"), "--max-batch", "8"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["num_speculative_tokens_per_batch_size"] == [[1, 1, 2], [2, 8, 0]]
+    assert config["num_speculative_tokens"] == 2

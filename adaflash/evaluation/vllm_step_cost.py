@@ -1,0 +1,92 @@
+"""Time vLLM's own engine step at each batch size and draft length, as JSON for `adaflash export vllm-schedule`.
+
+Runs with the *vLLM* virtual environment's python (`make peer-vllm`), like vllm_offline.py, and imports nothing
+from adaflash. For every draft length k (0: vLLM without a speculative config; k >= 1: DFlash with the drafter and
+`num_speculative_tokens = k`) one engine is started; for every batch size B, B prompts run together twice, with
+`ignore_eos` and a short and a long `max_tokens`, and the step time is the difference of the two runs' times over the
+difference of their step counts (prefill and start-up cancel). A DFlash step is draft + verify of B * (k + 1) tokens:
+what our throughput policy weighs against the tokens a step is expected to commit.
+
+    .peer/vllm-venv/bin/python adaflash/evaluation/vllm_step_cost.py --target OUT/target --drafter OUT/drafter \
+        --prompts prompts.json --out vllm_step_cost.json
+
+prompts.json: [{"id": str, "ids": [int, ...]}, ...] as for vllm_offline.py (cycled to fill a batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from vllm_offline import _cpu_model
+
+
+def _steps(llm, batch: int, tokens: int) -> float:
+    """Engine steps of a run of `batch` requests in lockstep for `tokens` tokens: from vLLM's draft counter when it
+    drafts (draft steps per request), else one step per token."""
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            return metric.value / batch
+    return float(tokens)
+
+
+def time_steps(llm, prompts: list[list[int]], batch: int, short: int, long: int) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=prompts[i % len(prompts)]) for i in range(batch)]
+    runs = {}
+    for tokens in (short, long):
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        before = _steps(llm, batch, 0)
+        start = time.perf_counter()
+        llm.generate(requests, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        runs[tokens] = (elapsed, _steps(llm, batch, tokens) - before)
+    (t0, s0), (t1, s1) = runs[short], runs[long]
+    return {"step_s": (t1 - t0) / (s1 - s0), "steps": [s0, s1], "seconds": [t0, t1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="HF checkpoint folder (`adaflash export vllm` OUT/target)")
+    parser.add_argument("--drafter", required=True, help="drafter folder (OUT/drafter)")
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64")
+    parser.add_argument("--drafts", default="0,1,2,3,5,7", help="draft lengths k to time (0: no speculative config)")
+    parser.add_argument("--short", type=int, default=4, help="max_tokens of the short run")
+    parser.add_argument("--long", type=int, default=28, help="max_tokens of the long run")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from vllm import LLM
+
+    prompts = [p["ids"] for p in json.load(open(args.prompts))]
+    batches = [int(b) for b in args.batches.split(",")]
+    table: dict[str, dict[str, dict]] = {}
+    for k in (int(x) for x in args.drafts.split(",")):
+        spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": k} if k else None
+        llm = LLM(model=args.target, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len, seed=0,
+                  speculative_config=spec, disable_log_stats=False, max_num_seqs=max(batches))
+        time_steps(llm, prompts, 1, args.short, args.short + 1)  # warm-up
+        for b in batches:
+            table.setdefault(str(b), {})[str(k)] = row = time_steps(llm, prompts, b, args.short, args.long)
+            print(f"k={k} B={b}: {1000 * row['step_s']:.1f} ms a step", flush=True)
+        del llm
+    import torch
+    import vllm
+
+    report = {"vllm": vllm.__version__, "torch": torch.__version__, "cpu": _cpu_model(), "cpus": os.cpu_count(),
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "dtype": "float32", "enforce_eager": True,
+              "what": "vLLM engine step time by batch size B and draft length k (k = 0: no speculative config)",
+              "step_s": {b: {k: row["step_s"] for k, row in by_k.items()} for b, by_k in table.items()},
+              "runs": table}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
