@@ -278,8 +278,8 @@ class Engine:
             outputs = self._decode(requests)
             for r in requests:
                 self.policy.feedback(r, 0, 0)
-            if not drafted_hidden:  # (a learned head's look ran the drafter: not a plain step's cost)
-                self.policy.observe_step(lengths, time.perf_counter() - start)
+            # A learned head's look ran the drafter: not a plain step's cost.
+            self.policy.observe_step(lengths, time.perf_counter() - start, priced=not drafted_hidden)
             return outputs
         draft_probs: list[torch.Tensor | None] = [
             point_mass(draft_tokens[i], self.target.config.vocab_size) if i in looked_up and not r.sampling.greedy
@@ -326,12 +326,12 @@ class Engine:
                 self.lookup_length.feedback(r, k, accepted)
             committed = r.commit(d[:accepted] + [next_token])  # a stop token or the budget may cut it short
             outputs.append(self._output(r, committed, row, f[: len(committed)] if f is not None else None))
-        # The step's cost teaches the policy only when its drafter work is what its lengths say: not when the drafter
+        # The step's cost teaches a cost model only when its drafter work is what its lengths say: not when the drafter
         # also caught up on a backlog (a prompt, or a request drafting again after idle steps) or ran for a request
         # that then drafted nothing (a learned head's look), nor when lookup drafts widened the verify (on text that
         # repeats itself the calibration then learns from fewer steps).
-        if fed <= self.max_draft + 1 and drafted_hidden.keys() <= set(drafting) and not looked_up:
-            self.policy.observe_step(lengths, time.perf_counter() - start)
+        priced = fed <= self.max_draft + 1 and drafted_hidden.keys() <= set(drafting) and not looked_up
+        self.policy.observe_step(lengths, time.perf_counter() - start, priced)
         return outputs
 
     def _lookup_drafts(self, requests: Sequence[Request]) -> list[list[int]]:

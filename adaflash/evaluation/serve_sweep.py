@@ -188,6 +188,10 @@ def _cmd(args: argparse.Namespace) -> int:
     names = [n for n, _ in servers + peers + vllms]
     if len(set(names)) != len(names):
         raise SystemExit(f"server names must be distinct, got {names}")
+    if args.baseline is not None:
+        if args.baseline not in names:
+            raise SystemExit(f"--baseline {args.baseline!r} is none of the servers {names}")
+        names = [args.baseline] + [n for n in names if n != args.baseline]
     if peers:
         require_binary(peer_bin_dir(), LLAMA_SERVER)  # before any server starts: fail in a second, not minutes
         if not args.max_prompt_tokens:
@@ -226,7 +230,7 @@ def _cmd(args: argparse.Namespace) -> int:
             for i, (n, a) in enumerate(peers):
                 urls[n] = stack.enter_context(launched_peer(n, a, args.port + len(servers) + i, parallel, ctx, log_dir,
                                                             args.threads, gguf))
-        model = httpx.get(f"{urls[names[0]]}/v1/models", timeout=30).json()["data"][0]["id"]
+        model = httpx.get(f"{urls[servers[0][0]]}/v1/models", timeout=30).json()["data"][0]["id"]
         for i, (n, a) in enumerate(vllms):  # served under our server's model name
             urls[n] = stack.enter_context(launched_vllm(
                 n, a, args.port + len(servers) + len(peers) + i, Path(args.vllm_model), model, args.max_batch,
@@ -247,18 +251,17 @@ def _cmd(args: argparse.Namespace) -> int:
                 results = measure_cell(names, run, args.rounds)
                 cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts,
                               "prompt_tokens": sum(map(size, pool)), "results": results})
-                _write(out, args, servers, peer_cmds, cells, peaks, config)  # partial results survive an interruption
+                _write(out, args, names, servers, peer_cmds, cells, peaks, config)  # partial results survive an interruption
         if args.matmul_peak:
             peaks.append(matmul_peak_gflops())
-    _write(out, args, servers, peer_cmds, cells, peaks, config)
+    _write(out, args, names, servers, peer_cmds, cells, peaks, config)
     plot_sweep(cells, names, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     return 0 if all(r["failed"] == 0 for c in cells for r in c["results"].values()) else 1
 
 
-def _write(out: Path, args: argparse.Namespace, servers, peers: dict[str, list[str]], cells: list[dict],
-           peaks: list[float], config: TransformerConfig | None) -> None:
-    names = [n for n, _ in servers] + list(peers)
+def _write(out: Path, args: argparse.Namespace, names: list[str], servers, peers: dict[str, list[str]],
+           cells: list[dict], peaks: list[float], config: TransformerConfig | None) -> None:
     compute = compute_table(cells, names, config, peaks) if peaks and config is not None else None
     meta = {"command": "adaflash " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
@@ -311,7 +314,9 @@ def compute_table(cells: list[dict], names: list[str], config: TransformerConfig
 def register_cli(subparsers) -> None:
     p = command_group(subparsers, "bench", help="benchmarks").add_parser(
         "sweep", help="start several servers and bench them side by side over datasets x concurrency")
-    p.add_argument("--server", action="append", required=True, help='NAME="adaflash serve args"; the first is the baseline')
+    p.add_argument("--server", action="append", required=True,
+                   help='NAME="adaflash serve args"; the first is the baseline unless --baseline names another')
+    p.add_argument("--baseline", default=None, help="the server (ours or a peer) every ratio is against")
     p.add_argument("--peer", action="append", default=None,
                    help='NAME="llama-server args": a llama.cpp server from `make peer` beside ours (same GGUF unless -m)')
     p.add_argument("--peer-model", default=None, help="GGUF the peers load (default: --model's embedded GGUF)")

@@ -150,7 +150,10 @@ class DraftingGuard:
         self.policy.feedback(request, drafted, accepted)
         self.step_tokens += accepted + 1
 
-    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
-        self.policy.observe_step(lengths, seconds)
+    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
+        """Every step counts toward its arm, priced or not: a learned head's look at the blocks of requests it then
+        keeps from drafting is the drafting arm's cost (left out, the arm never had a rate, and a head that said 0 to
+        every request under load kept the look running every step)."""
+        self.policy.observe_step(lengths, seconds, priced)
         if self.check is not None:
             self.check.record(self.step_tokens, seconds)

@@ -43,8 +43,11 @@ class LengthPolicy(Protocol):
 
     def feedback(self, request: PolicyRequest, drafted: int, accepted: int) -> None: ...
 
-    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
-        """The step that verified these draft lengths (one per request) took `seconds` of wall time."""
+    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
+        """The step that verified these draft lengths (one per request) took `seconds` of wall time. `priced`: False
+        where that time is not what the lengths price (the drafter also caught up on a backlog, or read the blocks
+        of requests that then drafted nothing, or lookup drafts widened the verify): no cost model learns from it, but
+        the drafting check counts it toward its arm, whose real cost it is."""
 
 
 @dataclass
@@ -61,7 +64,7 @@ class FixedLength:
     def feedback(self, request: PolicyRequest, drafted: int, accepted: int) -> None:
         pass
 
-    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
         pass
 
 
@@ -81,7 +84,7 @@ class HeuristicLength:
         length = request.policy_state.get("length", self.initial)
         request.policy_state["length"] = length + 2 if accepted == drafted else max(1, length - 1)
 
-    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
         pass
 
 
@@ -252,8 +255,8 @@ class ThroughputLength:
     def feedback(self, request: PolicyRequest, drafted: int, accepted: int) -> None:
         self.estimate.feedback(request, drafted, accepted)
 
-    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
-        if isinstance(self.step_cost, CalibratedCost):
+    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
+        if priced and isinstance(self.step_cost, CalibratedCost):
             self.step_cost.observe(lengths, seconds)
 
 
@@ -329,8 +332,8 @@ class LearnedThroughputLength:
     def feedback(self, request: PolicyRequest, drafted: int, accepted: int) -> None:
         self.screen.feedback(request, drafted, accepted)
 
-    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
-        self.screen.observe_step(lengths, seconds)
+    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
+        self.screen.observe_step(lengths, seconds, priced)
 
 
 @dataclass
@@ -348,7 +351,7 @@ class BlockHeadLength:
     def feedback(self, request: PolicyRequest, drafted: int, accepted: int) -> None:
         pass
 
-    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
         pass
 
 

@@ -76,12 +76,13 @@ def test_greedy_engine_equals_reference_with_staggered_arrivals(target, proposer
 
 @dataclass
 class StepTimesSeen(FixedLength):
-    """A fixed length that keeps what the engine reports of each step."""
+    """A fixed length that keeps what the engine reports of each step a cost model may learn from."""
 
     steps: list[tuple[list[int], float]] = field(default_factory=list)
 
-    def observe_step(self, lengths, seconds) -> None:
-        self.steps.append((list(lengths), seconds))
+    def observe_step(self, lengths, seconds, priced=True) -> None:
+        if priced:
+            self.steps.append((list(lengths), seconds))
 
 
 def test_engine_reports_each_decode_steps_draft_lengths_and_wall_time(target, proposer):
@@ -111,6 +112,27 @@ def test_a_step_whose_drafter_catches_up_on_a_backlog_teaches_no_step_cost(targe
     assert policy.steps == []
     engine.step()
     assert len(policy.steps) == 1
+
+
+def test_a_head_that_looks_and_drafts_nothing_reports_its_step_unpriced(target, proposer):
+    """A learned head that reads the blocks (a drafter pass) and keeps every request at 0: the step is a plain decode,
+    reported unpriced, so the drafting check charges the look to the drafting arm while no cost model learns it."""
+    seen = []
+
+    class LooksThenDeclines(FixedLength):
+        def decide(self, requests, max_draft, hidden_of=None):
+            hidden_of(range(len(requests)))
+            return [0] * len(requests)
+
+        def observe_step(self, lengths, seconds, priced=True):
+            seen.append((list(lengths), priced))
+
+    engine = Engine(target, proposer, LooksThenDeclines(0), max_batch=2, max_queue=8, max_len=128)
+    engine.add_request(Request("a", [3, 14, 15], 4))
+    engine.add_request(Request("b", [65, 35], 4))
+    while engine.has_work():
+        engine.step()
+    assert seen and all(lengths == [0] * len(lengths) and not priced for lengths, priced in seen)
 
 
 def test_a_policy_missing_part_of_the_protocol_is_refused_when_the_engine_is_made(target, proposer):

@@ -85,3 +85,26 @@ def test_vllm_server_command_serves_the_folder_under_our_name(tmp_path: Path):
     assert bf16.count("--dtype") == 1 and "bfloat16" in bf16
     with pytest.raises(FileNotFoundError, match="make peer-vllm"):
         vllm_server_command(tmp_path, [], 8000, model, "m", 8, 256)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--vllm", "vllm-ar="], "--vllm needs --vllm-model"),
+    (["--baseline", "nobody"], "--baseline 'nobody' is none of the servers"),
+])
+def test_sweep_refuses_a_vllm_peer_without_its_folder_or_an_unknown_baseline(tmp_path: Path, monkeypatch, capsys,
+                                                                               extra, message):
+    from adaflash.cli import main
+
+    bin_dir = tmp_path / "peer" / "vllm-venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text("")
+    monkeypatch.setenv("ADAFLASH_PEER_DIR", str(tmp_path / "peer"))
+    try:
+        code = main(["bench", "sweep", "--server", "ar=--method ar", *extra, "--datasets", "gsm8k", "--concurrency", "1",
+                     "--out", str(tmp_path / "sweep"), "--log-dir", str(tmp_path / "logs")])
+    except SystemExit as stop:
+        code, err = 2, str(stop)
+    else:
+        err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert not (tmp_path / "logs").exists()  # no server was launched

@@ -91,3 +91,31 @@ def test_checks_are_kept_per_power_of_two_batch_size():
 def test_impossible_stretches_are_refused(bad):
     with pytest.raises(ValueError, match="settle < explore"):
         DraftingCheck(**bad)
+
+
+def test_a_head_that_looks_and_drafts_nothing_is_charged_to_the_drafting_arm():
+    """A learned head reads every request's block (a drafter pass) and then keeps all of them at 0: the engine reports
+    such steps unpriced (no cost model may learn from them) and the guard still counts them toward the drafting arm,
+    which then loses to the plain one and stops running."""
+    from types import SimpleNamespace
+
+    from adaflash.speculative.drafting_check import DraftingGuard
+    from adaflash.speculative.length_policy import FixedLength
+
+    priced_seen = []
+
+    class LooksThenDeclines(FixedLength):
+        def observe_step(self, lengths, seconds, priced=True):
+            priced_seen.append(priced)
+
+    guard = DraftingGuard(LooksThenDeclines(0))
+    requests = [SimpleNamespace(policy_state={}) for _ in range(4)]
+    for _ in range(200):
+        lengths = guard.decide(requests, 15)
+        looked = guard.check.arm  # the drafting arm's step ran the head's look: twice the plain step's time
+        for r in requests:
+            guard.feedback(r, 0, 0)
+        guard.observe_step(lengths, 0.02 if looked else 0.01, priced=not looked)
+    check = guard.checks.of(len(requests))
+    assert check.rates[True] < check.rates[False] and not check.drafting_chosen
+    assert False in priced_seen and True in priced_seen  # the wrapped policy is told which steps it may learn from
