@@ -33,7 +33,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install
-	$(PY) -m adaflash.evaluation.runtime_speed --json docs/results/runtime/runtime_speed.json
+	$(PY) benchmarks/runtime_speed.py --json docs/results/runtime/runtime_speed.json
 
 # Rebuild the shipped SmolLM2 drafter from scratch: regenerate data with the target (responses, context features and
 # the target's top-32 log-probabilities), train with a 16K-row draft vocabulary and soft targets, export.

@@ -13,16 +13,15 @@ a `generate --prompts-file` run or a server. Ratios are per prompt against the A
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
 from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
 from adaflash.models.kernels.selection import cpu_model
 from adaflash.models.registry import shipped_drafter
 from adaflash.pipeline import Pipeline
+from adaflash.report import markdown_table, write_report
 from adaflash.speculative.prompt_lookup import PromptLookup
 
 DOMAINS = {"math": "gsm8k", "code": "humaneval", "chat": "mt-bench", "multilingual": "mgsm"}
@@ -83,18 +82,12 @@ def main(argv: list[str] | None = None) -> int:
               "machine": {"cpu": cpu_model(), "threads": threads, "dtype": args.dtype},
               "ar_tokens_per_s": statistics.median(v for vs in rates["ar"].values() for v in vs),
               "ratio_to_ar": table, "accept_length_mean": {n: statistics.mean(v) for n, v in accept.items()}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    lines = [f"| variant | {' | '.join(DOMAINS)} | all | accept length |", "|---" * (len(DOMAINS) + 3) + "|"]
-    for name in names:
-        row = table[name]
-        lines.append(f"| {name} | " + " | ".join(f"{row[d]:.3f}" for d in DOMAINS) + f" | {row['all']:.3f} | "
-                     f"{report['accept_length_mean'][name]:.2f} |")
+    rows = [[name, *(f"{table[name][d]:.3f}" for d in DOMAINS), f"{table[name]['all']:.3f}",
+             f"{report['accept_length_mean'][name]:.2f}"] for name in names]
     text = (f"Ratio to our AR (tokens a second, medians of per-prompt ratios), {report['machine']['cpu']}, {threads} "
             f"threads, {args.dtype}; AR {report['ar_tokens_per_s']:.1f} tok/s. Command: `{report['command']}`\n\n"
-            + "\n".join(lines) + "\n")
-    out.with_suffix(".md").write_text(text)
+            + markdown_table(["variant", *DOMAINS, "all", "accept length"], rows) + "\n")
+    write_report(args.out, report, text)
     print(text)
     return 0
 

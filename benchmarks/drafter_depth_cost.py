@@ -8,9 +8,7 @@ costs. Weights do not change a pass's cost, so random ones stand in for trained 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -20,6 +18,7 @@ from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.kernels.selection import cpu_model
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import load_target
+from adaflash.report import write_json
 from adaflash.speculative.cost_model import profile_cost_model
 from adaflash.speculative.proposer import DFlashProposer
 
@@ -44,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(depth, by_depth[depth], flush=True)
     report = {"command": " ".join(["python", "benchmarks/drafter_depth_cost.py", *(argv or sys.argv[1:])]),
               "cpu": cpu_model(), "threads": args.threads, "dtype": "fp32", "context": 256, "by_depth": by_depth}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, args.out)
     return 0
 
 

@@ -45,7 +45,7 @@ NOTES: dict[str, dict[str, str]] = {
     "drafter/training": {"what": "held-out accept length while training the shipped drafter (v9)",
                          "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
                          "command": "adaflash train drafter --config configs/smollm2-drafter-v9.toml; "
-                                    "python -m adaflash.evaluation.scaling_curve runs/train/smollm2-drafter-v9 "
+                                    "python benchmarks/scaling_curve.py runs/train/smollm2-drafter-v9 "
                                     "--out docs/results/drafter/training"},
     "drafter/datagen": {"what": "target-regenerated training data under --dtype int8 (batch 64)",
                         "headline": "541 tok/s; 5069 samples, 1.08M response tokens in 33 minutes",
@@ -58,11 +58,11 @@ NOTES: dict[str, dict[str, str]] = {
                                    "command": "python docs/results/drafter/holdout_live_check.py int8 64"},
     "drafter/holdout_depth": {"what": "held-out accept length: v9, a 2-layer continuation, a 4-layer continuation",
                               "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                              "command": "python -m adaflash.evaluation.holdout --data-dir runs/data/smollm2-v4 "
+                              "command": "python benchmarks/holdout.py --data-dir runs/data/smollm2-v4 "
                                          "runs/data/smollm2-v5 --holdout 64 --drafter DIR... --json OUT"},
     "drafter/holdout_block8": {"what": "held-out accept length of a block-8 continuation of v9",
                                "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                               "command": "python -m adaflash.evaluation.holdout --data-dir runs/data/smollm2-v4 "
+                               "command": "python benchmarks/holdout.py --data-dir runs/data/smollm2-v4 "
                                           "runs/data/smollm2-v5 --holdout 64 --drafter DIR --json OUT"},
     "serving/load_test": {"what": "overload: 128 streams against 32 slots and a queue of 64",
                           "command": "adaflash serve --method dflash --length-policy throughput --max-batch 32 --max-queue 64; "
@@ -101,7 +101,7 @@ NOTES: dict[str, dict[str, str]] = {
                                  "command": "python docs/results/adaflash/drafting_rhythm.py"},
     "adaflash/throughput_policy_ab": {"what": "the throughput policy at batch 1 before / after the drafting check",
                                       "headline": "gsm8k 0.86-0.87x AR before, 0.87-0.92x after; chat 0.82-0.89x before, 0.85-0.88x after",
-                                      "command": "python -m adaflash.evaluation.step_profile --dtype int8 --dataset gsm8k|sharegpt-chat "
+                                      "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
     "adaflash/demo": {"what": "`adaflash demo --dtype int8`: AR vs full block, 2 drafts, adaptive, adaptive + prompt lookup",
                       "headline": "adaptive 0.88x AR, adaptive + lookup 0.99x (medians over domains)",

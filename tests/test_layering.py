@@ -24,6 +24,7 @@ UNITS: list[str] = [
     "engine",  # the continuous-batching engine, its factory, scheduler, runner thread, recorder, hot swap
     "pipeline",  # text in, text out: tokenizer + the engine or the reference loops
     "cli_args",  # argument helpers every command module shares
+    "report",  # the JSON + markdown files a measurement writes, and their tables: training's and evaluation's alike
     "plots",  # figures (matplotlib)
     "training",  # drafter and length-head training, data generation, online adaptation; its commands
     "server",  # the OpenAI-compatible HTTP server over the engine, and `adaflash serve`
@@ -117,6 +118,22 @@ def test_imports_only_go_down():
 ])
 def test_an_upward_import_is_caught(probe, source):
     assert len(upward_imports(PACKAGE_DIR / probe, source)) == 1
+
+
+def test_the_package_never_imports_the_benchmark_scripts():
+    # benchmarks/ sits beside the package and is not installed with it: such an import works only in a checkout.
+    found = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.relative_to(PACKAGE_DIR.parent)}:{node.lineno}" for n in names
+                      if n.split(".")[0] == "benchmarks"]
+    assert not found, "the package imports from benchmarks/: " + ", ".join(found)
 
 
 def test_data_is_a_leaf():

@@ -27,6 +27,7 @@ from adaflash.evaluation.drafter_eval import greedy_trajectories, head_cut, targ
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
+from adaflash.report import markdown_table, write_report
 from adaflash.training.block_outcomes import score_blocks
 
 DEFAULT_BENCHMARKS = "gsm8k,humaneval,sharegpt-chat,mgsm"  # one per domain: math, code, chat, multilingual
@@ -102,19 +103,21 @@ def markdown(report: dict) -> str:
              "cut (accept length, verify length) where the drafter has one.\n"]
     for name, by_bench in report["drafters"].items():
         levels = sorted({r["level"] for rows in by_bench.values() for r in rows})
-        lines += [f"## {name}\n", "| benchmark (domain) | " + " | ".join(f"level {lv}" for lv in levels) + " |",
-                  "|---" * (len(levels) + 1) + "|"]
+        table = []
         for bench, rows in by_bench.items():
             cells = {r["level"]: r for r in rows}
-            def cell(r):
-                text = f"{r['accept_len']:.3f} (ctx {r['context_tokens_mean']:.0f}, n={r['prompts']})"
-                if "head" in r:
-                    text += f" / head {r['head']['accept_len']:.3f} @ {r['head']['verify_len']:.2f}"
-                return text
-            lines.append(f"| {bench} ({report['domains'][bench]}) | "
-                         + " | ".join(cell(cells[lv]) if lv in cells else "-" for lv in levels) + " |")
-        lines.append("")
+            table.append([f"{bench} ({report['domains'][bench]})",
+                          *(_cell(cells[lv]) if lv in cells else "-" for lv in levels)])
+        lines += [f"## {name}\n", markdown_table(["benchmark (domain)", *(f"level {lv}" for lv in levels)], table), ""]
     return "\n".join(lines)
+
+
+def _cell(r: dict) -> str:
+    """A level's full-block accept length, and the head's cut where the drafter has one."""
+    text = f"{r['accept_len']:.3f} (ctx {r['context_tokens_mean']:.0f}, n={r['prompts']})"
+    if "head" in r:
+        text += f" / head {r['head']['accept_len']:.3f} @ {r['head']['verify_len']:.2f}"
+    return text
 
 
 def plot(report: dict, path: Path) -> None:
@@ -142,7 +145,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from adaflash.evaluation.offline import command_line, provenance, write_json
+    from adaflash.evaluation.offline import command_line, provenance
     from adaflash.pipeline import Pipeline
 
     drafters = dict(d.split("=", 1) for d in args.drafter)
@@ -158,10 +161,8 @@ def _cmd(args: argparse.Namespace) -> int:
     report = {**provenance(command + " " + " ".join(f"--drafter {n}={p}" for n, p in drafters.items())),
               "levels": levels, "domains": {b: load_prompts(b, "eval", limit=1)[0].domain for b in benchmarks},
               "drafters": {n: score_levels(pipeline.target, p, trajectories, args.anchors) for n, p in drafters.items()}}
-    out = Path(args.out)
-    write_json(report, out.with_suffix(".json"))
-    out.with_suffix(".md").write_text(markdown(report))
-    plot(report, out.with_suffix(".png"))
+    write_report(args.out, report, markdown(report))
+    plot(report, Path(args.out).with_suffix(".png"))
     print(markdown(report))
     return 0
 

@@ -29,6 +29,7 @@ from adaflash.formats.outcomes import Outcomes
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
+from adaflash.report import markdown_table, write_json, write_report
 from adaflash.training.block_outcomes import BlockScores, score_blocks
 
 
@@ -96,28 +97,28 @@ def markdown(report: dict) -> str:
     benches = list(next(iter(report["drafters"].values()))["benchmarks"])
     lines = [f"# Drafters along the target's greedy responses\n\n`{report['command']}`\n",
              "Full-block greedy accept length (tokens per target pass, incl. the target's own token), teacher-forced at "
-             "every anchor of the target's responses.\n",
-             "| drafter | " + " | ".join(benches) + " | mean | std across benchmarks | std across positions |",
-             "|---" * (len(benches) + 4) + "|"]
+             "every anchor of the target's responses.\n"]
+    rows = []
     for n in names:
         d = report["drafters"][n]
-        lines.append(f"| {n} | " + " | ".join(f"{d['benchmarks'][b]['accept_len']:.3f}" for b in benches)
-                     + f" | {d['accept_len_mean']:.3f} | {d['accept_len_std_across_benchmarks']:.4f} | "
-                     f"{d['acceptance_std_across_positions']:.4f} |")
+        rows.append([n, *(f"{d['benchmarks'][b]['accept_len']:.3f}" for b in benches), f"{d['accept_len_mean']:.3f}",
+                     f"{d['accept_len_std_across_benchmarks']:.4f}", f"{d['acceptance_std_across_positions']:.4f}"])
+    lines.append(markdown_table(["drafter", *benches, "mean", "std across benchmarks", "std across positions"], rows))
     heads = [n for n in names if "head" in next(iter(report["drafters"][n]["benchmarks"].values()))]
     if heads:
         lines += ["", "With the per-position head's cut (survival >= 0.5): accept length / verify length / "
-                  "tokens per verified token (full block verifies 16).", "",
-                  "| drafter | " + " | ".join(benches) + " |", "|---" * (len(benches) + 1) + "|"]
+                  "tokens per verified token (full block verifies 16).", ""]
+        rows = []
         for n in heads:
             cells = [report["drafters"][n]["benchmarks"][b]["head"] for b in benches]
-            lines.append(f"| {n} | " + " | ".join(f"{c['accept_len']:.2f} / {c['verify_len']:.2f} / "
-                                                 f"{c['tokens_per_verified_token']:.2f}" for c in cells) + " |")
+            rows.append([n, *(f"{c['accept_len']:.2f} / {c['verify_len']:.2f} / {c['tokens_per_verified_token']:.2f}"
+                              for c in cells)])
+        lines.append(markdown_table(["drafter", *benches], rows))
     return "\n".join(lines) + "\n"
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from adaflash.evaluation.offline import command_line, provenance, write_json
+    from adaflash.evaluation.offline import command_line, provenance
     from adaflash.pipeline import Pipeline
 
     drafters = dict(d.split("=", 1) for d in args.drafter)
@@ -128,9 +129,7 @@ def _cmd(args: argparse.Namespace) -> int:
               ("--max-new-tokens", args.max_new_tokens), ("--benchmarks", args.benchmarks)])
               + " " + " ".join(f"--drafter {n}={p}" for n, p in drafters.items())),
               "drafters": {n: evaluate_drafter(pipeline.target, p, trajectories, args.anchors) for n, p in drafters.items()}}
-    out = Path(args.out)
-    write_json(report, out.with_suffix(".json"))
-    out.with_suffix(".md").write_text(markdown(report))
+    write_report(args.out, report, markdown(report))
     print(markdown(report))
     return 0
 
@@ -148,7 +147,6 @@ def token_divergence(pipeline, drafter_dir: str, trajectory: Trajectory, label: 
 
 
 def _cmd_rkl_picture(args: argparse.Namespace) -> int:
-    from adaflash.evaluation.offline import write_json
     from adaflash.evaluation.token_picture import render_html, render_png
     from adaflash.pipeline import Pipeline
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from adaflash.cli_args import command_group
+from adaflash.report import markdown_table, write_json
 
 PROMPTS = ["Explain caching in one paragraph.", "Write a haiku about GPUs.", "What is 17 * 23? Show the steps.",
            "List three prime numbers.", "Summarise the plot of Hamlet."]
@@ -213,19 +214,19 @@ def soak_markdown(report: LoadReport, command: str, note: str = "") -> str:
     lines = ["# Soak test", "", f"`{command}`", ""]
     if note:
         lines += [note, ""]
-    lines += [
-        "| | |", "|---|---|",
-        f"| duration | {report.duration_s:.0f} s, {report.streams} streams |",
-        f"| requests | {report.completed} completed, {report.refused} refused (503/429), {report.hung_up} hung up "
-        f"by the client, **{report.failed} lost** |",
-        f"| after the run | {f(report.running_after, 'g')} running, {f(report.queued_after, 'g')} queued, "
-        f"{f(report.free_slots_after, 'g')} of {f(report.max_slots, 'g')} slots free (**{f(report.leaked_slots, 'g')} leaked**) |",
-        f"| resident memory | {f(report.rss_before_mb)} MB first sample, {f(report.rss_peak_mb)} MB peak, "
-        f"{f(report.rss_after_mb)} MB after |",
-        f"| growth over the last half | **{f(report.rss_growth_last_half_mb)} MB** "
-        f"({f(report.rss_slope_last_half_mb_per_min, '.2f')} MB/min; bound {f(report.max_rss_growth_mb)} MB) |",
-        f"| verdict | {'clean' if report.clean else 'NOT clean'} |", "",
-    ]
+    lines += [markdown_table(["", ""], [
+        ["duration", f"{report.duration_s:.0f} s, {report.streams} streams"],
+        ["requests", f"{report.completed} completed, {report.refused} refused (503/429), {report.hung_up} hung up "
+                     f"by the client, **{report.failed} lost**"],
+        ["after the run", f"{f(report.running_after, 'g')} running, {f(report.queued_after, 'g')} queued, "
+                          f"{f(report.free_slots_after, 'g')} of {f(report.max_slots, 'g')} slots free "
+                          f"(**{f(report.leaked_slots, 'g')} leaked**)"],
+        ["resident memory", f"{f(report.rss_before_mb)} MB first sample, {f(report.rss_peak_mb)} MB peak, "
+                            f"{f(report.rss_after_mb)} MB after"],
+        ["growth over the last half", f"**{f(report.rss_growth_last_half_mb)} MB** "
+                                      f"({f(report.rss_slope_last_half_mb_per_min, '.2f')} MB/min; bound "
+                                      f"{f(report.max_rss_growth_mb)} MB)"],
+        ["verdict", "clean" if report.clean else "NOT clean"]]), ""]
     if report.lost_reasons:
         lines += ["Lost: " + ", ".join(f"{k} x{v}" for k, v in report.lost_reasons.items()), ""]
     if report.rss_samples:
@@ -258,9 +259,7 @@ def _cmd(args: argparse.Namespace) -> int:
     result = report.as_dict()
     print(json.dumps({k: v for k, v in result.items() if k != "rss_samples"}, indent=2))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({**result, "command": _command_line(args, bool(api_key)), "note": args.note},
-                                              indent=2) + "\n")
+        write_json({**result, "command": _command_line(args, bool(api_key)), "note": args.note}, args.json)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(soak_markdown(report, _command_line(args, bool(api_key)), args.note))

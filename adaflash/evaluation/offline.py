@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import platform
 import shlex
@@ -25,7 +24,6 @@ import statistics
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from tqdm import tqdm
@@ -34,6 +32,7 @@ from adaflash.data.prompt import DatasetUnavailableError, Prompt
 from adaflash.cli_args import add_model_args, add_policy_state_arg, command_group
 from adaflash.models.registry import resolve_drafter
 from adaflash.pipeline import METHODS
+from adaflash.report import write_json
 from adaflash.speculative.sampling import SamplingParams
 
 REFERENCE = "ar"
@@ -283,13 +282,6 @@ def provenance(command: str) -> dict[str, Any]:
         "machine": machine_info(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-def write_json(obj: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    return path
 
 
 def fmt(x: float | None, spec: str = ".2f") -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from adaflash.cli_args import command_group
+from adaflash.report import markdown_table, write_report
 
 GRID = {"alpha": (0.5, 0.8, 1.0), "tau": (0.0, 0.01, 0.1), "gamma": (3.0, 7.0, 15.0)}
 RATES = (0.8, 1.0, 1.15, 1.3)
@@ -48,9 +49,31 @@ def threshold_table(head, scores, thresholds=THRESHOLDS) -> list[dict]:
     return [{"threshold": t, **head_cut(head, scores, t)} for t in thresholds]
 
 
+def markdown(report: dict, limit: int) -> str:
+    """The page of a sensitivity report scored on `limit` gsm8k prompts."""
+    lines = [f"# Sensitivity on gsm8k\n\n`{report['command']}`\n",
+             f"Full-block greedy accept length along the target's gsm8k responses ({limit} prompts); each distillation "
+             f"run is {report['steps']} steps from the same drafter (accept length "
+             f"{report['start_drafter_gsm8k_accept_len']:.3f} before).\n",
+             markdown_table(["parameter", "value", "gsm8k accept length"],
+                            [[p, r["value"], f"{r['gsm8k_accept_len']:.3f}"]
+                             for p, rows in report["distillation"].items() for r in rows])]
+    if "rate" in report:
+        lines += ["", "Block head rate (inference only):", "",
+                  markdown_table(["rate", "accept length", "verify length"],
+                                 [[r["rate"], f"{r['accept_len']:.3f}", f"{r['verify_len']:.2f}"] for r in report["rate"]])]
+    if "threshold" in report:
+        lines += ["", "Per-position head threshold (inference only; verify the longest prefix with predicted survival >= "
+                  "threshold, at least one draft):", "",
+                  markdown_table(["threshold", "accept length", "verify length", "tokens per verified token"],
+                                 [[r["threshold"], f"{r['accept_len']:.3f}", f"{r['verify_len']:.2f}",
+                                   f"{r['tokens_per_verified_token']:.3f}"] for r in report["threshold"]])]
+    return "\n".join(lines) + "\n"
+
+
 def _cmd(args: argparse.Namespace) -> int:
     from adaflash.evaluation.drafter_eval import target_trajectories
-    from adaflash.evaluation.offline import provenance, write_json
+    from adaflash.evaluation.offline import provenance
     from adaflash.models.drafter_checkpoint import load_drafter
     from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead, load_length_head
     from adaflash.pipeline import Pipeline
@@ -96,22 +119,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.position_head:
         report["threshold"] = threshold_table(*head_and_scores(args.position_head, PositionAcceptanceHead, "per-position"))
     out = Path(args.out)
-    write_json(report, out.with_suffix(".json"))
-    lines = [f"# Sensitivity on gsm8k\n\n`{report['command']}`\n",
-             f"Full-block greedy accept length along the target's gsm8k responses ({args.limit} prompts); each "
-             f"distillation run is {args.steps} steps from the same drafter (accept length {start:.3f} before).\n",
-             "| parameter | value | gsm8k accept length |", "|---|---|---|"]
-    lines += [f"| {p} | {r['value']} | {r['gsm8k_accept_len']:.3f} |" for p, rows in report["distillation"].items() for r in rows]
-    if "rate" in report:
-        lines += ["", "Block head rate (inference only):", "", "| rate | accept length | verify length |", "|---|---|---|"]
-        lines += [f"| {r['rate']} | {r['accept_len']:.3f} | {r['verify_len']:.2f} |" for r in report["rate"]]
-    if "threshold" in report:
-        lines += ["", "Per-position head threshold (inference only; verify the longest prefix with predicted survival >= "
-                  "threshold, at least one draft):", "", "| threshold | accept length | verify length | tokens per verified token |",
-                  "|---|---|---|---|"]
-        lines += [f"| {r['threshold']} | {r['accept_len']:.3f} | {r['verify_len']:.2f} | {r['tokens_per_verified_token']:.3f} |"
-                  for r in report["threshold"]]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_report(out, report, markdown(report, args.limit))
     plt = pyplot()
     fig, axes = plt.subplots(1, max(1, len(report["distillation"])), figsize=(4 * max(1, len(report["distillation"])), 3.2),
                              squeeze=False)

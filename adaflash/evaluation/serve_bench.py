@@ -16,12 +16,12 @@ import json
 import re
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Sequence
 
 import httpx
 
 from adaflash.cli_args import command_group
+from adaflash.report import write_json
 
 
 @dataclass(frozen=True)
@@ -187,10 +187,8 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"{r.concurrency:>5}{r.num_requests:>6}{r.failed:>6}{r.output_tokens_per_s:>11.1f}{r.requests_per_s:>8.2f}"
               f"{fmt(r.ttft_p50_s):>10}{fmt(r.tpot_p50_s):>10}{fmt(r.accept_len_mean, 2):>8}{fmt(r.verify_len_mean, 2):>8}")
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"base_url": args.base_url, "model": model, "max_tokens": args.max_tokens,
-                                   "dataset": args.dataset, "levels": [asdict(r) for r in results]}, indent=2) + "\n")
+        write_json({"base_url": args.base_url, "model": model, "max_tokens": args.max_tokens, "dataset": args.dataset,
+                    "levels": [asdict(r) for r in results]}, args.json)
     return 0 if all(r.failed == 0 for r in results) else 1
 
 

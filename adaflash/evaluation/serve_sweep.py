@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import statistics
@@ -41,6 +40,7 @@ from adaflash.evaluation.peer import (LLAMA_SERVER, launched_process, llama_serv
 from adaflash.evaluation.serve_bench import run_level
 from adaflash.models.config import TransformerConfig
 from adaflash.models.kernels.selection import cpu_model
+from adaflash.report import markdown_table, write_report
 
 
 def launched_server(name: str, serve_args: list[str], port: int, max_batch: int, log_dir: Path, threads: int | None = None,
@@ -109,22 +109,20 @@ def measure_cell(names: list[str], run: Callable[[str], dict], rounds: int = 1) 
     return results
 
 
-def markdown_table(cells: list[dict], names: list[str]) -> str:
-    base = names[0]
-    head = "| dataset | concurrency | " + " | ".join(f"{n} tok/s" for n in names) + " | " + \
-        " | ".join(f"{n} / {base}" for n in names[1:]) + " | " + " | ".join(f"{n} accept / verify" for n in names[1:]) + " |"
-    lines = [head, "|" + "---|" * (2 + len(names) + 2 * (len(names) - 1))]
+def sweep_table(cells: list[dict], names: list[str]) -> str:
+    """Per cell: each server's tok/s, the others' ratio to the baseline (`names[0]`), their accept / verify length."""
+    base, others = names[0], names[1:]
+    rows = []
     for cell in cells:
         by = cell["results"]
-        tps = [by[n]["output_tokens_per_s"] for n in names]
-        ratios = [_ratio_cell(by[n]) for n in names[1:]]
         acc = []
-        for n in names[1:]:
+        for n in others:
             a, v = by[n]["accept_len_mean"], by[n]["verify_len_mean"]
             acc.append("-" if a is None else f"{a:.2f} / {v:.2f}")
-        lines.append(f"| {cell['dataset']} | {cell['concurrency']} | " + " | ".join(f"{t:.1f}" for t in tps) + " | "
-                     + " | ".join(ratios) + " | " + " | ".join(acc) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append([cell["dataset"], cell["concurrency"], *(f"{by[n]['output_tokens_per_s']:.1f}" for n in names),
+                     *(_ratio_cell(by[n]) for n in others), *acc])
+    return markdown_table(["dataset", "concurrency", *(f"{n} tok/s" for n in names), *(f"{n} / {base}" for n in others),
+                           *(f"{n} accept / verify" for n in others)], rows) + "\n"
 
 
 def _ratio_cell(result: dict) -> str:
@@ -270,14 +268,14 @@ def _write(out: Path, args: argparse.Namespace, names: list[str], servers, peers
             "threads_per_server": args.threads or "torch default",
             **({"matmul_peak_gflops": peaks} if peaks else {})}
     report = {**meta, "cells": cells, **({"compute": compute[0]} if compute else {})}
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(
+    markdown = (
         f"# Serving sweep\n\n`{meta['command']}`\n\nMachine: {meta['machine']}. Greedy, streaming chat completions, "
         f"{args.max_tokens} max tokens, max batch {args.max_batch}; each cell runs the servers one after another on "
         f"the same prompts, {args.rounds} round(s). Ratios are against `{names[0]}`, which runs before every round "
         f"and after the last: a ratio is the median over rounds of a server's throughput over the mean of the two "
         f"baseline runs around it (with several rounds, their range in brackets); throughputs are medians over runs, "
-        f"every run in the JSON.\n\n" + markdown_table(cells, names) + (compute[1] if compute else ""))
+        f"every run in the JSON.\n\n" + sweep_table(cells, names) + (compute[1] if compute else ""))
+    write_report(out, report, markdown)
 
 
 def compute_table(cells: list[dict], names: list[str], config: TransformerConfig,
@@ -286,7 +284,7 @@ def compute_table(cells: list[dict], names: list[str], config: TransformerConfig
     against the fp32 matmul peak measured in the same run (the higher of the measurements before and after the
     cells: the conservative fraction). Rows for the JSON, and the markdown section."""
     peak = max(peaks)
-    rows, lines = [], []
+    rows, table = [], []  # the JSON's rows, the markdown's
     for cell in cells:
         for n in names:
             r = cell["results"][n]
@@ -298,16 +296,17 @@ def compute_table(cells: list[dict], names: list[str], config: TransformerConfig
                    "output_fraction_of_peak": g["output_gflops"] / peak,
                    "with_prompts_fraction_of_peak": g["with_prompts_gflops"] / peak}
             rows.append(row)
-            lines.append(f"| {row['dataset']} | {row['concurrency']} | {n} | {r['output_tokens_per_s']:.1f} | "
-                         f"{g['output_gflops']:.1f} ({100 * row['output_fraction_of_peak']:.0f}%) | "
-                         f"{g['with_prompts_gflops']:.1f} ({100 * row['with_prompts_fraction_of_peak']:.0f}%) |")
+            table.append([row["dataset"], row["concurrency"], n, f"{r['output_tokens_per_s']:.1f}",
+                          f"{g['output_gflops']:.1f} ({100 * row['output_fraction_of_peak']:.0f}%)",
+                          f"{g['with_prompts_gflops']:.1f} ({100 * row['with_prompts_fraction_of_peak']:.0f}%)"])
     text = ("\n## Compute\n\nThe linears' matmul FLOPs served per second (2 per weight a token meets; attention left "
             "out): output tokens alone (the LM head included), and with the prompt tokens each cell prefilled, against "
             f"the fp32 matmul peak measured in this run with the servers idle "
             f"({', '.join(f'{p:.1f}' for p in peaks)} GFLOP/s "
             f"before / after the cells; the higher, {peak:.1f}, is the yardstick). The prompt share uses each server's "
-            "first run's token count.\n\n| dataset | concurrency | server | output tok/s | output GFLOP/s (of peak) | "
-            "with prompts GFLOP/s (of peak) |\n|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+            "first run's token count.\n\n"
+            + markdown_table(["dataset", "concurrency", "server", "output tok/s", "output GFLOP/s (of peak)",
+                              "with prompts GFLOP/s (of peak)"], table) + "\n")
     return rows, text
 
 

@@ -26,9 +26,9 @@ from adaflash.evaluation.offline import (
     policy_state_label,
     provenance,
     run_offline_bench,
-    write_json,
 )
 from adaflash.models.registry import resolve_drafter
+from adaflash.report import markdown_table, write_report
 
 METHODS = ("ar", "dflash")
 SPECULATIVE = "dflash"
@@ -88,7 +88,12 @@ def _accept(mean: float | None, std: float | None) -> str:
 
 def format_markdown(report: dict[str, Any]) -> str:
     tau = report["tau"]
-    pos_head = " | ".join(f"acc@{k}" for k in range(1, TABLE_POSITIONS + 1))
+    o = report["results"][SPECULATIVE]["overall"]
+    rows = [[r["benchmark"], r["domain"], r["num_prompts"], _accept(r["accept_len_mean"], r["accept_len_std"]),
+             f"{fmt(r['speedup_aggregate'])}x", f"{fmt(r['speedup_median'])}x", *_positions(r["per_position_acceptance"])]
+            for r in tau["benchmarks"]]
+    rows.append(["**all**", "", o["num_prompts"], _accept(o["accept_len_mean"], o["accept_len_std"]),
+                 f"{fmt(o['speedup_aggregate'])}x", f"{fmt(o['speedup_median'])}x", *_positions(o["per_position_acceptance"])])
     lines = [
         "# τ: DFlash accept length on the evaluation benchmarks",
         "",
@@ -99,19 +104,10 @@ def format_markdown(report: dict[str, Any]) -> str:
         "",
         f"Lossless (every DFlash output equals AR's tokens): **{'yes' if report['lossless'] else 'NO'}**",
         "",
-        f"| benchmark | domain | prompts | accept length (mean ± std) | speedup (aggregate) | speedup (median) | {pos_head} |",
-        "|---|---|---:|---:|---:|---:|" + "---:|" * TABLE_POSITIONS,
+        markdown_table(["benchmark", "domain", "prompts", "accept length (mean ± std)", "speedup (aggregate)",
+                        "speedup (median)", *(f"acc@{k}" for k in range(1, TABLE_POSITIONS + 1))],
+                       rows, align="ll" + "r" * (4 + TABLE_POSITIONS)),
     ]
-    for r in tau["benchmarks"]:
-        lines.append(
-            f"| {r['benchmark']} | {r['domain']} | {r['num_prompts']} | {_accept(r['accept_len_mean'], r['accept_len_std'])} | "
-            f"{fmt(r['speedup_aggregate'])}x | {fmt(r['speedup_median'])}x | {' | '.join(_positions(r['per_position_acceptance']))} |"
-        )
-    o = report["results"][SPECULATIVE]["overall"]
-    lines.append(
-        f"| **all** | | {o['num_prompts']} | {_accept(o['accept_len_mean'], o['accept_len_std'])} | "
-        f"{fmt(o['speedup_aggregate'])}x | {fmt(o['speedup_median'])}x | {' | '.join(_positions(o['per_position_acceptance']))} |"
-    )
     per_domain = ", ".join(f"{d} {fmt(m['accept_len_mean'])}" for d, m in tau["by_domain"].items())
     machine = report["machine"]
     lines += [
@@ -165,9 +161,7 @@ def run_tau_eval(
     report["tau"] = tau_summary(report)
     report["length_policy_state"] = policy_state_label(pipeline.carry_policy_state)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(report, out / FILES[0])
-    (out / FILES[1]).write_text(format_markdown(report), encoding="utf-8")
+    write_report(out / FILES[0], report, format_markdown(report))  # tau.json and tau.md beside it
     write_plots(report, out)
     return report
 

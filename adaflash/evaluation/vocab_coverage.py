@@ -15,15 +15,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from adaflash.cli_args import command_group
-from adaflash.evaluation.offline import command_line, cpu_label, provenance, write_json
+from adaflash.evaluation.offline import command_line, cpu_label, provenance
 from adaflash.models.draft_vocab import DraftVocab
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
+from adaflash.report import markdown_table, write_report
 from adaflash.training.dataset import DraftDataset
 from adaflash.training.trainer import data_vocab
 from adaflash.training.validation import split_holdout
@@ -106,19 +106,17 @@ def to_markdown(report: dict) -> str:
         f"held-out samples ({report['held_out_tokens'].get('all', 0)} response tokens).",
         f"Machine: {cpu_label(report['machine'])}, {report['machine']['threads']} threads, {report['dtype']}.",
         "",
-        "| rows kept | " + " | ".join(f"coverage {d}" for d in domains) + " | draft step ms, batch 1 | batch 32 |",
-        "|---" * (len(domains) + 3) + "|",
+        markdown_table(["rows kept", *(f"coverage {d}" for d in domains), "draft step ms, batch 1", "batch 32"],
+                       [[size, *(f"{100 * cov[size][d]:.1f}%" for d in domains), f"{cost['1'][size]:.1f}",
+                         f"{cost['32'][size]:.1f}"] for size in cov]),
     ]
-    for size in cov:
-        cells = " | ".join(f"{100 * cov[size][d]:.1f}%" for d in domains)
-        lines.append(f"| {size} | {cells} | {cost['1'][size]:.1f} | {cost['32'][size]:.1f} |")
     accept = report.get("accept_length")
     if accept:
         lines += ["", f"Held-out teacher-forced full-block accept length of `{report['drafter']}` with its head cut to "
                   "each size (greedy, 32 random anchors per held-out sample):", "",
-                  "| rows kept | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
-        for size, by_domain in accept.items():
-            lines.append(f"| {size} | " + " | ".join(f"{by_domain.get(d, float('nan')):.3f}" for d in domains) + " |")
+                  markdown_table(["rows kept", *domains],
+                                 [[size, *(f"{by_domain.get(d, float('nan')):.3f}" for d in domains)]
+                                  for size, by_domain in accept.items()])]
     return "\n".join(lines) + "\n"
 
 
@@ -139,9 +137,7 @@ def _cmd(args: argparse.Namespace) -> int:
                                                        ("--holdout", args.holdout), ("--drafter", args.drafter),
                                                        ("--out", args.out)])
     report.update(provenance(cmd))
-    out = Path(args.out)
-    write_json(report, out.with_suffix(".json"))
-    out.with_suffix(".md").write_text(to_markdown(report))
+    write_report(args.out, report, to_markdown(report))
     print(to_markdown(report))
     return 0
 

@@ -14,11 +14,12 @@ what is kept is the cost-aware choice under load: for each batch size B, the len
 throughput policy, speculative/length_policy.py) picks for B requests with the drafter's measured per-position survival,
 against a step-cost model.
 
-Survival comes from vLLM's own acceptance counters (`vllm_offline.py` output: per-request acceptance histograms)
-or from our runtime's. The step cost is vLLM's own where it was timed (`vllm_step_cost.py`: its engine step at each
-batch size and draft length; the length per batch size is then the one with the most expected tokens per second of
-step), else a `CostModel` JSON, else our runtime's profile (`cost_model_for`): a proxy that misjudges vLLM, whose
-per-step overhead makes extra verified tokens far cheaper relative to a step than in our runtime.
+Survival comes from vLLM's own acceptance counters (`benchmarks/vllm_offline.py` output: per-request acceptance
+histograms) or from our runtime's. The step cost is vLLM's own where it was timed (`benchmarks/vllm_step_cost.py`:
+its engine step at each batch size and draft length; the length per batch size is then the one with the most
+expected tokens per second of step), else a `CostModel` JSON, else our runtime's profile (`cost_model_for`): a proxy
+that misjudges vLLM, whose per-step overhead makes extra verified tokens far cheaper relative to a step than in our
+runtime.
 """
 
 from __future__ import annotations
@@ -148,12 +149,13 @@ def register_subcommand(export_sub) -> None:
                     "per-position survival and a step-cost model; printed as a vLLM speculative_config.",
     )
     cmd.add_argument("--acceptance", required=True,
-                     help="vllm_offline.py output of a run with the drafter (its per-request acceptance histograms)")
+                     help="benchmarks/vllm_offline.py output of a run with the drafter (its per-request acceptance "
+                          "histograms)")
     cmd.add_argument("--drafter-dir", required=True, help="the exported drafter folder vLLM loads (OUT/drafter)")
     cost = cmd.add_mutually_exclusive_group()
     cost.add_argument("--vllm-step-costs", default=None,
-                      help="vLLM's own step times (vllm_step_cost.py output): the length per batch size that gives "
-                           "vLLM the most expected tokens per second")
+                      help="vLLM's own step times (benchmarks/vllm_step_cost.py output): the length per batch size "
+                           "that gives vLLM the most expected tokens per second")
     cost.add_argument("--cost-model", default=None, help="CostModel JSON; default: profile our runtime here (cached)")
     cmd.add_argument("--target", default=DEFAULT_TARGET, help="target for the default cost profile")
     cmd.add_argument("--cost-drafter", default=None, help="our drafter folder for the default cost profile")

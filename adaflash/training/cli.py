@@ -4,12 +4,12 @@ length-head` (a candidate-length head on recorded outcomes) and `adaflash online
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
 from adaflash.cli_args import command_group
 from adaflash.models.device import current_device
+from adaflash.report import write_json
 
 
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -96,8 +96,7 @@ def _cmd_train_length_head(args) -> int:
     save_length_head(head, out)
     report["drafter"], report["out"] = str(args.drafter), str(out)
     if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, args.report)
     if args.plot and "reliability" in report:
         plot_reliability(report["reliability"], args.plot, f"{cfg.kind} length head, held-out")
     print(summary_line(report))

@@ -1,12 +1,14 @@
 """Summarise a training run's metrics.jsonl into docs-ready numbers and markdown (no plotting here).
 
-The command that writes them, with the scaling-curve figure: `python -m adaflash.evaluation.scaling_curve RUN --out OUT`.
+The script that writes them, with the scaling-curve figure: `python benchmarks/scaling_curve.py RUN --out OUT`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from adaflash.report import markdown_table
 
 
 def summarise(run_dir: Path) -> dict:
@@ -45,11 +47,10 @@ def to_markdown(s: dict) -> str:
         "",
         f"Run: `{s['run_dir']}`, {s['steps']} steps ({s['elapsed_s'] / 60:.0f} min in its last resumed invocation).",
         "",
-        "| | value |",
-        "|---|---|",
-        f"| loss (first window -> mean of last 5 windows) | {s['first_loss']:.2f} -> {s['final_loss']:.2f} |",
-        f"| training accuracy, block positions 1-8 (last windows) | {acc} |",
-        f"| expected accept length on training anchors (greedy, incl. bonus) | {s['final_expected_accept_len']:.3f} |",
+        markdown_table(["", "value"], [
+            ["loss (first window -> mean of last 5 windows)", f"{s['first_loss']:.2f} -> {s['final_loss']:.2f}"],
+            ["training accuracy, block positions 1-8 (last windows)", acc],
+            ["expected accept length on training anchors (greedy, incl. bonus)", f"{s['final_expected_accept_len']:.3f}"]]),
         "",
         "The full curve (loss, position-1 accuracy, expected accept length per logged window) is in the JSON.",
         "",
@@ -68,8 +69,6 @@ def _holdout_table(curve: list[dict], title: str) -> list[str]:
     if not curve:
         return []
     domains = sorted({k for r in curve for k in r} - {"step", "train_tokens_seen"})
-    lines = [title, "", "| step | training tokens seen | " + " | ".join(domains) + " |", "|---" * (len(domains) + 2) + "|"]
-    for r in curve:
-        seen = f"{r['train_tokens_seen'] / 1e3:.0f}K" if r.get("train_tokens_seen") is not None else "-"
-        lines.append(f"| {r['step']} | {seen} | " + " | ".join(f"{r[d]:.3f}" if d in r else "-" for d in domains) + " |")
-    return lines + [""]
+    rows = [[r["step"], f"{r['train_tokens_seen'] / 1e3:.0f}K" if r.get("train_tokens_seen") is not None else "-",
+             *(f"{r[d]:.3f}" if d in r else "-" for d in domains)] for r in curve]
+    return [title, "", markdown_table(["step", "training tokens seen", *domains], rows), ""]

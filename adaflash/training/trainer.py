@@ -59,7 +59,7 @@ class TrainConfig:
     holdout_samples: int = 0  # samples kept out of training; their teacher-forced accept length is logged
     holdout_anchors: int = 32
     # Also walk each held-out response as decoding would: every anchor of every held-out sample, ~10x the random
-    # anchors' cost (2.5 min a checkpoint for SmolLM2's 64 samples here); `python -m adaflash.evaluation.holdout`
+    # anchors' cost (2.5 min a checkpoint for SmolLM2's 64 samples here); `python benchmarks/holdout.py`
     # scores finished drafters so.
     holdout_decoded: bool = False
     gamma: float = 7.0

@@ -33,7 +33,7 @@ from tests.export.peer_paths import REPO
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
 
 VLLM_PYTHON = Path(os.environ.get("ADAFLASH_PEER_DIR", REPO / ".peer")) / "vllm-venv" / "bin" / "python"
-RUNNER = REPO / "adaflash" / "evaluation" / "vllm_offline.py"
+RUNNER = REPO / "benchmarks" / "vllm_offline.py"
 RESULTS = REPO / "docs" / "results" / "peers" / "vllm_interop.json"
 PROMPT_SETS = (("gsm8k", 6), ("humaneval", 6), ("mt-bench", 6), ("sharegpt-chat", 6))
 MAX_PROMPT_TOKENS = 384

@@ -93,7 +93,7 @@ def test_trimmed_vocabulary_with_soft_targets_learns_resumes_and_ships(tiny_chec
     for (name, a), (_, b) in zip(_weights(straight).items(), _weights(resumed).items()):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
     assert load_drafter(resumed).draft_vocab.token_ids.tolist() == expected.token_ids.tolist()
-    from adaflash.evaluation.scaling_curve import plot_scaling_curve
+    from benchmarks.scaling_curve import plot_scaling_curve
     from adaflash.training.summary import summarise, to_markdown
 
     summary = summarise(tmp_path / "a")

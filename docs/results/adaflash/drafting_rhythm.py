@@ -5,10 +5,13 @@ query width / draft length.
 
     python docs/results/adaflash/drafting_rhythm.py
 """
-import collections, statistics, time
+import collections, statistics, sys, time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root, for benchmarks/ (not installed)
 
 from adaflash.data import load_prompts
-from adaflash.evaluation.step_profile import profile_generation
+from benchmarks.step_profile import profile_generation
 from adaflash.models.registry import resolve_drafter
 from adaflash.models.target import TargetModel
 from adaflash.pipeline import Pipeline

@@ -1,6 +1,6 @@
 """Which linear kernel runs each of the target's weight shapes at each row count on this machine, and why.
 
-    python -m adaflash.evaluation.kernel_choice --json docs/results/runtime/kernel_choice.json
+    python benchmarks/kernel_choice.py --json docs/results/runtime/kernel_choice.json
 
 Loads the target (which times torch's stock kernel, the packed fp32 kernel and, for a GGUF target, the quantized
 kernel once per machine and thread count, models/kernels/selection.py) plus the shipped drafter's trimmed head,
@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-from pathlib import Path
 
 import torch
 
 from adaflash.models.kernels import selection
+from adaflash.report import markdown_table, write_report
 
 
-def run(model: str, threads: int | None) -> dict:
+def run(model: str, threads: int | None, json_path: str) -> dict:
     from adaflash.models.drafter_checkpoint import load_drafter
     from adaflash.models.registry import resolve_target, shipped_drafter
     from adaflash.models.target import load_target
@@ -39,14 +39,22 @@ def run(model: str, threads: int | None) -> dict:
     saved = json.loads(selection.cache_file().read_text())
     ours = {f"{w.shape[0]}x{w.shape[1]}" for w in linears}
     saved["shapes"] = {k: v for k, v in saved["shapes"].items() if k in ours}
-    return {"command": f"python -m adaflash.evaluation.kernel_choice --model {model}"
-                       + (f" --threads {threads}" if threads else ""),
+    return {"command": f"python benchmarks/kernel_choice.py --model {model}"
+                       + (f" --threads {threads}" if threads else "") + f" --json {json_path}",
             "machine": {"cpu": saved["cpu"], "threads": saved["threads"], "arch": platform.machine()},
             "row_buckets": list(selection.ROW_BUCKETS), "shapes_ms": saved["shapes"]}
 
 
 def to_markdown(result: dict) -> str:
-    m = result["machine"]
+    m, buckets = result["machine"], result["row_buckets"]
+    rows = []
+    for shape, times in result["shapes_ms"].items():
+        cells = []
+        for r in buckets:
+            t = times[str(r)]
+            win = min(t, key=t.get)
+            cells.append(" / ".join(f"{t[k]:.2f}" for k in t) + f" **{win}**")
+        rows.append([f"{shape} ({' / '.join(times[str(buckets[0])])})", *cells])
     lines = ["# Linear kernels: torch's stock kernel (oneDNN) vs the packed AVX2 fp32 kernel vs the quantized kernel "
              "over the GGUF's blocks, per weight shape and row count",
              "", f"Command: `{result['command']}`  ",
@@ -55,17 +63,8 @@ def to_markdown(result: dict) -> str:
              "L3); the fastest runs that bucket (rows round up to the next bucket; past the largest, torch's kernel "
              "runs). The quantized kernel's outputs are bitwise the packed kernel's, so the choice never changes "
              "what the target computes.", "",
-             "| weight [out x in] | " + " | ".join(f"{r} rows" for r in result["row_buckets"]) + " |",
-             "|---|" + "---|" * len(result["row_buckets"])]
-    for shape, times in result["shapes_ms"].items():
-        cells = []
-        for r in result["row_buckets"]:
-            t = times[str(r)]
-            win = min(t, key=t.get)
-            cells.append(" / ".join(f"{t[k]:.2f}" for k in t) + f" **{win}**")
-        kernels = " / ".join(times[str(result["row_buckets"][0])])
-        lines.append(f"| {shape} ({kernels}) | " + " | ".join(cells) + " |")
-    lines += ["", "Cells: ms per call of each kernel named in the first column, and the winner."]
+             markdown_table(["weight [out x in]", *(f"{r} rows" for r in buckets)], rows),
+             "", "Cells: ms per call of each kernel named in the first column, and the winner."]
     return "\n".join(lines) + "\n"
 
 
@@ -73,13 +72,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default="docs/results/runtime/kernel_choice.json")
+    parser.add_argument("--json", required=True, help="writes this JSON and the markdown beside it (.md)")
     args = parser.parse_args()
-    result = run(args.model, args.threads)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(result))
+    result = run(args.model, args.threads, args.json)
+    write_report(args.json, result, to_markdown(result))
     print(to_markdown(result))
 
 

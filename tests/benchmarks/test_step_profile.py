@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from adaflash.engine.engine import Engine
-from adaflash.evaluation.step_profile import PARTS, instrumented, PartTimers, profile_generation, summarize, to_markdown
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
 from adaflash.speculative.length_policy import FixedLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
+from benchmarks.step_profile import PARTS, instrumented, PartTimers, profile_generation, summarize, to_markdown
 
 
 def test_parts_are_timed_and_tokens_are_the_targets(tiny_checkpoints):

@@ -1,6 +1,6 @@
 """Our speculative speedup vs transformers' prompt-lookup decoding speedup, per domain, in one run.
 
-    python -m adaflash.evaluation.prompt_lookup --per-domain 3 --max-new-tokens 96 --json docs/results/serving/prompt_lookup.json
+    python benchmarks/prompt_lookup.py --per-domain 3 --max-new-tokens 96 --json docs/results/serving/prompt_lookup.json
 
 For each eval prompt the runs alternate in one process: transformers `generate` greedy, transformers with
 `prompt_lookup_num_tokens` (n-gram drafts from the prompt), our AR, our speculative method (the shipped DFlash
@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
-from adaflash.evaluation.offline import command_line, cpu_label, provenance, write_json
+from adaflash.evaluation.offline import command_line, cpu_label, provenance
+from adaflash.report import markdown_table, write_report
 from adaflash.speculative.prompt_lookup import PromptLookup
 
 DOMAINS = {"math": "gsm8k", "code": "humaneval", "chat": "mt-bench", "multilingual": "mgsm"}
@@ -100,17 +100,19 @@ def to_markdown(report: dict) -> str:
         "",
     ]
     lookups = report["ours_lookup"]
-    extra = "".join(f" | ours + lookup {k} / our AR | accept length | better" for k in lookups)
-    lines += [f"| domain | transformers PLD / AR | ours / our AR | our accept length | ours better{extra} |",
-              "|---|---|---|---|---|" + "---|---|---|" * len(lookups)]
+    headers = ["domain", "transformers PLD / AR", "ours / our AR", "our accept length", "ours better"]
+    for k in lookups:
+        headers += [f"ours + lookup {k} / our AR", "accept length", "better"]
     yes = {True: "yes", False: "no"}
+    rows = []
     for d, m in report["by_domain"].items():
-        row = (f"| {d} | {m['prompt_lookup_speedup']:.2f}x | {m['ours_speedup']:.2f}x | {m['ours_accept_len']:.2f} | "
-               f"{yes[m['ours_beats_prompt_lookup']]} |")
+        row = [d, f"{m['prompt_lookup_speedup']:.2f}x", f"{m['ours_speedup']:.2f}x", f"{m['ours_accept_len']:.2f}",
+               yes[m["ours_beats_prompt_lookup"]]]
         for k in lookups:
             mk = m["lookup"][str(k)]
-            row += f" {mk['speedup']:.2f}x | {mk['accept_len']:.2f} | {yes[mk['beats_prompt_lookup']]} |"
-        lines.append(row)
+            row += [f"{mk['speedup']:.2f}x", f"{mk['accept_len']:.2f}", yes[mk["beats_prompt_lookup"]]]
+        rows.append(row)
+    lines.append(markdown_table(headers, rows))
     every = [name for name, ok in report["beats_on_every_domain"].items() if ok]
     lines += ["", "Ours beats transformers' prompt lookup on every domain with: "
               + (", ".join(every) if every else "no configuration") + "."]
@@ -137,18 +139,17 @@ def main() -> None:
     p.add_argument("--ours-lookup", type=_lookup_lengths, default=[], metavar="K[,K2...]",
                    help="also run ours with our prompt-lookup drafts first (--prompt-lookup K), once per K")
     p.add_argument("--skip", type=int, default=0, help="start each domain's prompts at this index")
-    p.add_argument("--json", default="docs/results/serving/prompt_lookup.json")
+    p.add_argument("--json", required=True, help="writes this JSON and the markdown beside it (.md)")
     args = p.parse_args()
     configure_process(None)
     report = run(args)
-    cmd = command_line(["python", "-m", "adaflash.evaluation.prompt_lookup"],
+    cmd = command_line(["python", "benchmarks/prompt_lookup.py"],
                        [("--per-domain", args.per_domain), ("--max-new-tokens", args.max_new_tokens),
                         ("--dtype", args.dtype), ("--length-policy", args.length_policy), ("--lookup", args.lookup),
                         ("--ours-lookup", ",".join(map(str, args.ours_lookup)) or None), ("--skip", args.skip or None),
                         ("--json", args.json)])
     report.update(provenance(cmd))
-    write_json(report, args.json)
-    Path(args.json).with_suffix(".md").write_text(to_markdown(report))
+    write_report(args.json, report, to_markdown(report))
     print(to_markdown(report))
 
 

@@ -4,7 +4,7 @@ Runs with the *vLLM* virtual environment's python (`make peer-vllm`: .peer/vllm-
 imports nothing from adaflash. Prompts are token ids (our chat template, our tokenizer), so both engines see the
 same inputs. Greedy; fp32; enforce_eager (CPU build).
 
-    .peer/vllm-venv/bin/python adaflash/evaluation/vllm_offline.py --target DIR [--drafter DIR] \
+    .peer/vllm-venv/bin/python benchmarks/vllm_offline.py --target DIR [--drafter DIR] \
         --prompts prompts.json --max-tokens 64 --out out.json
 
 prompts.json: [{"id": str, "ids": [int, ...]}, ...]. Per prompt the output has `token_ids`, `text`, and with a

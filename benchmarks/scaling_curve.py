@@ -1,16 +1,16 @@
 """A training run's report: the summary (JSON + markdown) and its scaling curves (held-out accept length per domain
 against training tokens seen; the decoded one too where the run logged it).
 
-    python -m adaflash.evaluation.scaling_curve runs/train/smollm2-drafter --out docs/results/drafter/training
+    python benchmarks/scaling_curve.py runs/train/smollm2-drafter --out docs/results/drafter/training
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from adaflash.plots import pyplot
+from adaflash.report import write_report
 from adaflash.training.summary import summarise, to_markdown
 
 
@@ -43,8 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     summary = summarise(Path(args.run_dir))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)  # the figures go first: the markdown links them
     markdown = to_markdown(summary)
     if summary["holdout_curve"]:
         png = plot_scaling_curve(summary["holdout_curve"], f"{out}_scaling.png", "Drafter scaling curve")
@@ -53,7 +52,7 @@ def main() -> None:
         png = plot_scaling_curve(summary["decoded_curve"], f"{out}_decoded_scaling.png", "Drafter scaling curve, decoded",
                                  "held-out tokens per target pass (full-block greedy decoding)")
         markdown += f"\n![decoded scaling curve]({png.name})\n"
-    out.with_suffix(".md").write_text(markdown)
+    write_report(out, summary, markdown)
     print(markdown)
 
 

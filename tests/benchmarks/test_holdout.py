@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from adaflash.evaluation.holdout import score_drafters
 from adaflash.training.trainer import TrainConfig, train
+from benchmarks.holdout import score_drafters
 from tests.helpers import regenerate_tiny_data
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from adaflash.evaluation.runtime_profile import _bucket, profile_step, to_markdown
 from adaflash.models.target import load_target
+from benchmarks.runtime_profile import _bucket, profile_step, to_markdown
 
 
 def test_buckets_cover_the_step(tiny_checkpoints):

@@ -1,6 +1,6 @@
 """Benchmark: our runtime's batch-1 AR decoding vs transformers' `generate`, side by side in one process.
 
-    python -m adaflash.evaluation.runtime_speed --json docs/results/runtime/runtime_speed.json
+    python benchmarks/runtime_speed.py --json docs/results/runtime/runtime_speed.json
 
 Both decode the same chat prompts greedily to the same length, alternating run by run (this machine is
 noisy); medians are reported with the measured memory bandwidth and the bandwidth limit of the weight bytes a
@@ -22,7 +22,6 @@ import platform
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -35,6 +34,7 @@ from adaflash.models.kernels.selection import cpu_model
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.registry import load_tokenizer, resolve_target
 from adaflash.models.target import load_target
+from adaflash.report import markdown_table, write_report
 from adaflash.speculative.reference import autoregressive_generate
 
 
@@ -97,7 +97,7 @@ def llama_bench_decode(model_name: str, tokens: int, threads: int, repeats: int 
             "build": row.get("build_commit")}
 
 
-def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: int) -> dict:
+def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: int, json_path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     checkpoint = resolve_target(model_name)
@@ -112,8 +112,8 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
     peer_runs: list[dict] = []  # llama-bench's decode, one run a round
     weight_bytes_of: dict[str, int] = {}  # per dtype: the weight bytes a decode step streams
     results = {
-        "command": f"python -m adaflash.evaluation.runtime_speed --model {model_name} --dtypes {','.join(dtype_names)} "
-        f"--max-new-tokens {max_new_tokens} --repeats {repeats}",
+        "command": f"python benchmarks/runtime_speed.py --model {model_name} --dtypes {','.join(dtype_names)} "
+        f"--max-new-tokens {max_new_tokens} --repeats {repeats} --json {json_path}",
         "machine": {
             "cpu": cpu_model(),
             "processor": platform.processor() or platform.machine(),
@@ -247,6 +247,14 @@ def _probe_ranges(machine: dict) -> str:
 
 def to_markdown(results: dict) -> str:
     m = results["machine"]
+    rows = []
+    for name, r in results["by_dtype"].items():
+        for variant, v in r["variants"].items():
+            limit = m["read_bandwidth_GBps"] * 1e3 / v["decode_weight_MB"]
+            rows.append([name, variant, v["tokens_per_s"], v["decode_tokens_per_s"], v["decode_weight_MB"], f"{limit:.1f}",
+                         f"{v['decode_tokens_per_s'] / limit:.0%}",
+                         f"{v['tokens_per_s'] / r['transformers_tokens_per_s']:.2f}x", v["runs_identical_to_chosen"]])
+        rows.append([name, "transformers `generate`", r["transformers_tokens_per_s"], "", "", "", "", "1.00x", ""])
     lines = [
         "# Runtime speed: batch-1 greedy AR decoding, ours vs transformers `generate`",
         "",
@@ -257,18 +265,9 @@ def to_markdown(results: dict) -> str:
         f"probe: {_probe_ranges(m)}).  ",
         f"{results['max_new_tokens']} new tokens per run, prompts of {results['prompt_tokens']} tokens, medians over alternating runs.",
         "",
-        "| dtype | kernels | tok/s | decode tok/s | decode weight MB | bandwidth limit tok/s | decode / limit | "
-        "vs transformers | runs with tokens identical to chosen |",
-        "|---|---|---|---|---|---|---|---|---|",
+        markdown_table(["dtype", "kernels", "tok/s", "decode tok/s", "decode weight MB", "bandwidth limit tok/s",
+                        "decode / limit", "vs transformers", "runs with tokens identical to chosen"], rows),
     ]
-    for name, r in results["by_dtype"].items():
-        for variant, v in r["variants"].items():
-            limit = m["read_bandwidth_GBps"] * 1e3 / v["decode_weight_MB"]
-            lines.append(f"| {name} | {variant} | {v['tokens_per_s']} | {v['decode_tokens_per_s']} | "
-                         f"{v['decode_weight_MB']} | {limit:.1f} | {v['decode_tokens_per_s'] / limit:.0%} | "
-                         f"{v['tokens_per_s'] / r['transformers_tokens_per_s']:.2f}x | "
-                         f"{v['runs_identical_to_chosen']} |")
-        lines.append(f"| {name} | transformers `generate` | {r['transformers_tokens_per_s']} | | | | | 1.00x | |")
     lines += ["", "Token agreement with transformers (chosen kernels): "
               + ", ".join(f"{n} {r['token_agreement_with_transformers']:.0%}" for n, r in results["by_dtype"].items())
               + ". chosen = the per-machine choice per weight and row count (kernels/selection.py: the quantized "
@@ -294,13 +293,11 @@ def to_markdown(results: dict) -> str:
     lines += ["", "Target forward cost (ms) appending q tokens to a 256-token context (the verify cost curve):", ""]
     first_variant = next(iter(next(iter(results["by_dtype"].values()))["variants"].values()))
     qs = list(first_variant["forward_ms_by_query_len_ctx256"])
-    lines.append("| dtype | kernels | " + " | ".join(f"q={q}" for q in qs) + " | q=16 / q=1 |")
-    lines.append("|---|---|" + "---|" * (len(qs) + 1))
-    for name, r in results["by_dtype"].items():
-        for variant, v in r["variants"].items():
-            cost = v["forward_ms_by_query_len_ctx256"]
-            lines.append(f"| {name} | {variant} | " + " | ".join(str(cost[q]) for q in qs)
-                         + f" | {cost[qs[-1]] / cost[qs[0]]:.2f} |")
+    costs = [(name, variant, v["forward_ms_by_query_len_ctx256"])
+             for name, r in results["by_dtype"].items() for variant, v in r["variants"].items()]
+    lines.append(markdown_table(["dtype", "kernels", *(f"q={q}" for q in qs), "q=16 / q=1"],
+                                [[name, variant, *(cost[q] for q in qs), f"{cost[qs[-1]] / cost[qs[0]]:.2f}"]
+                                 for name, variant, cost in costs]))
     return "\n".join(lines) + "\n"
 
 
@@ -310,14 +307,11 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", default="docs/results/runtime/runtime_speed.json")
+    parser.add_argument("--json", required=True, help="writes this JSON and the markdown beside it (.md)")
     args = parser.parse_args()
     configure_process(None)  # as every adaflash command runs (threads, allocator)
-    results = run(args.model, args.dtypes.split(","), args.max_new_tokens, args.repeats)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(results))
+    results = run(args.model, args.dtypes.split(","), args.max_new_tokens, args.repeats, args.json)
+    write_report(args.json, results, to_markdown(results))
     print(to_markdown(results))
 
 

@@ -1,6 +1,6 @@
 """Benchmark: our engine's batched AR decoding vs transformers' eager `generate` at the same batch size.
 
-    python -m adaflash.evaluation.engine_speed --batch 64 --max-new-tokens 32 --json docs/results/runtime/engine_speed.json
+    python benchmarks/engine_speed.py --batch 64 --max-new-tokens 32 --json docs/results/runtime/engine_speed.json
 
 Both decode the same chat prompts greedily to the same length (eos ignored), alternating; reports output
 tokens/s, the ratio, and the engine's achieved FLOP/s as a fraction of this machine's measured matmul peak.
@@ -13,7 +13,6 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -25,6 +24,7 @@ from adaflash.evaluation.flops import linear_flops_per_token, matmul_peak_flops,
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.registry import load_tokenizer, resolve_target
 from adaflash.models.target import load_target_as
+from adaflash.report import write_json
 
 
 def engine_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int) -> float:
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", default="docs/results/runtime/engine_speed.json")
+    parser.add_argument("--json", required=True, help="where the results go")
     args = parser.parse_args()
     configure_process(None)  # as every adaflash command runs (threads, allocator)
     dtype = resolve_dtype(args.dtype)
@@ -77,8 +77,8 @@ def main() -> None:
     peak = matmul_peak_flops(dtype)
     engine_med, hf_med = statistics.median(engine_runs), statistics.median(hf_runs)
     result = {
-        "command": f"python -m adaflash.evaluation.engine_speed --batch {args.batch} --max-new-tokens {args.max_new_tokens} "
-        f"--dtype {args.dtype} --repeats {args.repeats}",
+        "command": f"python benchmarks/engine_speed.py --batch {args.batch} --max-new-tokens {args.max_new_tokens} "
+        f"--dtype {args.dtype} --repeats {args.repeats} --json {args.json}",
         "machine": {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(), "dtype": str(dtype)},
         "batch": args.batch, "max_new_tokens": args.max_new_tokens,
@@ -90,8 +90,7 @@ def main() -> None:
         "engine_fraction_with_prompts": served_gflops(ours.config, engine_med, sum(map(len, prompts)) / (
             len(prompts) * args.max_new_tokens))["with_prompts_gflops"] * 1e9 / peak,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.json)
     print(json.dumps(result, indent=2))
 
 

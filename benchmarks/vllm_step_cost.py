@@ -7,7 +7,7 @@ from adaflash. For every draft length k (0: vLLM without a speculative config; k
 difference of their step counts (prefill and start-up cancel). A DFlash step is draft + verify of B * (k + 1) tokens:
 what our throughput policy weighs against the tokens a step is expected to commit.
 
-    .peer/vllm-venv/bin/python adaflash/evaluation/vllm_step_cost.py --target OUT/target --drafter OUT/drafter \
+    .peer/vllm-venv/bin/python benchmarks/vllm_step_cost.py --target OUT/target --drafter OUT/drafter \
         --prompts prompts.json --out vllm_step_cost.json
 
 prompts.json: [{"id": str, "ids": [int, ...]}, ...] as for vllm_offline.py (cycled to fill a batch).

@@ -1,6 +1,6 @@
 """Score drafters on the held-out split of regenerated data, with the two numbers the training loop logs there.
 
-    python -m adaflash.evaluation.holdout --data-dir runs/data/a runs/data/b --holdout 64 \
+    python benchmarks/holdout.py --data-dir runs/data/a runs/data/b --holdout 64 \
         --drafter runs/train/x/drafter runs/train/y/drafter --json docs/results/drafter/holdout.json
 
 `holdout`: the expected full-block accept length at random anchors (the training curves' number); `decoded`: the
@@ -13,7 +13,6 @@ and draft vocabulary compare on the same samples and anchors.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -23,6 +22,7 @@ from adaflash.models.draft_vocab import DraftHead
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import load_target
+from adaflash.report import write_json
 from adaflash.training.dataset import load_training_data
 from adaflash.training.losses import build_loss
 from adaflash.training.trainer import TeacherCache, TrainConfig, holdout_record
@@ -62,8 +62,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, values in record.items():
             print(f"{path} {name}: " + ", ".join(f"{d} {v:.3f}" for d, v in values.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"data_dirs": args.data_dir, "holdout": args.holdout,
-                                               "anchors": args.anchors, "scores": scores}, indent=2) + "\n")
+        write_json({"data_dirs": args.data_dir, "holdout": args.holdout, "anchors": args.anchors, "scores": scores},
+                   args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Does a draft block need all its positions? Accept length and drafter cost, whole block vs anchor + drafts.
 
-    python -m adaflash.evaluation.draft_width --limit 4 --max-new-tokens 96 --json docs/results/runtime/draft_width.json
+    python benchmarks/draft_width.py --limit 4 --max-new-tokens 96 --json docs/results/runtime/draft_width.json
 
 The DFlash drafter was trained on whole blocks (anchor + 15 masks, non-causal inside the block). Asked for k drafts,
 the proposer can run the whole block or only anchor + k positions; later positions are masks whose keys the earlier
@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
-from adaflash.evaluation.offline import command_line, cpu_label, provenance, write_json
+from adaflash.evaluation.offline import command_line, cpu_label, provenance
+from adaflash.report import markdown_table, write_report
 
 DOMAINS = {"math": "gsm8k", "code": "humaneval", "chat": "sharegpt-chat", "multilingual": "mgsm"}
 
@@ -79,21 +79,21 @@ def run(args: argparse.Namespace) -> dict:
 
 def to_markdown(report: dict) -> str:
     m = report["machine"]
-    lines = ["# Draft block width: whole block vs anchor + drafts (greedy, batch 1)", "",
-             f"Command: `{report['command']}`  ",
-             f"Machine: {cpu_label(m)}, {m['threads']} threads, {report['dtype']}, nothing else running.",
-             "", "| domain | drafts k | accept, whole block | accept, anchor + k | difference | identical to AR |",
-             "|---|---|---|---|---|---|"]
+    rows = []
     for r in report["rows"]:
         whole, narrow = r["whole block"], r["anchor + drafts"]
         same = "yes" if whole["identical_to_ar"] and narrow["identical_to_ar"] else "NO"
-        lines.append(f"| {r['domain']} | {r['draft_length']} | {whole['accept_len']:.3f} | {narrow['accept_len']:.3f} | "
-                     f"{narrow['accept_len'] - whole['accept_len']:+.3f} | {same} |")
+        rows.append([r["domain"], r["draft_length"], f"{whole['accept_len']:.3f}", f"{narrow['accept_len']:.3f}",
+                     f"{narrow['accept_len'] - whole['accept_len']:+.3f}", same])
     cost = report["draft_pass_ms_by_width"]
-    lines += ["", "Drafter pass (block + LM head on its drafts) by block width, ms, 256-token context:", "",
-              "| width | " + " | ".join(cost) + " |", "|---" * (len(cost) + 1) + "|",
-              "| ms | " + " | ".join(str(v) for v in cost.values()) + " |"]
-    return "\n".join(lines) + "\n"
+    return "\n".join([
+        "# Draft block width: whole block vs anchor + drafts (greedy, batch 1)", "",
+        f"Command: `{report['command']}`  ",
+        f"Machine: {cpu_label(m)}, {m['threads']} threads, {report['dtype']}, nothing else running.", "",
+        markdown_table(["domain", "drafts k", "accept, whole block", "accept, anchor + k", "difference",
+                        "identical to AR"], rows), "",
+        "Drafter pass (block + LM head on its drafts) by block width, ms, 256-token context:", "",
+        markdown_table(["width", *cost], [["ms", *cost.values()]])]) + "\n"
 
 
 def main() -> None:
@@ -104,16 +104,15 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=4, help="eval prompts per domain")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--lengths", default="2,4,7", help="fixed draft lengths to compare at")
-    p.add_argument("--json", default="docs/results/runtime/draft_width.json")
+    p.add_argument("--json", required=True, help="writes this JSON and the markdown beside it (.md)")
     args = p.parse_args()
     configure_process(None)
     report = run(args)
-    cmd = command_line(["python", "-m", "adaflash.evaluation.draft_width"],
+    cmd = command_line(["python", "benchmarks/draft_width.py"],
                        [("--drafter", args.drafter), ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),
                         ("--lengths", args.lengths), ("--json", args.json)])
     report.update(provenance(cmd))
-    write_json(report, args.json)
-    Path(args.json).with_suffix(".md").write_text(to_markdown(report))
+    write_report(args.json, report, to_markdown(report))
     print(to_markdown(report))
 
 

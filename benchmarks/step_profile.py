@@ -1,6 +1,6 @@
 """Where a speculative engine step's time goes at batch 1, beside a plain decode step.
 
-    python -m adaflash.evaluation.step_profile --dataset gsm8k --limit 4 --max-new-tokens 96 --lengths 1,2,3 \
+    python benchmarks/step_profile.py --dataset gsm8k --limit 4 --max-new-tokens 96 --lengths 1,2,3 \
         --json docs/results/runtime/step_profile.json
 
 The engine `serve` runs (one slot) generates greedily for the same prompts under AR and under each fixed draft length
@@ -18,7 +18,6 @@ import argparse
 import statistics
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
@@ -26,7 +25,8 @@ from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
 from adaflash.engine.engine_factory import EngineConfig, build_engine
 from adaflash.engine.request import Request
-from adaflash.evaluation.offline import command_line, cpu_label, machine_info, provenance, write_json
+from adaflash.evaluation.offline import command_line, cpu_label, machine_info, provenance
+from adaflash.report import markdown_table, write_report
 from adaflash.speculative.cost_model import CalibratedCost
 
 PARTS = ("context_feed", "draft_pass", "draft_head", "target_pass")
@@ -144,21 +144,18 @@ def run(args: argparse.Namespace) -> dict:
 
 def to_markdown(report: dict) -> str:
     rows, ar = report["rows"], report["rows"]["ar"]
+    table = [[name, r["steps"], f"{r['step_ms']:.2f}", *(f"{r['ms'][p]:.2f}" for p in (*PARTS, "rest")),
+              f"{r['drafts_per_step']:.2f}", f"{r['tokens_per_step']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['vs_ar']:.2f}x",
+              "yes" if r["identical_to_ar"] else "NO"] for name, r in rows.items()]
     lines = [
         f"# Where a speculative engine step's time goes (batch 1, {report['dataset']})", "",
         f"Command: `{report['command']}`  ",
         f"Machine: {cpu_label(report['machine'])}, {report['dtype']}, nothing else running. "
         f"{report['prompts']} eval prompts x {report['repeats']}, up to {report['max_new_tokens']} new tokens, "
         "greedy; mean ms per decode step (prefill left out).", "",
-        "| method | steps | step ms | " + " | ".join(PARTS) + " | rest | drafts / step | tokens / step | tok/s | vs AR "
-        "| identical to AR |",
-        "|---|---|---|" + "---|" * len(PARTS) + "---|---|---|---|---|---|",
+        markdown_table(["method", "steps", "step ms", *PARTS, "rest", "drafts / step", "tokens / step", "tok/s", "vs AR",
+                        "identical to AR"], table),
     ]
-    for name, r in rows.items():
-        parts = " | ".join(f"{r['ms'][p]:.2f}" for p in (*PARTS, "rest"))
-        lines.append(f"| {name} | {r['steps']} | {r['step_ms']:.2f} | {parts} | {r['drafts_per_step']:.2f} | "
-                     f"{r['tokens_per_step']:.3f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['vs_ar']:.2f}x | {'yes' if r['identical_to_ar'] else 'NO'} |")
     lines += ["", "Break-even: a speculative step pays when its tokens per step exceed its step ms / AR's step ms "
               f"(AR: {ar['step_ms']:.2f} ms for 1 token):", ""]
     for name, r in rows.items():
@@ -188,12 +185,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="other length policies of --method dflash to profile beside fixed:K (e.g. throughput)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write this JSON and the markdown beside it (.md)")
     args = p.parse_args(argv)
     configure_process(args.threads)
     report = run(args)
     report.update(provenance(command_line(
-        ["python", "-m", "adaflash.evaluation.step_profile"],
+        ["python", "benchmarks/step_profile.py"],
         [("--dtype", args.dtype), ("--draft-vocab", args.draft_vocab), ("--dataset", args.dataset),
          ("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),
          ("--lengths", ",".join(map(str, args.lengths))), ("--policies", ",".join(args.policies) or None),
@@ -202,8 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     text = to_markdown(report)
     print(text)
     if args.json:
-        write_json(report, args.json)
-        Path(args.json).with_suffix(".md").write_text(text)
+        write_report(args.json, report, text)
 
 
 if __name__ == "__main__":

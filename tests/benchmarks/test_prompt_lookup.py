@@ -1,10 +1,10 @@
-"""`python -m adaflash.evaluation.prompt_lookup`: ours (with and without our prompt lookup) vs transformers' PLD."""
+"""`python benchmarks/prompt_lookup.py`: ours (with and without our prompt lookup) vs transformers' PLD."""
 
 from __future__ import annotations
 
 import argparse
 
-from adaflash.evaluation import prompt_lookup
+from benchmarks import prompt_lookup
 from tests.evaluation.test_offline import make_prompt, random_drafter  # noqa: F401 (fixture)
 
 

@@ -1,6 +1,6 @@
 """Where a target step's time goes: torch.profiler over a decode step, a 16-token verify and a batch-64 step.
 
-    python -m adaflash.evaluation.runtime_profile --json docs/results/runtime/runtime_profile.json
+    python benchmarks/runtime_profile.py --json docs/results/runtime/runtime_profile.json
 
 Profiled op by op (the Python layer loop, ADAFLASH_LAYER_STEP=0): each op's self CPU time is put in one bucket:
 linears (the LM head apart, told by its vocabulary-sized weight), attention (SDPA and the K/V cache writes), norms /
@@ -14,16 +14,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from adaflash.cli_args import configure_process
-from adaflash.evaluation.offline import cpu_label, environment, machine_info, write_json
+from adaflash.evaluation.offline import cpu_label, environment, machine_info
 from adaflash.models.kv_cache import RaggedBatch
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import load_target_as
+from adaflash.report import markdown_table, write_report
 
 LINEAR = ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "packed_linear")
 ATTENTION = ("scaled_dot_product", "index_copy", "aten::bmm", "_softmax", "ragged_attention")
@@ -90,17 +90,16 @@ def _wall_ms(run, repeats: int) -> float:
 def to_markdown(report: dict) -> str:
     keys = sorted({k for r in report["steps"].values() for k in r["ms"]})
     m = report["machine"]
+    rows = [[name, r["layer_step_wall_ms"], r["wall_ms"],
+             *(f"{r['ms'].get(k, 0):.1f} ({100 * r['share'].get(k, 0):.0f}%)" for k in keys)]
+            for name, r in report["steps"].items()]
     lines = ["# Where a target step's time goes (torch.profiler, self CPU time per bucket)", "",
              f"Command: `{report['command']}`  ",
              f"Machine: {cpu_label(m)}, {m['threads']} threads, {report['dtype']}, context {report['context']} tokens, "
              "nothing else running.", "",
              "Op by op (the Python layer loop, profiled), and the wall time of the whole-layer step that runs by "
              "default:", "",
-             "| step | wall ms, layer step | wall ms, op by op | " + " | ".join(keys) + " |",
-             "|---" * (len(keys) + 3) + "|"]
-    for name, r in report["steps"].items():
-        lines.append(f"| {name} | {r['layer_step_wall_ms']} | {r['wall_ms']} | " + " | ".join(f"{r['ms'].get(k, 0):.1f} ({100 * r['share'].get(k, 0):.0f}%)"
-                                                             for k in keys) + " |")
+             markdown_table(["step", "wall ms, layer step", "wall ms, op by op", *keys], rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -110,16 +109,15 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", default="docs/results/runtime/runtime_profile.json")
+    p.add_argument("--json", required=True, help="writes this JSON and the markdown beside it (.md)")
     args = p.parse_args()
     configure_process(None)
     target = load_target_as(resolve_target(args.model), args.dtype)
     steps = {name: profile_step(target, b, q, args.context, args.repeats) for name, (b, q) in SHAPES.items()}
-    report = {"command": f"python -m adaflash.evaluation.runtime_profile --model {args.model} --dtype {args.dtype} "
+    report = {"command": f"python benchmarks/runtime_profile.py --model {args.model} --dtype {args.dtype} "
                          f"--context {args.context} --repeats {args.repeats} --json {args.json}", "machine": machine_info(),
               "dtype": str(target.dtype).removeprefix("torch."), "context": args.context, "steps": steps}
-    write_json(report, args.json)
-    Path(args.json).with_suffix(".md").write_text(to_markdown(report))
+    write_report(args.json, report, to_markdown(report))
     print(to_markdown(report))
 
 
