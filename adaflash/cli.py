@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from adaflash.cli_args import (add_device_arg, add_model_args, add_policy_state_arg, add_prompt_lookup_arg,
-                                configure_process, prompt_lookup_of)
+from adaflash.cli_args import (WITH_ADAFLASH_DEFAULT, add_device_arg, add_model_args, add_policy_state_arg,
+                                add_prompt_lookup_arg, configure_process)
 from adaflash.evaluation.context_length import register_cli as register_context_length_cli
 from adaflash.evaluation.drafter_eval import register_cli as register_drafter_eval_cli
 from adaflash.evaluation.load_test import register_cli as register_load_cli
@@ -22,8 +22,8 @@ from adaflash.evaluation.tau import register_cli as register_eval_cli
 from adaflash.evaluation.vocab_coverage import register_cli as register_vocab_cli
 from adaflash.export.gguf import register_cli as register_export_cli
 from adaflash.models.registry import DEFAULT_TARGET, resolve_drafter
-from adaflash.pipeline import METHODS
 from adaflash.server.cli import register_cli as register_serve_cli
+from adaflash.speculative.config import METHODS, SpeculativeConfig
 from adaflash.training.cli import register_cli as register_train_cli
 
 DEFAULT_DATA_MIX = "gsm-symbolic:300,sharegpt-chat:250,sharegpt-code:150,champ:100"
@@ -35,20 +35,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from adaflash.pipeline import Pipeline
     from adaflash.speculative.sampling import SamplingParams
 
+    speculative = SpeculativeConfig.parse(args)  # every speculative flag checked, before the (slow) load
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
-    drafter = resolve_drafter(args.model, args.drafter, args.method)
-    lookup = prompt_lookup_of(args)
-    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab,
-                             carry_policy_state=args.carry_policy_state, prompt_lookup=lookup)
+    drafter = resolve_drafter(args.model, args.drafter, speculative.drafter)
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab,
+                             carry_policy_state=args.carry_policy_state)
     items = [(None, None, user_messages(args.prompt))] if prompts is None else [(p.id, p.domain, p.messages) for p in prompts]
     for prompt_id, domain, messages in items:
         completion = pipeline.complete(
             pipeline.encode(messages=messages),
-            method=args.method,
+            method=speculative,
             max_new_tokens=args.max_new_tokens,
             sampling=sampling,
-            draft_length=args.draft_length,
             seed=args.seed,
         )
         if args.json:
@@ -60,7 +59,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(completion.text, flush=True)
             s = completion.stats
             print(
-                f"[{args.method}] {len(completion.token_ids)} tokens, {s['tokens_per_s']:.1f} tok/s, "
+                f"[{speculative.name}] {len(completion.token_ids)} tokens, {s['tokens_per_s']:.1f} tok/s, "
                 f"accept length {s['accept_len_mean']:.2f}, {s['target_passes']} target passes",
                 file=sys.stderr,
             )
@@ -174,10 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="a user message (the chat template is applied)")
     src.add_argument("--prompts-file", help='JSONL with {"prompt": ...} or {"messages": [...]}, optional "domain"')
-    add_model_args(gen)
+    add_model_args(gen, length_policy_default=WITH_ADAFLASH_DEFAULT)
     add_prompt_lookup_arg(gen)
     add_policy_state_arg(gen)
-    gen.add_argument("--method", choices=METHODS, default="ar")
+    gen.add_argument("--method", choices=METHODS, default="ar",
+                     help="ar (default: plain decoding), dflash (the drafter's blocks) or adaflash (dflash with the "
+                     "AdaFlash drafter and its length head under the adaflash length policy)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

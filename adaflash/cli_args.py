@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 
 from adaflash.models.registry import DEFAULT_TARGET
-from adaflash.speculative.prompt_lookup import LOOKUP_LENGTHS, PromptLookup
+from adaflash.speculative.prompt_lookup import LOOKUP_LENGTHS
 
 
-def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = "the reference loop with --draft-length") -> None:
+# --length-policy's default where a pipeline runs (a serving engine defaults to a policy: `serve`'s help says which).
+REFERENCE_LOOP_DEFAULT = "the reference loop with --draft-length"
+WITH_ADAFLASH_DEFAULT = f"{REFERENCE_LOOP_DEFAULT}; adaflash for --method adaflash"
+
+
+def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = REFERENCE_LOOP_DEFAULT) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help=f"registry name or HF checkpoint dir (default {DEFAULT_TARGET})")
     p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir (default: the shipped one, if any)")
     p.add_argument("--draft-vocab", default=None, metavar="K|full",
@@ -29,17 +34,12 @@ def add_prompt_lookup_arg(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup (n-gram) drafts first, up to K tokens a step (transformers' prompt_lookup_num_tokens, "
                    "vLLM's ngram): a request whose last 2-3 tokens occurred earlier verifies what followed them; the "
                    "others draft with the drafter (with --method ar: decode one token)")
-    p.add_argument("--prompt-lookup-length", choices=LOOKUP_LENGTHS, default=PromptLookup.length,
-                   help="how many of a match's drafts a step verifies: throughput (default: as many as pay for their "
-                   "verify cost, from each request's running lookup acceptance and the profiled cost model; under load "
-                   "they shrink) or all (transformers' and vLLM's behaviour)")
-
-
-def prompt_lookup_of(args: argparse.Namespace):
-    """The `PromptLookup` that --prompt-lookup asks for (None: off); a bad K fails before any model loads."""
-    if args.prompt_lookup is None:
-        return None
-    return PromptLookup(args.prompt_lookup, length=args.prompt_lookup_length)
+    # Default None, read as PromptLookup's own default (throughput): so a length given without --prompt-lookup is
+    # refused (speculative/config.py), not ignored.
+    p.add_argument("--prompt-lookup-length", choices=LOOKUP_LENGTHS, default=None,
+                   help="with --prompt-lookup: how many of a match's drafts a step verifies: throughput (default: as many "
+                   "as pay for their verify cost, from each request's running lookup acceptance and the profiled cost "
+                   "model; under load they shrink) or all (transformers' and vLLM's behaviour)")
 
 
 def add_policy_state_arg(p: argparse.ArgumentParser) -> None:

@@ -1,8 +1,9 @@
 """Text in, text out: the target, its tokenizer and an optional drafter, behind one small object.
 
 The CLI, the demo and the evaluation commands are thin layers over this; the decoding loops know only token ids.
-Without a length policy `dflash` runs the single-request reference loop (a fixed draft length); `adaflash`, or
-`dflash` with a policy, runs the serving engine at batch 1, built by the same `build_engine` as `serve`.
+A generation runs one `SpeculativeConfig` (speculative/config.py): `ar` or `dflash` without a length policy or prompt
+lookup runs a single-request reference loop (`dflash` with a fixed draft length); with either it runs the serving
+engine at batch 1, built by the same `build_engine` as `serve`.
 """
 
 from __future__ import annotations
@@ -13,14 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from adaflash.engine.engine import max_verified
-from adaflash.engine.engine_factory import (
-    METHODS,
-    EngineConfig,
-    EngineModels,
-    build_engine,
-    check_method,
-    length_policy_factory,
-)
+from adaflash.engine.engine_factory import EngineConfig, EngineModels, build_engine, length_policy_factory
 from adaflash.engine.request import Request
 from adaflash.models.device import placed
 from adaflash.models.drafter import DrafterConfig
@@ -30,7 +24,7 @@ from adaflash.models.length_head import load_length_head
 from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
 from adaflash.models.target import TargetModel, load_target_as
 from adaflash.models.text_codec import TextCodec
-from adaflash.speculative.length_policy import check_length_policy
+from adaflash.speculative.config import LengthPolicySpec, SpeculativeConfig, length_policy_of
 from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import (
@@ -41,29 +35,10 @@ from adaflash.speculative.reference import (
 )
 from adaflash.speculative.sampling import SamplingParams
 
-__all__ = ["METHODS", "Completion", "Pipeline", "check_draft_length", "uses_engine"]
+__all__ = ["Completion", "Pipeline"]
 
 # Token ids 3-16 of SmolLM2's vocabulary are code/meta specials that chat never uses; one is the mask.
 DEFAULT_MASK_TOKEN_IDS = {"smollm2-135m": 16}
-
-
-def uses_engine(method: str, length_policy: str | None, prompt_lookup: bool = False) -> bool:
-    """Whether `method` runs on the serving engine (a length policy decides the drafts, or prompt lookup drafts) or
-    a reference loop."""
-    return prompt_lookup or method == "adaflash" or (method == "dflash" and length_policy is not None)
-
-
-def check_draft_length(method: str, length_policy: str | None, draft_length: int | None,
-                       prompt_lookup: bool = False) -> None:
-    """--draft-length is honoured by the reference loop only; on the engine it would be silently ignored."""
-    if draft_length is not None and prompt_lookup:
-        raise ValueError("--draft-length applies to the reference loop; with --prompt-lookup the serving engine runs "
-                         "(for a fixed drafter length use --length-policy fixed:K)")
-    if draft_length is not None and uses_engine(method, length_policy):
-        policy = length_policy or EngineConfig(method).policy_spec
-        raise ValueError(f"--draft-length applies to the reference loop (--method dflash without --length-policy); "
-                         f"--method {method} runs the {policy} length policy on the serving engine, which picks the "
-                         "draft lengths (for a fixed one use --length-policy fixed:K)")
 
 
 @dataclass(frozen=True)
@@ -85,7 +60,7 @@ class Pipeline:
         tokenizer,
         proposer: DFlashProposer | None,
         model_name: str,
-        length_policy: str | None = None,
+        length_policy: LengthPolicySpec | str | None = None,
         length_head=None,
         carry_policy_state: bool = False,
         prompt_lookup: PromptLookup | None = None,
@@ -95,10 +70,10 @@ class Pipeline:
         self.proposer = proposer
         self.length_head = length_head  # carried by the drafter checkpoint, if trained (adaflash.models.length_head)
         self.model_name = model_name
-        # None: the reference loop with a fixed draft length; else a serving-engine policy spec
-        # (fixed:K, heuristic, throughput, adaflash, block-head) run through the engine at batch 1, exactly as
-        # `serve` runs it.
-        self.length_policy = length_policy
+        # What a generation named by its method alone runs with (`speculative`): the length policy of the methods
+        # that draft (None: the reference loop with a fixed draft length; else run through the engine at batch 1,
+        # exactly as `serve` runs it), and prompt lookup (below).
+        self.length_policy = length_policy_of(length_policy)
         # A learning policy (throughput's shared acceptance estimate) adapts across requests. By default every
         # generation starts from a fresh policy, so a benchmark's numbers do not depend on its prompt order;
         # carry_policy_state keeps one policy across generations, as a server's engine does. What the step times
@@ -113,12 +88,11 @@ class Pipeline:
     @classmethod
     def load(
         cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto",
-        length_policy: str | None = None, draft_vocab: str | None = None, carry_policy_state: bool = False,
-        prompt_lookup: PromptLookup | None = None, device: str | None = None,
+        length_policy: LengthPolicySpec | str | None = None, draft_vocab: str | None = None,
+        carry_policy_state: bool = False, prompt_lookup: PromptLookup | None = None, device: str | None = None,
     ) -> "Pipeline":
         """`device`: where the models run (default: the process's, `--device`; models/device.py)."""
-        if length_policy is not None:
-            check_length_policy(length_policy)  # a bad spec fails before the (slow) load, not at the first generation
+        length_policy = length_policy_of(length_policy)  # a bad spec fails before the (slow) load
         checkpoint = resolve_target(model)
         device = placed(device)
         torch_dtype = resolve_dtype(dtype, device.type)
@@ -139,7 +113,8 @@ class Pipeline:
         return Pipeline(self.target, self.tokenizer, proposer, self.model_name, self.length_policy,
                         carry_policy_state=self.carry_policy_state, prompt_lookup=self.prompt_lookup)
 
-    def with_length_policy(self, length_policy: str | None, carry_policy_state: bool | None = None) -> "Pipeline":
+    def with_length_policy(self, length_policy: LengthPolicySpec | str | None,
+                           carry_policy_state: bool | None = None) -> "Pipeline":
         """The same loaded models under another length policy (None: the reference loop)."""
         carry = self.carry_policy_state if carry_policy_state is None else carry_policy_state
         return Pipeline(self.target, self.tokenizer, self.proposer, self.model_name, length_policy, self.length_head,
@@ -161,47 +136,44 @@ class Pipeline:
         """The loaded models, for `build_engine`."""
         return EngineModels(self.target, self.proposer, self.length_head, self.model_name, drafter_version)
 
+    def speculative(self, method: str, draft_length: int | None = None) -> SpeculativeConfig:
+        """What a generation with `method` runs: this pipeline's length policy and prompt lookup, `draft_length`
+        for the reference loop; the policy and length are the drafting methods' (`SpeculativeConfig.among`)."""
+        return SpeculativeConfig.among(method, self.length_policy, draft_length, self.prompt_lookup)
+
     def generate_ids(
         self,
         prompt_ids: Sequence[int],
-        method: str = "ar",
+        method: str | SpeculativeConfig = "ar",
         max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(),
         draft_length: int | None = None,
         seed: int = 0,
     ) -> GenerationResult:
-        check_method(method)
-        lookup = self.prompt_lookup is not None
-        if method == "ar" and not lookup:
-            return autoregressive_generate(self.target, prompt_ids, max_new_tokens, sampling, self.stop_token_ids, seed)
-        if method == "ar":
-            check_draft_length(method, None, draft_length, lookup)
-            return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, method)
-        if self.proposer is None:
-            raise ValueError(f"--method {method} needs a drafter (--drafter PATH)")
-        if method == "adaflash" and self.length_head is None:
-            raise ValueError("--method adaflash needs a drafter checkpoint with a length head "
-                             "(`adaflash train length-head`)")
-        check_draft_length(method, self.length_policy, draft_length, lookup)
-        if uses_engine(method, self.length_policy, lookup):
-            return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, method)
-        return speculative_generate(
-            self.target, self.proposer, prompt_ids, max_new_tokens, sampling, draft_length, self.stop_token_ids, seed
-        )
+        """`method`: a parsed config (a command's, `SpeculativeConfig.parse`), or a method's name, run as
+        `speculative(method, draft_length)` says."""
+        if isinstance(method, SpeculativeConfig):
+            if draft_length is not None:
+                raise ValueError("a SpeculativeConfig carries its own draft_length; pass it there")
+            config = method
+        else:
+            config = self.speculative(method, draft_length)
+        if config.uses_drafter and self.proposer is None:
+            raise ValueError(f"--method {config.name} needs a drafter (--drafter PATH)")
+        if config.runs_on_engine:
+            return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, config)
+        if config.uses_drafter:
+            return speculative_generate(self.target, self.proposer, prompt_ids, max_new_tokens, sampling,
+                                        config.draft_length, self.stop_token_ids, seed)
+        return autoregressive_generate(self.target, prompt_ids, max_new_tokens, sampling, self.stop_token_ids, seed)
 
     def _engine_generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int,
-                         method: str) -> GenerationResult:
+                         speculative: SpeculativeConfig) -> GenerationResult:
         # A one-slot engine whose cache fits this request exactly (not the model's whole context).
-        widest = max_verified(self.proposer if method != "ar" else None, self.prompt_lookup) + 1
-        config = EngineConfig(method, self.length_policy if method != "ar" else None, max_batch=1,
-                              max_len=len(prompt_ids) + max_new_tokens + widest, prompt_lookup=self.prompt_lookup)
+        widest = max_verified(self.proposer if speculative.uses_drafter else None, speculative.prompt_lookup) + 1
+        config = EngineConfig(speculative, max_batch=1, max_len=len(prompt_ids) + max_new_tokens + widest)
         models = self.engine_models()
-        if method != "ar":
-            if self._policy_factory is None or self._policy_factory.spec != config.policy_spec:
-                self._policy_factory, self._policy = length_policy_factory(config, models), None
-            if not self.carry_policy_state or self._policy is None:
-                self._policy = self._policy_factory(self.length_head)
-        engine = build_engine(config, models, self._policy if method != "ar" else None)
+        engine = build_engine(config, models, self._policy_for(config, models) if speculative.uses_drafter else None)
         request = Request("generate", list(prompt_ids), max_new_tokens, sampling, self.stop_token_ids, seed)
         start = time.perf_counter()
         engine.add_request(request)
@@ -214,11 +186,20 @@ class Pipeline:
         )
         return GenerationResult(request.output_ids, stats)
 
-    def complete(self, prompt_ids: Sequence[int], method: str = "ar", **kwargs) -> Completion:
+    def _policy_for(self, config: EngineConfig, models: EngineModels):
+        """A fresh policy per generation, or the one kept (carry_policy_state); one factory per policy spec, so what
+        the step times taught of this machine outlives both."""
+        if self._policy_factory is None or self._policy_factory.spec != config.policy_spec:
+            self._policy_factory, self._policy = length_policy_factory(config, models), None
+        if not self.carry_policy_state or self._policy is None:
+            self._policy = self._policy_factory(self.length_head)
+        return self._policy
+
+    def complete(self, prompt_ids: Sequence[int], method: str | SpeculativeConfig = "ar", **kwargs) -> Completion:
         result = self.generate_ids(prompt_ids, method, **kwargs)
         return Completion(
             text=self.decode(result.token_ids),
             token_ids=result.token_ids,
-            method=method,
+            method=method.name if isinstance(method, SpeculativeConfig) else method,
             stats=result.stats.as_dict(len(result.token_ids)),
         )

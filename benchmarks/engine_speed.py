@@ -28,7 +28,7 @@ from adaflash.report import write_json
 
 
 def engine_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int) -> float:
-    engine = build_engine(EngineConfig("ar", max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 1),
+    engine = build_engine(EngineConfig(max_batch=len(prompts), max_len=max(map(len, prompts)) + max_new_tokens + 1),
                           EngineModels(target))
     for i, ids in enumerate(prompts):
         engine.add_request(Request(f"r{i}", ids, max_new_tokens))  # no stop tokens: fixed length

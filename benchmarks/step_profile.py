@@ -27,6 +27,7 @@ from adaflash.engine.engine_factory import EngineConfig, build_engine
 from adaflash.engine.request import Request
 from adaflash.evaluation.offline import command_line, cpu_label, machine_info, provenance
 from adaflash.report import markdown_table, write_report
+from adaflash.speculative.config import SpeculativeConfig
 from adaflash.speculative.cost_model import CalibratedCost
 
 PARTS = ("context_feed", "draft_pass", "draft_head", "target_pass")
@@ -111,9 +112,9 @@ def run(args: argparse.Namespace) -> dict:
     stop = list(pipeline.stop_token_ids)
     prompts = [pipeline.encode(messages=p.messages) for p in load_prompts(args.dataset, "eval", limit=args.limit)]
     max_len = max(map(len, prompts)) + args.max_new_tokens + pipeline.proposer.block_size + 1
-    methods = {"ar": EngineConfig("ar", max_batch=1, max_len=max_len)}
+    methods = {"ar": EngineConfig(max_batch=1, max_len=max_len)}
     for spec in [f"fixed:{k}" for k in args.lengths] + args.policies:
-        methods[spec] = EngineConfig("dflash", spec, max_batch=1, max_len=max_len)
+        methods[spec] = EngineConfig(SpeculativeConfig.of("dflash", spec), max_batch=1, max_len=max_len)
     engines = {name: build_engine(config, pipeline.engine_models()) for name, config in methods.items()}
     steps: dict[str, list[dict]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}

@@ -69,8 +69,11 @@ def main() -> None:
     table: dict[str, dict[str, dict]] = {}
     for k in (int(x) for x in args.drafts.split(",")):
         spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": k} if k else None
+        # No prefix caching: the long run would find the short run's prompts cached and skip their prefill, which
+        # must cancel in the difference.
         llm = LLM(model=args.target, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len, seed=0,
-                  speculative_config=spec, disable_log_stats=False, max_num_seqs=max(batches))
+                  speculative_config=spec, disable_log_stats=False, max_num_seqs=max(batches),
+                  enable_prefix_caching=False)
         time_steps(llm, prompts, 1, args.short, args.short + 1)  # warm-up
         for b in batches:
             table.setdefault(str(b), {})[str(k)] = row = time_steps(llm, prompts, b, args.short, args.long)

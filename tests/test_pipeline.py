@@ -6,7 +6,8 @@ import pytest
 
 from adaflash.cli import main
 from adaflash.models.text_codec import TextCodec
-from adaflash.pipeline import Pipeline, check_draft_length, uses_engine
+from adaflash.pipeline import Pipeline
+from adaflash.speculative.config import SpeculativeConfig
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +28,15 @@ def test_codec_raw_text_and_chat(pipeline):
             codec.encode(**kwargs)
 
 
-def test_which_methods_run_on_the_engine():
-    assert not uses_engine("ar", "fixed:2") and not uses_engine("dflash", None)
-    assert uses_engine("dflash", "fixed:2") and uses_engine("adaflash", None)
-    check_draft_length("dflash", None, 3)  # the reference loop honours it
-    check_draft_length("adaflash", None, None)
-    for method, policy in [("dflash", "heuristic"), ("adaflash", None)]:
-        with pytest.raises(ValueError, match="--draft-length applies to the reference loop"):
-            check_draft_length(method, policy, 3)
+def test_a_generation_runs_the_config_its_method_and_the_pipeline_make(pipeline):
+    """The pipeline's length policy is the drafting methods': ar, the reference, runs plain under it."""
+    engine = pipeline.with_length_policy("fixed:2")
+    assert engine.speculative("ar") == SpeculativeConfig.of("ar")
+    assert engine.speculative("dflash") == SpeculativeConfig.of("dflash", "fixed:2")
+    assert pipeline.speculative("dflash", 3).draft_length == 3 and not pipeline.speculative("dflash").runs_on_engine
+    assert pipeline.speculative("adaflash").runs_on_engine  # its policy: adaflash
+    with pytest.raises(ValueError, match="carries its own draft_length"):
+        pipeline.generate_ids([1, 2], SpeculativeConfig.of("dflash"), draft_length=2)
 
 
 def test_every_path_reproduces_ar(pipeline):
@@ -57,13 +59,13 @@ def test_prompt_lookup_paths_reproduce_ar(pipeline):
     ids = first + pipeline.generate_ids(first, "ar", max_new_tokens=12).token_ids + first  # lookups will match
     ar = pipeline.generate_ids(ids, "ar", max_new_tokens=24)
     lookup = pipeline.with_prompt_lookup(PromptLookup(4, min_ngram=1))
-    assert uses_engine("ar", None, prompt_lookup=True)
+    assert lookup.speculative("ar").runs_on_engine
     for method, policy in [("ar", None), ("dflash", None), ("dflash", "fixed:2")]:
         out = lookup.with_length_policy(policy).generate_ids(ids, method, max_new_tokens=24)
         assert out.token_ids == ar.token_ids, (method, policy)
         assert sum(out.stats.draft_lengths) > 0
-    with pytest.raises(ValueError, match="--prompt-lookup"):
-        lookup.generate_ids(ids, "ar", max_new_tokens=4, draft_length=2)
+    with pytest.raises(ValueError, match="with --prompt-lookup the serving engine runs"):
+        lookup.generate_ids(ids, "dflash", max_new_tokens=4, draft_length=2)
 
 
 def test_engine_paths_refuse_a_draft_length(pipeline):

@@ -2,8 +2,9 @@
 by `build_engine`.
 
 `serve`, the pipeline's engine path (generate, bench offline, eval tau: one slot per request), online adaptation and
-the evaluations' plain engines all build their engine here, so a method's default length policy, whether that policy
-needs the profiled cost model, and the size the cost model covers are decided in this one place. (Data generation
+the evaluations' plain engines all build their engine here, so whether a policy needs the profiled cost model or a
+length head, and the size the cost model covers, are decided in this one place (what the flags mean, a method's
+default policy included, is `speculative/config.py`'s). (Data generation
 builds its feature-capturing engine itself: `Engine(capture_layers=...)`, no drafter, no policy.)
 """
 
@@ -14,36 +15,15 @@ from pathlib import Path
 
 from adaflash.engine.engine import Engine
 from adaflash.models.target import TargetModel
+from adaflash.speculative.config import LENGTH_HEAD_POLICIES, LengthPolicySpec, SpeculativeConfig
 from adaflash.speculative.cost_model import CalibratedCost, CostModel, cost_model_for
 from adaflash.speculative.drafting_check import DraftingChecks
-from adaflash.speculative.length_policy import (
-    LENGTH_HEAD_POLICIES,
-    LengthPolicy,
-    build_length_policy,
-    check_length_policy,
-    needs_cost_model,
-)
-from adaflash.speculative.prompt_lookup import PromptLookup
+from adaflash.speculative.length_policy import LengthPolicy, build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
-
-METHODS = ("ar", "dflash", "adaflash")  # adaflash: the drafter + its learned length head + the adaflash policy
-
-# The length policy each method runs on the engine when none is asked for (ar never drafts).
-DEFAULT_LENGTH_POLICY: dict[str, str | None] = {"ar": None, "dflash": "throughput", "adaflash": "adaflash"}
-
-
-def check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
-
-
-def default_length_policy(method: str) -> str | None:
-    check_method(method)
-    return DEFAULT_LENGTH_POLICY[method]
 
 
 def method_of(speculative: bool, policy_name: str) -> str:
-    """The method an engine runs, read from its parts (for an engine built without an `EngineConfig`)."""
+    """The method label of an engine, read from its parts (for an engine built without an `EngineConfig`)."""
     if not speculative:
         return "ar"
     return "adaflash" if policy_name in LENGTH_HEAD_POLICIES else "dflash"
@@ -51,38 +31,33 @@ def method_of(speculative: bool, policy_name: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What engine to build. Checked when made, so a bad flag fails before the (slow) model load."""
+    """What engine to build: how it speculates (`SpeculativeConfig`, checked when made) and its sizes. Checked when
+    made, so a bad flag fails before the (slow) model load."""
 
-    method: str = "dflash"
-    length_policy: str | None = None  # a `build_length_policy` spec; None: the method's default
+    speculative: SpeculativeConfig = SpeculativeConfig()  # default: plain decoding
     max_batch: int = 8  # requests decoded together (batch slots)
     max_queue: int = 64  # requests waiting for a slot before QueueFullError
     max_len: int = 2048  # KV cache positions per slot (prompt + output + drafts); capped at the model's positions
     max_prefill_tokens: int = 2048  # prompt tokens one prefill pass takes at most (vLLM's max_num_batched_tokens)
     record_dir: str | None = None  # on-policy buffer (engine/recorder.py): trajectories and verification outcomes
-    prompt_lookup: PromptLookup | None = None  # n-gram drafts first (with `ar`: the only drafts, vLLM's `ngram`)
 
     def __post_init__(self) -> None:
-        check_method(self.method)
-        if self.method == "ar" and self.length_policy is not None:
-            raise ValueError("--length-policy applies to --method dflash or adaflash only")
+        if self.speculative.draft_length is not None:  # the reference loop's; an engine's policy picks its lengths
+            raise ValueError("--draft-length applies to the reference loop, not the serving engine (for a fixed "
+                             "draft length use --length-policy fixed:K)")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        if self.policy_spec is not None:
-            check_length_policy(self.policy_spec)
 
     @property
-    def policy_spec(self) -> str | None:
-        """The length policy this engine runs (None: plain decoding)."""
-        if self.method == "ar":
-            return None
-        return self.length_policy or default_length_policy(self.method)
+    def policy_spec(self) -> LengthPolicySpec | None:
+        """The length policy this engine runs (None: no drafter drafts)."""
+        return self.speculative.engine_policy
 
     @property
     def needs_cost_model(self) -> bool:
-        return self.policy_spec is not None and needs_cost_model(self.policy_spec)
+        return self.policy_spec is not None and self.policy_spec.needs_cost_model
 
 
 @dataclass(frozen=True)
@@ -104,7 +79,7 @@ class LengthPolicyFactory:
     pipeline's, one per generation). They share one `CalibratedCost` and one set of `DraftingChecks`: what the step
     times taught of this machine outlives a policy's acceptance estimates."""
 
-    spec: str
+    spec: LengthPolicySpec
     cost: CalibratedCost | CostModel | None = None
     checks: DraftingChecks = field(default_factory=DraftingChecks)
 
@@ -116,21 +91,26 @@ def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthP
     """None for plain decoding. A policy that needs the cost model gets it here, profiled once per machine (cached
     in the user cache) for the largest verify pass: every slot's anchor plus a full block of drafts, then corrected
     by the policies' measured step times."""
-    if config.policy_spec is None or models.proposer is None:
+    spec = config.policy_spec
+    if spec is None or models.proposer is None:
         return None
+    if spec.needs_length_head and models.length_head is None:  # say so before profiling the cost model
+        raise ValueError(f"the {spec} length policy needs a drafter checkpoint carrying a length head (train one "
+                         "with `adaflash train length-head`)")
     cost = None
     if config.needs_cost_model:
         cost = CalibratedCost(cost_model_for(models.target, models.proposer, models.model_name,
                                              max_tokens=config.max_batch * models.proposer.block_size))
-    return LengthPolicyFactory(config.policy_spec, cost)
+    return LengthPolicyFactory(spec, cost)
 
 
 def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolicy | None = None) -> Engine:
     """The engine `config` describes over `models`. `policy`: one already built from `length_policy_factory` (kept
     across engines, so what it learned carries over); None builds it for the models' length head."""
-    proposer = models.proposer if config.method != "ar" else None
-    if config.method != "ar" and proposer is None:
-        raise ValueError(f"--method {config.method} needs a drafter (--drafter PATH)")
+    speculative = config.speculative
+    proposer = models.proposer if speculative.uses_drafter else None
+    if speculative.uses_drafter and proposer is None:
+        raise ValueError(f"--method {speculative.name} needs a drafter (--drafter PATH)")
     if policy is None and proposer is not None:
         policy = length_policy_factory(config, models)(models.length_head)
     # Positions past the model's trained range would decode garbage, not fail: never cache that far.
@@ -142,7 +122,7 @@ def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolic
         recorder = TrajectoryRecorder(Path(config.record_dir), drafter_version=models.drafter_version,
                                       record_outcomes=proposer is not None)
     return Engine(models.target, proposer, policy, max_batch=config.max_batch, max_queue=config.max_queue,
-                  max_len=max_len, recorder=recorder, prompt_lookup=config.prompt_lookup,
+                  max_len=max_len, recorder=recorder, prompt_lookup=speculative.prompt_lookup,
                   lookup_cost=lookup_cost(config, models, proposer), max_prefill_tokens=config.max_prefill_tokens)
 
 
@@ -151,7 +131,7 @@ def lookup_cost(config: EngineConfig, models: EngineModels, proposer: DFlashProp
     policies' profile (the same cached file); without one, the target's verify costs alone. The profile, not its
     calibration: a lookup costs no drafter pass, so only ratios of verify costs decide, and the machine's drift
     cancels out of them."""
-    lookup = config.prompt_lookup
+    lookup = config.speculative.prompt_lookup
     if lookup is None or lookup.length == "all":
         return None
     width = proposer.block_size if proposer is not None else lookup.num_tokens + 1

@@ -36,7 +36,7 @@ from adaflash.training.block_outcomes import BlockScores, score_blocks
 def greedy_trajectories(pipeline, ids: Sequence[Sequence[int]], sources: Sequence[str], max_new_tokens: int,
                         max_batch: int = 32) -> list[Trajectory]:
     """The target's greedy answers to prompts given as token ids (continuous batching, plain decoding)."""
-    engine = build_engine(EngineConfig("ar", max_batch=min(max_batch, len(ids)), max_len=max(map(len, ids)) + max_new_tokens + 1),
+    engine = build_engine(EngineConfig(max_batch=min(max_batch, len(ids)), max_len=max(map(len, ids)) + max_new_tokens + 1),
                           pipeline.engine_models())
     requests = [Request(f"r{i}", list(x), max_new_tokens, stop_token_ids=pipeline.stop_token_ids) for i, x in enumerate(ids)]
     for r in requests:

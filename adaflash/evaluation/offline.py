@@ -29,10 +29,10 @@ from typing import Any, Iterable, Sequence
 from tqdm import tqdm
 
 from adaflash.data.prompt import DatasetUnavailableError, Prompt
-from adaflash.cli_args import add_model_args, add_policy_state_arg, command_group
+from adaflash.cli_args import WITH_ADAFLASH_DEFAULT, add_model_args, add_policy_state_arg, command_group
 from adaflash.models.registry import resolve_drafter
-from adaflash.pipeline import METHODS
 from adaflash.report import write_json
+from adaflash.speculative.config import METHODS, SpeculativeConfig, length_policy_of, shared_drafter
 from adaflash.speculative.sampling import SamplingParams
 
 REFERENCE = "ar"
@@ -129,9 +129,8 @@ def check_methods(methods: Sequence[str], batch_size: int = 1) -> tuple[str, ...
             f"batch_size={batch_size}: bench offline decodes one prompt at a time; batched decoding is the serving "
             "engine's, measured by `bench serve` and `bench load` against `adaflash serve`; use batch_size=1"
         )
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}; expected some of {', '.join(METHODS)}")
+    for method in methods:
+        SpeculativeConfig.of(method)  # an unknown name fails here, named
     return (REFERENCE, *dict.fromkeys(m for m in methods if m != REFERENCE))
 
 
@@ -338,19 +337,20 @@ def _load_prompts(args: argparse.Namespace) -> list[Prompt]:
 
 
 def _cmd_offline(args: argparse.Namespace) -> int:
-    from adaflash.pipeline import Pipeline, check_draft_length
+    from adaflash.pipeline import Pipeline
 
     methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()], args.batch_size)
-    for method in methods:  # before the (slow) load: a flag a method cannot honour is an error
-        check_draft_length(method, args.length_policy, args.draft_length)
-    # adaflash among the methods: its drafter (with the length head) serves dflash rows too (DFlash + RKL).
-    drafter = resolve_drafter(args.model, args.drafter, "adaflash" if "adaflash" in methods else methods[-1])
+    # Before the (slow) load: a flag a method cannot honour is an error (the pipeline makes the same configs from
+    # these flags: Pipeline.speculative).
+    policy = length_policy_of(args.length_policy)
+    configs = [SpeculativeConfig.among(m, policy, args.draft_length) for m in methods]
+    drafter = resolve_drafter(args.model, args.drafter, shared_drafter(configs))
     try:
         prompts = _load_prompts(args)
     except DatasetUnavailableError as exc:  # a RuntimeError: say which package to install, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab,
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, policy, args.draft_vocab,
                              carry_policy_state=args.carry_policy_state)
     report = run_offline_bench(pipeline, prompts, methods, args.max_new_tokens, args.draft_length, args.batch_size)
     report["length_policy_state"] = policy_state_label(pipeline.carry_policy_state)
@@ -380,7 +380,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--limit", type=int, default=None, help="first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-length", type=int, default=None, help="drafted tokens verified per step (default block_size-1)")
-    add_model_args(p)
+    add_model_args(p, length_policy_default=WITH_ADAFLASH_DEFAULT)
     add_policy_state_arg(p)
     p.add_argument("--json", default=None, metavar="OUT", help="write the full report (with command and machine) here")
     p.set_defaults(func=_cmd_offline)

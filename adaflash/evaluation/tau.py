@@ -29,6 +29,7 @@ from adaflash.evaluation.offline import (
 )
 from adaflash.models.registry import resolve_drafter
 from adaflash.report import markdown_table, write_report
+from adaflash.speculative.config import SpeculativeConfig, length_policy_of, shared_drafter
 
 METHODS = ("ar", "dflash")
 SPECULATIVE = "dflash"
@@ -169,7 +170,11 @@ def run_tau_eval(
 def _cmd_tau(args: argparse.Namespace) -> int:
     from adaflash.pipeline import Pipeline
 
-    drafter = resolve_drafter(args.model, args.drafter)  # the DFlash drafter
+    # Before the (slow) load: a flag a method cannot honour is an error (the pipeline makes the same configs from
+    # these flags: Pipeline.speculative).
+    policy = length_policy_of(args.length_policy)
+    configs = [SpeculativeConfig.among(m, policy, args.draft_length) for m in METHODS]
+    drafter = resolve_drafter(args.model, args.drafter, shared_drafter(configs))  # the DFlash drafter
     command = command_line(
         ["adaflash", "eval", "tau"],
         [("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens), ("--draft-length", args.draft_length),
@@ -182,7 +187,7 @@ def _cmd_tau(args: argparse.Namespace) -> int:
     except DatasetUnavailableError as exc:  # a RuntimeError: say which package to install, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    pipeline = Pipeline.load(args.model, drafter, args.dtype, args.length_policy, args.draft_vocab,
+    pipeline = Pipeline.load(args.model, drafter, args.dtype, policy, args.draft_vocab,
                              carry_policy_state=args.carry_policy_state)
     report = run_tau_eval(pipeline, args.out_dir, args.limit, args.max_new_tokens, args.draft_length, command, prompts=prompts)
     print(format_markdown(report))

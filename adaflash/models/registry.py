@@ -42,28 +42,27 @@ EMBEDDED_TARGETS = {
 
 # Trained drafters that ship inside the package, by target name (DFlash-schema checkpoint directories).
 _ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
-# Per target and method: dflash = the DFlash-trained drafter; adaflash = the distilled drafter + length head.
+# Per target and kind: dflash = the DFlash-trained drafter; adaflash = the distilled drafter + length head.
 SHIPPED_DRAFTERS = {
     ("smollm2-135m", "dflash"): _ASSETS / "smollm2-135m",
     ("smollm2-135m", "adaflash"): _ASSETS / "smollm2-135m-adaflash",
 }
 
 
-def shipped_drafter(model: str, method: str = "dflash") -> Path | None:
-    """The drafter shipped for a registry target and method, if one exists in this installation."""
-    path = SHIPPED_DRAFTERS.get((model, method))
+def shipped_drafter(model: str, kind: str = "dflash") -> Path | None:
+    """The drafter of `kind` shipped for a registry target, if one exists in this installation."""
+    path = SHIPPED_DRAFTERS.get((model, kind))
     return path if path is not None and (path / "config.json").is_file() else None
 
 
-def resolve_drafter(model: str, drafter: str | None, method: str = "dflash") -> str | None:
-    """The given drafter, else the one shipped for `model` and `method`; None for plain decoding."""
-    if method == "ar":
+def resolve_drafter(model: str, drafter: str | None, kind: str | None = "dflash") -> str | None:
+    """The given drafter, else the one of `kind` (`dflash`, `adaflash`: a `SpeculativeConfig`'s drafter) shipped for
+    `model`; `kind` None (plain decoding): the given one, if any."""
+    if drafter is not None or kind is None:
         return drafter
-    if drafter is not None:
-        return drafter
-    shipped = shipped_drafter(model, method)
+    shipped = shipped_drafter(model, kind)
     if shipped is None:
-        raise ValueError(f"--method {method} needs --drafter DIR: no {method} drafter ships for target {model!r}")
+        raise ValueError(f"--method {kind} needs --drafter DIR: no {kind} drafter ships for target {model!r}")
     return str(shipped)
 
 

@@ -6,34 +6,40 @@ import argparse
 import os
 from pathlib import Path
 import sys
+from typing import TYPE_CHECKING
 
-from adaflash.cli_args import add_model_args, add_prompt_lookup_arg, prompt_lookup_of
-from adaflash.engine.engine_factory import DEFAULT_LENGTH_POLICY, METHODS
+from adaflash.cli_args import add_model_args, add_prompt_lookup_arg
+from adaflash.speculative.config import METHODS, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from adaflash.engine.engine_factory import EngineConfig
 
 
-def engine_config(args: argparse.Namespace):
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's settings from the parsed `serve` arguments, checked before the (slow) model load."""
     from adaflash.engine.engine_factory import EngineConfig
 
-    return EngineConfig(method=args.method, length_policy=args.length_policy, max_batch=args.max_batch,
-                        max_queue=args.max_queue, max_len=args.max_len, record_dir=args.record,
-                        prompt_lookup=prompt_lookup_of(args), max_prefill_tokens=args.max_prefill_tokens)
+    return EngineConfig(SpeculativeConfig.parse(args), max_batch=args.max_batch, max_queue=args.max_queue,
+                        max_len=args.max_len, record_dir=args.record, max_prefill_tokens=args.max_prefill_tokens)
 
 
-def build_runner(args: argparse.Namespace):
-    """(pipeline, runner, watcher) from the parsed `serve` arguments: models loaded and the engine built on the engine
-    thread, which is running (EngineRunner.launch: one thread does all the compute); the watcher not started."""
+def build_runner(args: argparse.Namespace, config: EngineConfig | None = None):
+    """(pipeline, runner, watcher) from the parsed `serve` arguments (and their `engine_config`, if made already):
+    models loaded and the engine built on the engine thread, which is running (EngineRunner.launch: one thread does
+    all the compute); the watcher not started."""
     from adaflash.engine.engine_factory import build_engine, length_policy_factory
     from adaflash.engine.runner import EngineRunner
     from adaflash.models.drafter_checkpoint import latest_version
     from adaflash.models.registry import resolve_drafter
     from adaflash.pipeline import Pipeline
 
-    config = engine_config(args)
-    speculative = config.method != "ar"
+    config = config or engine_config(args)
+    drafts = config.speculative.uses_drafter
     # With --watch-versions the newest published version, if any, is what serves first.
-    published = latest_version(args.watch_versions) if args.watch_versions and speculative else None
-    drafter = (str(published) if published else resolve_drafter(args.model, args.drafter, args.method)) if speculative else None
+    published = latest_version(args.watch_versions) if args.watch_versions and drafts else None
+    drafter = None  # plain decoding loads none, even if --drafter names one
+    if drafts:
+        drafter = str(published) if published else resolve_drafter(args.model, args.drafter, config.speculative.drafter)
 
     def build():
         pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab)
@@ -45,7 +51,7 @@ def build_runner(args: argparse.Namespace):
 
     runner, (pipeline, policies) = EngineRunner.launch(build)
     watcher = None
-    if args.watch_versions and speculative:
+    if args.watch_versions and drafts:
         from adaflash.engine.hot_swap import VersionWatcher
 
         watcher = VersionWatcher(runner, args.watch_versions, policies, Path(drafter), draft_vocab=args.draft_vocab)
@@ -66,33 +72,34 @@ def build_app(args: argparse.Namespace):
     """(app, runner, watcher) from the parsed `serve` arguments: the runner and watcher not started yet."""
     from adaflash.server.server import create_app
 
-    config = server_config(args)
-    pipeline, runner, watcher = build_runner(args)
-    app = create_app(runner, pipeline.tokenizer, args.served_model_name or args.model, config=config,
-                     method=args.method)
+    config, engine = server_config(args), engine_config(args)
+    method = engine.speculative.name  # as the user named it: the label of /metrics and the startup line
+    pipeline, runner, watcher = build_runner(args, engine)
+    app = create_app(runner, pipeline.tokenizer, args.served_model_name or args.model, config=config, method=method)
     if watcher is not None:
         metrics = app.state.metrics
 
         def on_hot_swap(swapped: bool) -> None:  # the label follows the policy the new version runs
             metrics.observe_hot_swap(swapped)
-            metrics.set_length_policy(runner.snapshot.policy_name, args.method)
+            metrics.set_length_policy(runner.snapshot.policy_name, method)
 
         watcher.observer = on_hot_swap
-    app.state.watcher = watcher
+    app.state.watcher, app.state.speculative = watcher, engine.speculative
     return app, runner, watcher
 
 
 def _describe(args: argparse.Namespace, app, runner) -> str:
     """The startup line (the key itself never appears in it, nor anywhere else in the output)."""
-    config = app.state.config
-    policy = runner.snapshot.policy_name if args.method != "ar" else "none (autoregressive)"
-    if args.prompt_lookup:
-        sized = "sized by throughput" if args.prompt_lookup_length == "throughput" else "all verified"
-        policy += f", prompt lookup up to {args.prompt_lookup} tokens ({sized})"
+    config, speculative = app.state.config, app.state.speculative
+    policy = runner.snapshot.policy_name if speculative.uses_drafter else "none (autoregressive)"
+    lookup = speculative.prompt_lookup
+    if lookup is not None:
+        sized = "sized by throughput" if lookup.length == "throughput" else "all verified"
+        policy += f", prompt lookup up to {lookup.num_tokens} tokens ({sized})"
     auth = "bearer key required" + (" (/metrics open)" if config.metrics_open else " (also /metrics)") \
         if config.api_key else "none"
     timeout = f"{config.request_timeout_s:g} s" if config.request_timeout_s else "none"
-    return (f"adaflash serve: model {args.served_model_name or args.model!r}, method {args.method}, length policy "
+    return (f"adaflash serve: model {args.served_model_name or args.model!r}, method {speculative.name}, length policy "
             f"{policy}, max batch {args.max_batch}, queue {args.max_queue}, context {runner.context_tokens} tokens, "
             f"auth {auth}, request timeout {timeout}, drain {args.drain_timeout:g} s, http://{args.host}:{args.port}/v1")
 
@@ -127,12 +134,14 @@ def register_cli(subparsers) -> None:
         "With --method dflash the length policy defaults to throughput (its cost model is profiled once per "
         "machine and cached under the adaflash cache).",
     )
-    defaults = ", ".join(f"{policy} for {method}" for method, policy in DEFAULT_LENGTH_POLICY.items() if policy)
+    engines = [SpeculativeConfig.of(method) for method in METHODS]
+    defaults = ", ".join(f"{c.engine_policy} for {c.name}" for c in engines if c.engine_policy is not None)
     add_model_args(p, length_policy_default=defaults)  # --model, --drafter, --dtype, --length-policy
     add_prompt_lookup_arg(p)
     p.add_argument("--method", choices=METHODS, default="dflash",
-                   help="dflash (default), adaflash (drafter + its length head + adaflash policy) or ar (plain "
-                   "decoding); the speculative ones use --drafter or the drafter shipped for the target")
+                   help="dflash (default), adaflash (dflash with the AdaFlash drafter and its length head under the "
+                   "adaflash length policy) or ar (plain decoding); the speculative ones use --drafter or the drafter "
+                   "shipped for the target")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (batch slots)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s")
     p.add_argument("--max-len", type=int, default=2048,

@@ -2,9 +2,9 @@
 
 The engine calls `decide` once per step with every running request, `feedback` after verification, and `observe_step`
 with the step's wall time. Each policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`,
-`block-head`) is what logs and metrics show;
-`build_length_policy` makes one from its name, every adaptive one behind the drafting check (`drafting_check.py`:
-plain stretches wherever drafting commits fewer tokens a second). The cost model the throughput policies read is in
+`block-head`) is what logs and metrics show; `build_length_policy` makes one from its spec (`config.py`'s
+`LengthPolicySpec`, where a spec is checked), every adaptive one behind the drafting check (`drafting_check.py`: plain
+stretches wherever drafting commits fewer tokens a second). The cost model the throughput policies read is in
 `cost_model.py`.
 """
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
+from adaflash.speculative.config import FIXED, LengthPolicySpec, length_policy_of
 from adaflash.speculative.cost_model import CalibratedCost, CostModel
 from adaflash.speculative.drafting_check import DraftingChecks, DraftingGuard
 
@@ -355,52 +356,32 @@ class BlockHeadLength:
         pass
 
 
-# The specs that need the profiled cost model, and those that need the drafter's learned length head.
-COST_MODEL_POLICIES = ("throughput", "throughput-profiled", "adaflash")
-LENGTH_HEAD_POLICIES = ("adaflash", "block-head")
-
-
-def needs_cost_model(spec: str) -> bool:
-    return spec in COST_MODEL_POLICIES
-
-
-def check_length_policy(spec: str) -> None:
-    """Reject an unknown or malformed spec before any model loads (a policy that needs a cost model or a head is
-    built later, from the loaded models)."""
-    if spec not in COST_MODEL_POLICIES and spec not in LENGTH_HEAD_POLICIES:
-        build_length_policy(spec)
-
-
-def build_length_policy(spec: str, cost: CostModel | CalibratedCost | None = None, head=None,
+def build_length_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCost | None = None, head=None,
                         checks: DraftingChecks | None = None) -> LengthPolicy:
     """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model, corrected by measured step times),
     `throughput-profiled` (the profile alone: the calibration's ablation), `adaflash` (cost model + a per-position
-    acceptance head) or `block-head` (the paper's block-level head). Every one but `fixed:K` runs behind the drafting
-    check (`DraftingGuard`); `checks`: its rates shared with other policies (None: the policy gets its own)."""
-    if spec.startswith("fixed:"):
-        k = int(spec.split(":", 1)[1])
-        if k < 0:
-            raise ValueError(f"fixed length must be >= 0, got {k}")
-        return FixedLength(k)
+    acceptance head) or `block-head` (the paper's block-level head); a string is parsed (`LengthPolicySpec`, where
+    every spec is checked). Every one but `fixed:K` runs behind the drafting check (`DraftingGuard`); `checks`: its
+    rates shared with other policies (None: the policy gets its own)."""
+    spec = length_policy_of(spec)
+    if spec.name == FIXED:
+        return FixedLength(spec.length)
     return DraftingGuard(_adaptive_policy(spec, cost, head), checks or DraftingChecks())
 
 
-def _adaptive_policy(spec: str, cost: CostModel | CalibratedCost | None, head) -> LengthPolicy:
-    if spec == "heuristic":
+def _adaptive_policy(spec: LengthPolicySpec, cost: CostModel | CalibratedCost | None, head) -> LengthPolicy:
+    if spec.name == "heuristic":
         return HeuristicLength()
-    if needs_cost_model(spec) and cost is None:
+    if spec.needs_cost_model and cost is None:
         raise ValueError(f"the {spec} policy needs a cost model")
-    if spec == "throughput":
+    if spec.name == "throughput":
         return ThroughputLength(cost)
-    if spec == "throughput-profiled":
-        return ThroughputLength(cost, calibrate=False, name=spec)
-    if spec in LENGTH_HEAD_POLICIES:
-        from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
+    if spec.name == "throughput-profiled":
+        return ThroughputLength(cost, calibrate=False, name=spec.name)
+    from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
 
-        want = PositionAcceptanceHead if spec == "adaflash" else BlockLengthHead
-        if not isinstance(head, want):
-            raise ValueError(f"the {spec} policy needs a drafter checkpoint carrying a {want.__name__} "
-                             "(train one with `adaflash train length-head`)")
-        return LearnedThroughputLength(cost, head) if spec == "adaflash" else BlockHeadLength(head)
-    raise ValueError(f"unknown length policy {spec!r}; expected fixed:K, heuristic, throughput, "
-                     "throughput-profiled, adaflash or block-head")
+    want = PositionAcceptanceHead if spec.name == "adaflash" else BlockLengthHead
+    if not isinstance(head, want):
+        raise ValueError(f"the {spec} length policy needs a drafter checkpoint carrying a length head, a "
+                         f"{want.__name__} (train one with `adaflash train length-head`)")
+    return LearnedThroughputLength(cost, head) if spec.name == "adaflash" else BlockHeadLength(head)

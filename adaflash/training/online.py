@@ -23,12 +23,7 @@ from pathlib import Path
 import torch
 
 from adaflash.data import GSMSymbolicStream, load_prompts
-from adaflash.engine.engine_factory import (
-    EngineConfig,
-    build_engine,
-    default_length_policy,
-    length_policy_factory,
-)
+from adaflash.engine.engine_factory import EngineConfig, build_engine, length_policy_factory
 from adaflash.engine.recorder import TrajectoryRecorder
 from adaflash.engine.request import Request
 from adaflash.engine.runner import EngineRunner
@@ -36,6 +31,7 @@ from adaflash.formats.trajectories import Trajectory, append_trajectories, read_
 from adaflash.models.drafter_checkpoint import latest_version, load_drafter, load_drafter_config, publish_version
 from adaflash.models.length_head import load_length_head, save_length_head
 from adaflash.pipeline import Pipeline
+from adaflash.speculative.config import SpeculativeConfig
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.training.block_outcomes import score_blocks
 from adaflash.training.length_head import LengthHeadTrainConfig, train_length_head
@@ -96,7 +92,7 @@ class OnlineAdaptation:
         def build():
             pipeline = Pipeline.load(cfg.model, self.current, cfg.dtype)
             models = pipeline.engine_models(drafter_version=self.current.name)
-            config = EngineConfig(self._method(models.length_head), max_batch=cfg.max_batch, max_len=1024)
+            config = EngineConfig(self._speculative(models.length_head), max_batch=cfg.max_batch, max_len=1024)
             policies = length_policy_factory(config, models)  # its cost model serves every round's policy
             return build_engine(config, models, policies(models.length_head)), (pipeline, policies)
 
@@ -106,12 +102,12 @@ class OnlineAdaptation:
         self.rounds: list[dict] = json.loads(self.log_file.read_text())["rounds"] if self.log_file.is_file() else []
 
     @staticmethod
-    def _method(head) -> str:
+    def _speculative(head) -> SpeculativeConfig:
         # The learned policy (adaflash) once the drafter carries a head; until then dflash's expected-throughput one.
-        return "adaflash" if head is not None else "dflash"
+        return SpeculativeConfig.of("adaflash" if head is not None else "dflash")
 
     def _policy(self, head):
-        return replace(self.policies, spec=default_length_policy(self._method(head)))(head)
+        return replace(self.policies, spec=self._speculative(head).engine_policy)(head)
 
     def _encode(self, prompts) -> list[list[int]]:
         return [self.pipeline.encode(messages=p.messages) for p in prompts]

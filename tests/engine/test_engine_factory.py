@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from adaflash.engine.engine_factory import (
-    DEFAULT_LENGTH_POLICY,
-    METHODS,
     EngineConfig,
     EngineModels,
     build_engine,
@@ -18,6 +16,7 @@ from adaflash.engine.request import Request
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
+from adaflash.speculative.config import METHODS, LengthPolicySpec, SpeculativeConfig
 from adaflash.speculative.length_policy import build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
@@ -30,20 +29,23 @@ def models(tiny_chat_checkpoint) -> EngineModels:
     return EngineModels(target, DFlashProposer(init_drafter(cfg, seed=2), target), None, "tiny", "v0007")
 
 
+def engine_config(method: str, length_policy: str | None = None, **kwargs) -> EngineConfig:
+    return EngineConfig(SpeculativeConfig.of(method, length_policy), **kwargs)
+
+
 def test_each_method_has_a_default_policy():
-    assert set(DEFAULT_LENGTH_POLICY) == set(METHODS)
-    assert EngineConfig("ar").policy_spec is None
-    assert EngineConfig("dflash").policy_spec == "throughput" and EngineConfig("dflash").needs_cost_model
-    assert EngineConfig("adaflash").policy_spec == "adaflash"
-    assert EngineConfig("dflash", "fixed:3").policy_spec == "fixed:3" and not EngineConfig("dflash", "fixed:3").needs_cost_model
+    assert EngineConfig().policy_spec is None and engine_config("ar").policy_spec is None  # default: plain decoding
+    assert str(engine_config("dflash").policy_spec) == "throughput" and engine_config("dflash").needs_cost_model
+    assert engine_config("adaflash").policy_spec == LengthPolicySpec("adaflash")
+    assert engine_config("dflash", "fixed:3").policy_spec == LengthPolicySpec("fixed", 3)
+    assert not engine_config("dflash", "fixed:3").needs_cost_model
+    assert all(engine_config(m).policy_spec is not None for m in METHODS if m != "ar")
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(method="beam"), "unknown method"),
-    (dict(method="ar", length_policy="fixed:2"), "--length-policy applies to --method dflash or adaflash only"),
-    (dict(method="dflash", length_policy="fastest"), "unknown length policy"),
-    (dict(method="dflash", max_batch=0), "max_batch"),
-    (dict(method="ar", max_prefill_tokens=0), "max_prefill_tokens"),
+    (dict(speculative=SpeculativeConfig.of("dflash", draft_length=3)), "--draft-length applies to the reference loop"),
+    (dict(max_batch=0), "max_batch"),
+    (dict(max_prefill_tokens=0), "max_prefill_tokens"),
 ])
 def test_bad_settings_fail_when_the_config_is_made(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -56,7 +58,7 @@ def test_the_config_is_frozen():
 
 
 def test_build_engine_from_the_config(models, tmp_path):
-    engine = build_engine(EngineConfig("dflash", "fixed:2", max_batch=3, max_queue=5, max_len=10_000,
+    engine = build_engine(engine_config("dflash", "fixed:2", max_batch=3, max_queue=5, max_len=10_000,
                                        record_dir=str(tmp_path / "rec")), models)
     assert engine.policy.name == "fixed:2" and engine.scheduler.max_batch == 3 and engine.scheduler.max_queue == 5
     assert engine.max_len == models.target.config.max_position_embeddings  # never past the trained positions
@@ -70,24 +72,24 @@ def test_build_engine_from_the_config(models, tmp_path):
 
 
 def test_ar_builds_a_plain_engine_even_with_a_drafter_loaded(models):
-    engine = build_engine(EngineConfig("ar", max_len=64), models)
+    engine = build_engine(engine_config("ar", max_len=64), models)
     assert engine.proposer is None and engine.max_draft == 0 and method_of(False, engine.policy.name) == "ar"
 
 
 def test_speculative_methods_need_a_drafter(models):
     with pytest.raises(ValueError, match="needs a drafter"):
-        build_engine(EngineConfig("dflash", "fixed:2"), EngineModels(models.target))
+        build_engine(engine_config("dflash", "fixed:2"), EngineModels(models.target))
 
 
 def test_cost_model_policies_profile_once_and_share_it(models, tmp_path, monkeypatch):
     monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
-    config = EngineConfig("dflash", max_batch=2)
+    config = engine_config("dflash", max_batch=2)
     policies = length_policy_factory(config, models)
-    assert policies.spec == "throughput" and policies.cost.profile.total_tokens[-1] == 2 * models.proposer.block_size
+    assert str(policies.spec) == "throughput" and policies.cost.profile.total_tokens[-1] == 2 * models.proposer.block_size
     first, second = policies(), policies()
     assert first.name == "throughput" and first.step_cost is second.step_cost  # one calibration, e.g. across hot swaps
     assert build_length_policy("throughput-profiled", policies.cost).step_cost is policies.cost.profile
-    with pytest.raises(ValueError, match="PositionAcceptanceHead"):
-        build_engine(EngineConfig("adaflash", max_batch=2), models)  # this drafter carries no head
-    assert length_policy_factory(EngineConfig("ar"), models) is None
-    assert length_policy_factory(EngineConfig("dflash", "heuristic"), models).cost is None
+    with pytest.raises(ValueError, match="adaflash length policy needs a drafter checkpoint carrying a length head"):
+        build_engine(engine_config("adaflash", max_batch=2), models)  # this drafter carries no head
+    assert length_policy_factory(engine_config("ar"), models) is None
+    assert length_policy_factory(engine_config("dflash", "heuristic"), models).cost is None

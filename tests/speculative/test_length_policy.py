@@ -1,4 +1,5 @@
-"""Draft-length policies by themselves (no engine): their decisions, their feedback and the spec parser."""
+"""Draft-length policies by themselves (no engine): their decisions, their feedback and what they need to be built
+(the spec parser itself: test_config.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from adaflash.speculative.length_policy import (
     ThroughputLength,
     allocate_drafts,
     build_length_policy,
-    check_length_policy,
-    needs_cost_model,
 )
 
 FREE_VERIFY = CostModel(total_tokens=(1, 64), verify_s=(0.01, 0.01), draft_s=0.0)  # batch-1 machine: tokens are free
@@ -158,15 +157,6 @@ def test_build_length_policy_rejects(spec, message):
         build_length_policy(spec)
 
 
-def test_check_length_policy_parses_without_models():
-    for spec in ("fixed:3", "heuristic", "throughput", "throughput-profiled", "adaflash", "block-head"):
-        check_length_policy(spec)
-    with pytest.raises(ValueError, match="unknown length policy"):
-        check_length_policy("fastest")
-    assert needs_cost_model("throughput") and needs_cost_model("throughput-profiled") and needs_cost_model("adaflash")
-    assert not needs_cost_model("fixed:3") and not needs_cost_model("block-head")
-
-
 def test_free_drafts_pay_no_drafter_pass():
     survival = [[0.8 ** j for j in range(1, 8)]]
     whole = CostModel((1, 64), (0.01, 0.01), draft_s=0.012)
@@ -296,10 +286,11 @@ def test_the_policies_of_one_factory_share_their_drafting_checks():
     """A pipeline builds a policy per generation and a server one per drafter: what the check measured of this machine
     must carry over, as the calibration does."""
     from adaflash.engine.engine_factory import LengthPolicyFactory
+    from adaflash.speculative.config import LengthPolicySpec
     from adaflash.speculative.cost_model import CalibratedCost
 
     cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)
-    factory = LengthPolicyFactory("throughput", CalibratedCost(cost))
+    factory = LengthPolicyFactory(LengthPolicySpec("throughput"), CalibratedCost(cost))
     first, second = factory(), factory()
     assert first is not second and first.checks is second.checks is factory.checks
     assert first.step_cost is second.step_cost
