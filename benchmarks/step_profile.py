@@ -56,11 +56,12 @@ class PartTimers:
 @contextmanager
 def instrumented(engine, timers: PartTimers):
     """Timers around the engine's parts, as instance attributes that shadow the methods (removed on exit)."""
-    patched = [(engine, "feed_context", "context_feed"), (engine.target, "forward", "target_pass")]
-    if engine.proposer is not None:
+    patched = [(engine.target, "forward", "target_pass")]
+    drafter = engine.drafting.drafter  # the drafter's draft source: context feed, block pass, draft head
+    if drafter is not None:
         # (where the drafter pass and the draft head run as one kernel call, draft_logits, both count as draft_pass)
-        patched += [(engine.proposer, "draft_hidden", "draft_pass"), (engine.proposer, "draft_tokens", "draft_head"),
-                    (engine.proposer, "draft_logits", "draft_pass")]
+        patched += [(drafter, "feed_context", "context_feed"), (drafter.proposer, "draft_hidden", "draft_pass"),
+                    (drafter.proposer, "draft_tokens", "draft_head"), (drafter.proposer, "draft_logits", "draft_pass")]
     for obj, name, part in patched:
         object.__setattr__(obj, name, timers.timed(getattr(obj, name), part))
     try:

@@ -1,28 +1,31 @@
 """The continuous-batching speculative engine (token ids only; HTTP lives in the server).
 
-One step: admit waiting requests and prefill them in ragged passes of up to `max_prefill_tokens`; then, for every
-other running request, ask the length policy how many drafts it gets, run one batched drafter pass, one batched target
-verification over the ragged per-request lengths (linear layers see only real tokens), verify each
-request with the pure verifier, commit, roll the caches back and feed accepted features to the drafter.
-The scheduler (slots, queue) knows nothing of drafting; the proposer nothing of scheduling.
+One step: admit -> prefill -> propose -> verify -> commit -> feedback. Waiting requests are admitted and prefilled in
+ragged passes of up to `max_prefill_tokens`; every other running request gets its drafts from the draft sources
+(`Drafting`: prompt lookup, then the drafter and its length policy), one target pass verifies all of them over the
+ragged per-request lengths (linear layers see only real tokens), the pure verifier decides each request's accepted
+drafts, the kept tokens are committed, the caches rolled back and the kept positions' features queued for the drafter,
+and each source hears how its drafts fared. A step that verifies no drafts is a plain decode pass.
+The scheduler (slots, queue) knows nothing of drafting; the draft sources nothing of scheduling.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
 
+from adaflash.engine.draft_sources import DrafterSource, PromptLookupSource
+from adaflash.engine.drafting import Drafting, StepDrafts
 from adaflash.engine.prefix_reuse import SlotPrefixes
 from adaflash.engine.request import Request, StepOutput
 from adaflash.engine.scheduler import Scheduler
-from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.kv_cache import KVCache, RaggedBatch
 from adaflash.models.layers import argmax_rows
 from adaflash.models.target import TargetModel
 from adaflash.speculative.cost_model import CalibratedCost, CostModel
 from adaflash.speculative.length_policy import FixedLength, LengthPolicy, LookupLength
-from adaflash.speculative.prompt_lookup import PromptLookup, point_mass
+from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.sampling import draw_exponentials, draw_uniforms, logits_to_probs, sample_tokens
 from adaflash.speculative.verify import verify_greedy, verify_sampling
@@ -54,26 +57,28 @@ class Engine:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
-        self.target, self.proposer, self.prompt_lookup = target, proposer, prompt_lookup
-        self.lookup_length = None
-        if prompt_lookup is not None and prompt_lookup.length == "throughput":
-            if lookup_cost is None:
+        self.target, self.prompt_lookup = target, prompt_lookup
+        lookup = None
+        if prompt_lookup is not None:
+            if prompt_lookup.length == "throughput" and lookup_cost is None:
                 raise ValueError("prompt lookup sized by throughput needs the verify cost model (lookup_cost)")
-            self.lookup_length = LookupLength(lookup_cost)
+            sized = LookupLength(lookup_cost) if prompt_lookup.length == "throughput" else None
+            lookup = PromptLookupSource(prompt_lookup, sized, target.config.vocab_size)
         self.recorder = recorder  # optional: on-policy trajectories and verification outcomes (engine/recorder.py)
-        self.policy = _checked(policy or FixedLength(proposer.block_size - 1 if proposer else 0))
+        policy = _checked(policy or FixedLength(proposer.block_size - 1 if proposer else 0))
         self.scheduler = Scheduler(max_batch, max_queue)
         self.max_len = max_len
         self.target_cache = target.new_cache(max_batch, max_len)
-        self.draft_cache = proposer.new_cache(max_batch, max_len) if proposer else None
         if proposer is not None and capture_layers is not None and tuple(capture_layers) != tuple(proposer.capture_layers):
             raise ValueError(f"capture_layers {tuple(capture_layers)} differ from the drafter's {proposer.capture_layers}")
         self.capture = tuple(proposer.capture_layers if proposer else capture_layers or ())
         self.max_draft = proposer.block_size - 1 if proposer else 0  # the drafter's most drafts a step
         self.max_verified = max_verified(proposer, prompt_lookup)
-        # Target features not yet fed to the drafter, per slot: (first position, [T, n*d] chunks). Fed just
-        # before the slot's next drafter pass, so a request the policy keeps from drafting costs no drafter work.
-        self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        drafter = None
+        if proposer is not None:  # the recorder observes the drafter's outcomes
+            drafter = DrafterSource(proposer, policy, proposer.new_cache(max_batch, max_len), recorder)
+        self.drafting = Drafting(lookup, drafter)
+        self._policy_without_drafter = policy if drafter is None else None  # decides nothing; its name is shown
         # A new request reuses the prompt prefix its slot's cache already holds, where that is exact (prefix_reuse.py).
         self.prefixes = SlotPrefixes(max_batch) if target.rows_independent else None
         self.prompt_tokens = self.prompt_tokens_reused = 0  # prefilled prompt tokens, and those a slot already held
@@ -100,6 +105,34 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
+    # ---- the drafter's parts, read and set by its callers (hot swap, profiles, tests) ---------------
+
+    @property
+    def proposer(self) -> DFlashProposer | None:
+        drafter = self.drafting.drafter
+        return drafter.proposer if drafter is not None else None
+
+    @property
+    def draft_cache(self) -> KVCache | None:
+        drafter = self.drafting.drafter
+        return drafter.cache if drafter is not None else None
+
+    @property
+    def policy(self) -> LengthPolicy:
+        drafter = self.drafting.drafter
+        return drafter.policy if drafter is not None else self._policy_without_drafter
+
+    @policy.setter
+    def policy(self, policy: LengthPolicy) -> None:
+        if self.drafting.drafter is not None:
+            self.drafting.drafter.policy = _checked(policy)
+        else:
+            self._policy_without_drafter = _checked(policy)
+
+    def feed_context(self, slots: Sequence[int]) -> int:
+        """Feed the drafter the target features these slots have waiting (`DrafterSource.feed_context`)."""
+        return self.drafting.drafter.feed_context(slots) if self.drafting.drafter is not None else 0
+
     # ---- one step ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -109,8 +142,16 @@ class Engine:
         decoding = sorted((r for r in self.scheduler.running if r not in admitted), key=lambda r: r.slot)
         outputs = self._prefill(admitted) if admitted else []
         if decoding:
-            speculative = self.proposer is not None or self.prompt_lookup is not None
-            outputs += self._speculate(decoding) if speculative else self._decode(decoding)
+            drafts = self.drafting.propose(decoding)
+            if drafts.any:
+                rows, features = self._verify_pass(drafts)
+                results = self._verify(drafts, rows)
+                outputs += self._commit(drafts, results, rows, features)
+                accepted = [a for a, _ in results]
+            else:  # nothing to verify: the plain pass, so a request kept from drafting costs exactly a decode step
+                outputs += self._decode(decoding)
+                accepted = [0] * len(decoding)
+            self.drafting.feedback(drafts, accepted)
         for request in [r for r in self.scheduler.running if r.finished]:
             if self.recorder is not None:
                 self.recorder.on_finish(request)
@@ -119,7 +160,7 @@ class Engine:
 
     def _release(self, request: Request) -> None:
         if request.slot is not None and request in self.scheduler.running:
-            self._pending.pop(request.slot, None)
+            self.drafting.release(request.slot)
             if self.prefixes is not None:  # what the slot's cache holds: every position below its length
                 held = self.target_cache.lengths[request.slot]
                 self.prefixes.remember(request.slot, (request.prompt_ids + request.output_ids)[:held])
@@ -145,8 +186,10 @@ class Engine:
         rebuilt from the target's features of its committed tokens, computed in a scratch cache: the
         target's own cache, hence every output token, is untouched (the swap stays lossless).
         """
-        if self.proposer is None or tuple(proposer.capture_layers) != tuple(self.capture) or proposer.block_size != self.max_draft + 1:
+        drafter = self.drafting.drafter
+        if drafter is None or tuple(proposer.capture_layers) != tuple(self.capture) or proposer.block_size != self.max_draft + 1:
             raise ValueError("a hot-swapped drafter must read the same target layers with the same block size")
+        policy = _checked(policy) if policy is not None else None
         draft_cache = proposer.new_cache(self.scheduler.max_batch, self.max_len)
         with torch.inference_mode():
             for r in self.scheduler.running:
@@ -156,13 +199,10 @@ class Engine:
                                   self.capture, torch.tensor([len(committed) - 1]))
                 draft_cache.reset(r.slot)
                 proposer.add_context(draft_cache, out.hidden, RaggedBatch.build([r.slot], [0], [len(committed)]))
-        self.proposer, self.draft_cache = proposer, draft_cache
-        self._pending.clear()  # the rebuilt context already holds every committed position
+        drafter.take_over(proposer, draft_cache, policy)  # the rebuilt context holds every committed position
         if self.recorder is not None:  # outcomes of the old drafter's hidden states stay in their own shard
             self.recorder.flush()
             self.recorder.drafter_version = version
-        if policy is not None:
-            self.policy = _checked(policy)
 
     @staticmethod
     def _picks(requests: Sequence[Request], logits: torch.Tensor) -> list[int]:
@@ -183,8 +223,7 @@ class Engine:
         kept = [self._reusable(r) for r in requests]
         for r, keep in zip(requests, kept):
             self.target_cache.rollback(r.slot, keep)
-            if self.draft_cache is not None:
-                self.draft_cache.rollback(r.slot, keep)
+            self.drafting.restart_context(r.slot, keep)
             if self.prefixes is not None:
                 self.prefixes.forget(r.slot)  # the slot is being rewritten; _release records what it holds then
         self.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
@@ -212,9 +251,8 @@ class Engine:
         ids = torch.tensor([t for r, keep in zip(requests, kept) for t in r.prompt_ids[keep:]])
         out = self.target(ids, batch, self.target_cache, self.capture, batch.last_token_indices())
         features = out.hidden.split(lengths) if self.capture else [None] * len(requests)
-        if self.proposer is not None:
-            for r, keep, f in zip(requests, kept, features):
-                self._pending[r.slot] = (keep, [f])
+        for r, keep, f in zip(requests, kept, features):
+            self.drafting.add_context(r.slot, keep, f)
         picks = self._picks(requests, out.logits)
         return [self._output(r, r.commit([picks[i]]), out.logits[i : i + 1], features[i]) for i, r in enumerate(requests)]
 
@@ -227,131 +265,31 @@ class Engine:
         outputs = []
         for i, (r, token) in enumerate(zip(requests, self._picks(requests, out.logits))):
             features = out.hidden[i : i + 1] if self.capture else None
-            if self.proposer is not None:
-                self._pending.setdefault(r.slot, (r.position, []))[1].append(features)
+            self.drafting.add_context(r.slot, r.position, features)
             outputs.append(self._output(r, r.commit([token]), out.logits[i : i + 1], features))
             r.accept_lengths.append(1)
             r.draft_lengths.append(0)
         return outputs
 
-    def feed_context(self, slots: Sequence[int]) -> int:
-        """One ragged drafter-context pass over the pending target features of these slots; returns the most
-        positions one slot fed (a step's kept tokens, typically; a prompt or an idle stretch's backlog, more)."""
-        todo = [s for s in slots if s in self._pending]
-        if not todo:
-            return 0
-        starts = [self._pending[s][0] for s in todo]
-        chunks = [torch.cat(self._pending.pop(s)[1]) for s in todo]
-        batch = RaggedBatch.build(todo, starts, [len(c) for c in chunks])
-        self.proposer.add_context(self.draft_cache, torch.cat(chunks), batch)
-        return max(len(c) for c in chunks)
-
-    def _speculate(self, requests: Sequence[Request]) -> list[StepOutput]:
-        start = time.perf_counter()  # the whole step, policy included: what the length policy's costs must predict
-        slots, anchors = [r.slot for r in requests], [r.output_ids[-1] for r in requests]
-        drafted_hidden: dict[int, torch.Tensor] = {}
-        fed = 0  # the most context positions one slot fed to the drafter this step
-
-        def hidden_of(indices: Sequence[int]) -> torch.Tensor:
-            """The drafter's block hidden states [len(indices), B, d], one pass for those not yet drafted this step."""
-            nonlocal fed
-            todo = [i for i in indices if i not in drafted_hidden]
-            if todo:
-                fed = max(fed, self.feed_context([slots[i] for i in todo]))
-                h = self.proposer.draft_hidden(self.draft_cache, [slots[i] for i in todo], [anchors[i] for i in todo])
-                drafted_hidden.update(zip(todo, h))
-            return torch.stack([drafted_hidden[i] for i in indices])
-
-        # Prompt-lookup drafts first (no model pass); the requests without a match are the length policy's.
-        draft_tokens = self._lookup_drafts(requests)
-        looked_up = {i for i, d in enumerate(draft_tokens) if d}
-        by_policy = [i for i in range(len(requests)) if i not in looked_up]
-        lengths = [len(d) for d in draft_tokens]
-        if by_policy and self.proposer is not None:  # without a drafter, they decode one token
-            # Learned policies look at the drafter's blocks (of the requests they choose) before any LM head runs.
-            wanted = self.policy.decide([requests[i] for i in by_policy], self.max_draft,
-                                        lambda idx: hidden_of([by_policy[j] for j in idx]))
-            for i, k in zip(by_policy, wanted):
-                lengths[i] = max(0, min(k, self.max_draft, requests[i].remaining - 1))
-        drafting = [i for i in by_policy if lengths[i] > 0]  # the drafter's
-        if not any(lengths):  # nothing to verify: a plain decode step
-            outputs = self._decode(requests)
-            for r in requests:
-                self.policy.feedback(r, 0, 0)
-            # A learned head's look ran the drafter: not a plain step's cost.
-            self.policy.observe_step(lengths, time.perf_counter() - start, priced=not drafted_hidden)
-            return outputs
-        draft_probs: list[torch.Tensor | None] = [
-            point_mass(draft_tokens[i], self.target.config.vocab_size) if i in looked_up and not r.sampling.greedy
-            else None for i, r in enumerate(requests)]
-        if drafting:
-            sub = [requests[i] for i in drafting]
-            rest = ([lengths[i] for i in drafting], [r.sampling for r in sub], [r.generator for r in sub])
-            if drafted_hidden or self.recorder is not None:
-                drafts = self.proposer.draft_tokens(hidden_of(drafting), *rest)
-            else:
-                fed = max(fed, self.feed_context([slots[i] for i in drafting]))
-                drafts = self.proposer.propose(self.draft_cache, [slots[i] for i in drafting], [anchors[i] for i in drafting], *rest)
-            for j, chunk in enumerate(drafts.tokens.split([lengths[i] for i in drafting])):
-                draft_tokens[drafting[j]] = chunk.tolist()
-                draft_probs[drafting[j]] = drafts.probs[j]
-
-        # One target pass over every request's [anchor, drafts...]: the ragged verify batch.
-        batch = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], [k + 1 for k in lengths])
-        ids = torch.tensor([t for r, d in zip(requests, draft_tokens) for t in [r.output_ids[-1], *d]])
+    def _verify_pass(self, step: StepDrafts) -> tuple[tuple[torch.Tensor, ...], Sequence[torch.Tensor | None]]:
+        """One target pass over every request's [anchor, drafts...] (the ragged verify batch): per request its rows of
+        logits and of captured features."""
+        requests, widths = step.requests, [k + 1 for k in step.lengths]
+        batch = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], widths)
+        ids = torch.tensor([t for r, d in zip(requests, step.drafts) for t in [r.output_ids[-1], *d.tokens]])
         out = self.target(ids, batch, self.target_cache, self.capture)
-        rows = out.logits.split([k + 1 for k in lengths])
-        features = out.hidden.split([k + 1 for k in lengths]) if self.capture else [None] * len(requests)
+        features = out.hidden.split(widths) if self.capture else [None] * len(requests)
+        return out.logits.split(widths), features
 
-        results = self._verify(requests, lengths, draft_tokens, draft_probs, rows)
-
-        # Roll each target cache back past its rejected drafts; the kept positions' features become context.
-        for r, (accepted, _) in zip(requests, results):
-            self.target_cache.rollback(r.slot, r.position + accepted + 1)
-        if self.proposer is not None:
-            for r, f, (accepted, _) in zip(requests, features, results):
-                # The kept positions' features: the drafter's next context (after any still pending for the slot).
-                self._pending.setdefault(r.slot, (r.position, []))[1].append(f[: accepted + 1])
-
-        if self.recorder is not None and drafting:
-            self.recorder.on_step(hidden_of(drafting), [lengths[i] for i in drafting], [results[i][0] for i in drafting])
-        outputs = []
-        for i, (r, k, d, (accepted, next_token), row, f) in enumerate(
-                zip(requests, lengths, draft_tokens, results, rows, features)):
-            r.accept_lengths.append(accepted + 1)
-            r.draft_lengths.append(k)
-            if i not in looked_up:  # the policy learns from the drafter's outcomes only
-                self.policy.feedback(r, k, accepted)
-            elif self.lookup_length is not None:
-                self.lookup_length.feedback(r, k, accepted)
-            committed = r.commit(d[:accepted] + [next_token])  # a stop token or the budget may cut it short
-            outputs.append(self._output(r, committed, row, f[: len(committed)] if f is not None else None))
-        # The step's cost teaches a cost model only when its drafter work is what its lengths say: not when the drafter
-        # also caught up on a backlog (a prompt, or a request drafting again after idle steps) or ran for a request
-        # that then drafted nothing (a learned head's look), nor when lookup drafts widened the verify (on text that
-        # repeats itself the calibration then learns from fewer steps).
-        priced = fed <= self.max_draft + 1 and drafted_hidden.keys() <= set(drafting) and not looked_up
-        self.policy.observe_step(lengths, time.perf_counter() - start, priced)
-        return outputs
-
-    def _lookup_drafts(self, requests: Sequence[Request]) -> list[list[int]]:
-        """Per request, the prompt-lookup drafts it verifies (never past its budget; sized by `LookupLength` unless
-        every match is verified whole); [] without a match or lookup."""
-        if self.prompt_lookup is None:
-            return [[] for _ in requests]
-        proposals = [self.prompt_lookup.propose(r.prompt_ids + r.output_ids, r.remaining - 1) for r in requests]
-        if self.lookup_length is None or not any(proposals):
-            return proposals
-        return [p[:k] for p, k in zip(proposals, self.lookup_length.decide(requests, proposals))]
-
-    def _verify(self, requests, lengths, draft_tokens, draft_probs, rows) -> list[tuple[int, int]]:
+    def _verify(self, step: StepDrafts, rows) -> list[tuple[int, int]]:
         """(accepted drafts, next token) per request. Greedy requests go through the ragged verifier in one
         call; sampling requests one by one, since each has its own temperature / top-k / top-p."""
+        requests, drafts, lengths = step.requests, step.drafts, step.lengths
         results: list[tuple[int, int] | None] = [None] * len(requests)
         greedy = [i for i, r in enumerate(requests) if r.sampling.greedy]
         if greedy:
             res = verify_greedy(
-                torch.tensor([t for i in greedy for t in draft_tokens[i]], dtype=torch.long),
+                torch.tensor([t for i in greedy for t in drafts[i].tokens], dtype=torch.long),
                 argmax_rows(torch.cat([rows[i] for i in greedy]) if len(greedy) > 1 else rows[greedy[0]]),
                 [lengths[i] for i in greedy],
             )
@@ -361,13 +299,27 @@ class Engine:
             if results[i] is not None:
                 continue
             k, p = lengths[i], logits_to_probs(rows[i], r.sampling)
-            q = draft_probs[i] if draft_probs[i] is not None else p.new_zeros(0, p.shape[-1])
+            q = drafts[i].probs if drafts[i].probs is not None else p.new_zeros(0, p.shape[-1])
             res = verify_sampling(
-                torch.tensor(draft_tokens[i], dtype=torch.long), q, p, [k],
+                torch.tensor(drafts[i].tokens, dtype=torch.long), q, p, [k],
                 draw_uniforms(k, r.generator, p.device), draw_exponentials((1, p.shape[-1]), r.generator, p.device),
             )
             results[i] = (int(res.num_accepted[0]), int(res.next_tokens[0]))
         return results
+
+    def _commit(self, step: StepDrafts, results: Sequence[tuple[int, int]], rows, features) -> list[StepOutput]:
+        """Each request's accepted drafts and next token; the caches rolled back past the rejected drafts, and the
+        kept positions' features queued as the drafter's next context."""
+        outputs = []
+        for r, d, (accepted, next_token), row, f in zip(step.requests, step.drafts, results, rows, features):
+            # (r.position: the anchor's, until the commit below)
+            self.target_cache.rollback(r.slot, r.position + accepted + 1)
+            self.drafting.add_context(r.slot, r.position, f[: accepted + 1] if f is not None else None)
+            r.accept_lengths.append(accepted + 1)
+            r.draft_lengths.append(len(d.tokens))
+            committed = r.commit([*d.tokens[:accepted], next_token])  # a stop token or the budget may cut it short
+            outputs.append(self._output(r, committed, row, f[: len(committed)] if f is not None else None))
+        return outputs
 
     @staticmethod
     def _output(request: Request, new_tokens: list[int], logits: torch.Tensor, features: torch.Tensor | None) -> StepOutput:

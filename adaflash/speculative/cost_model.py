@@ -75,7 +75,7 @@ class CalibratedCost:
     steps; a step far off the prediction (a garbage collection, a first-shape warm-up) counts as at most 4x or 1/4 of
     it. While no plain step is seen the scale stays at its prior and the fit absorbs any drift; the plain steps that
     follow restore the split (`DraftingCheck`'s plain stretches make sure some come). The engine reports only steps
-    whose drafter work is what their lengths say (`Engine._speculate`).
+    whose drafter work is what their lengths say (`DrafterSource.observe_step`, engine/draft_sources.py).
     """
 
     def __init__(self, profile: CostModel, forget: float = 0.98, prior_steps: float = 4.0) -> None:

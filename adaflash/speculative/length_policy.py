@@ -1,11 +1,11 @@
 """Draft-length policies: how many drafted tokens each running request sends to verification this step.
 
-The engine calls `decide` once per step with every running request, `feedback` after verification, and `observe_step`
-with the step's wall time. Each policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`,
-`block-head`) is what logs and metrics show; `build_length_policy` makes one from its spec (`config.py`'s
-`LengthPolicySpec`, where a spec is checked), every adaptive one behind the drafting check (`drafting_check.py`: plain
-stretches wherever drafting commits fewer tokens a second). The cost model the throughput policies read is in
-`cost_model.py`.
+The engine's drafter source (engine/draft_sources.py) calls `decide` once per step with every decoding request left
+without a prompt-lookup match, `feedback` after verification, and `observe_step` with the step's wall time. Each
+policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`, `block-head`) is what logs and
+metrics show; `build_length_policy` makes one from its spec (`config.py`'s `LengthPolicySpec`, where a spec is
+checked), every adaptive one behind the drafting check (`drafting_check.py`: plain stretches wherever drafting commits
+fewer tokens a second). The cost model the throughput policies read is in `cost_model.py`.
 """
 
 from __future__ import annotations
@@ -268,7 +268,8 @@ class LookupLength:
     of its lookups kept apart from the drafter's. A match is free to find but not to verify: under load, or where a
     request's lookups keep missing, the drafts shrink to what pays, down to one optimistic probe token.
 
-    The engine asks before its length policy, which then sees only the requests left without a lookup."""
+    The engine's prompt-lookup draft source asks it before the drafter's length policy runs, which then sees only
+    the requests left without a lookup (engine/draft_sources.py)."""
 
     cost: CostModel | CalibratedCost
     prior: float = 0.5

@@ -1,0 +1,86 @@
+"""A step's drafting: the draft sources chained, the drafter's context fed, each source told how its drafts fared.
+
+Each decoding request takes the first source that answers for it: prompt lookup where it has a match, else the drafter
+and its length policy (draft_sources.py). Feedback goes back to the source that answered, and a step's wall time to
+every source that answered in it: priced where one source answered for every request (its lengths are then the whole
+verify's).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from adaflash.engine.draft_sources import NO_DRAFT, Draft, DrafterSource, DraftSource, PromptLookupSource
+from adaflash.engine.request import Request
+
+
+@dataclass(frozen=True)
+class StepDrafts:
+    """What a step verifies: per request its drafts and the source that proposed them (None: no source answered)."""
+
+    requests: tuple[Request, ...]
+    drafts: tuple[Draft, ...]
+    sources: tuple[DraftSource | None, ...]
+    start: float  # time.perf_counter() when drafting began: the step's cost, policies included, runs from here
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(d.tokens) for d in self.drafts]
+
+    @property
+    def any(self) -> bool:
+        return any(d.tokens for d in self.drafts)
+
+
+class Drafting:
+    """Prompt lookup, then the drafter (either may be absent: without both, every step decodes one token)."""
+
+    def __init__(self, lookup: PromptLookupSource | None, drafter: DrafterSource | None) -> None:
+        self.lookup, self.drafter = lookup, drafter
+        self.sources: tuple[DraftSource, ...] = tuple(s for s in (lookup, drafter) if s is not None)
+
+    def propose(self, requests: Sequence[Request]) -> StepDrafts:
+        start = time.perf_counter()
+        drafts: list[Draft] = [NO_DRAFT] * len(requests)
+        sources: list[DraftSource | None] = [None] * len(requests)
+        left = list(range(len(requests)))
+        for source in self.sources:
+            if not left:
+                break
+            for i, draft in zip(left, source.propose([requests[i] for i in left])):
+                if draft is not None:
+                    drafts[i], sources[i] = draft, source
+            left = [i for i in left if sources[i] is None]
+        return StepDrafts(tuple(requests), tuple(drafts), tuple(sources), start)
+
+    def feedback(self, step: StepDrafts, accepted: Sequence[int]) -> None:
+        """`accepted`: per request, how many of its drafts the target kept."""
+        lengths = step.lengths
+        for source in self.sources:
+            mine = [i for i, s in enumerate(step.sources) if s is source]
+            if mine:
+                source.feedback([step.requests[i] for i in mine], [lengths[i] for i in mine],
+                                [accepted[i] for i in mine])
+        seconds = time.perf_counter() - step.start
+        answered = [source for source in self.sources if source in step.sources]
+        whole = len(answered) == 1 and None not in step.sources
+        for source in answered:
+            source.observe_step(lengths, seconds, priced=whole)
+
+    # ---- the drafter's context (prompt lookup reads the request's own tokens) ----------------------
+
+    def restart_context(self, slot: int, keep: int) -> None:
+        if self.drafter is not None:
+            self.drafter.restart_context(slot, keep)
+
+    def add_context(self, slot: int, start: int, features: torch.Tensor | None) -> None:
+        if self.drafter is not None:
+            self.drafter.add_context(slot, start, features)
+
+    def release(self, slot: int) -> None:
+        if self.drafter is not None:
+            self.drafter.release(slot)
