@@ -141,7 +141,8 @@ def _machine(d: dict) -> str:
 
 def _sweep(d: dict) -> str:
     names = list(d["servers"]) + list(d.get("peers") or {})
-    base = names[0]
+    base = d.get("baseline", names[0])
+    names = [base] + [n for n in names if n != base]
     out = []
     for ds in dict.fromkeys(c["dataset"] for c in d["cells"]):
         cells = [c for c in d["cells"] if c["dataset"] == ds]

@@ -4,7 +4,7 @@ Runs with the *vLLM* virtual environment's python (`make peer-vllm`), like vllm_
 from adaflash. For every draft length k (0: vLLM without a speculative config; k >= 1: DFlash with the drafter and
 `num_speculative_tokens = k`) one engine is started; for every batch size B, B prompts run together twice, with
 `ignore_eos` and a short and a long `max_tokens`, and the step time is the difference of the two runs' times over the
-difference of their step counts (prefill and start-up cancel). A DFlash step is draft + verify of B * (k + 1) tokens:
+difference of their step counts (prefill and start-up cancel), the median of `--repeats` such pairs. A DFlash step is draft + verify of B * (k + 1) tokens:
 what our throughput policy weighs against the tokens a step is expected to commit.
 
     .peer/vllm-venv/bin/python benchmarks/vllm_step_cost.py --target OUT/target --drafter OUT/drafter \
@@ -32,21 +32,28 @@ def _steps(llm, batch: int, tokens: int) -> float:
     return float(tokens)
 
 
-def time_steps(llm, prompts: list[list[int]], batch: int, short: int, long: int) -> dict:
+def _timed_run(llm, requests, tokens: int) -> tuple[float, float]:
+    """(seconds, engine steps) of one generate call of `requests` for `tokens` tokens each."""
     from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    before = _steps(llm, len(requests), 0)
+    start = time.perf_counter()
+    llm.generate(requests, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, _steps(llm, len(requests), tokens) - before
+
+
+def time_steps(llm, prompts: list[list[int]], batch: int, short: int, long: int, repeats: int) -> dict:
+    """The median over `repeats` (short run, long run) pairs of their time difference over their step difference."""
     from vllm.inputs import TokensPrompt
 
     requests = [TokensPrompt(prompt_token_ids=prompts[i % len(prompts)]) for i in range(batch)]
-    runs = {}
-    for tokens in (short, long):
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        before = _steps(llm, batch, 0)
-        start = time.perf_counter()
-        llm.generate(requests, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        runs[tokens] = (elapsed, _steps(llm, batch, tokens) - before)
-    (t0, s0), (t1, s1) = runs[short], runs[long]
-    return {"step_s": (t1 - t0) / (s1 - s0), "steps": [s0, s1], "seconds": [t0, t1]}
+    pairs = [(_timed_run(llm, requests, short), _timed_run(llm, requests, long)) for _ in range(repeats)]
+    per_step = sorted((t1 - t0) / (s1 - s0) for (t0, s0), (t1, s1) in pairs if s1 > s0)
+    if not per_step:
+        raise RuntimeError(f"batch {batch}: the long run took no more steps than the short one")
+    return {"step_s": per_step[len(per_step) // 2], "pairs": pairs}
 
 
 def main() -> None:
@@ -55,14 +62,16 @@ def main() -> None:
     parser.add_argument("--drafter", required=True, help="drafter folder (OUT/drafter)")
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--batches", default="1,2,4,8,16,32,64")
-    parser.add_argument("--drafts", default="0,1,2,3,5,7", help="draft lengths k to time (0: no speculative config)")
+    parser.add_argument("--drafts", default="0,1,2,3", help="draft lengths k to time (0: no speculative config)")
     parser.add_argument("--short", type=int, default=4, help="max_tokens of the short run")
-    parser.add_argument("--long", type=int, default=28, help="max_tokens of the long run")
+    parser.add_argument("--long", type=int, default=36, help="max_tokens of the long run")
+    parser.add_argument("--repeats", type=int, default=3, help="(short, long) pairs per cell; the median is kept")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     from vllm import LLM
+    from vllm.inputs import TokensPrompt
 
     prompts = [p["ids"] for p in json.load(open(args.prompts))]
     batches = [int(b) for b in args.batches.split(",")]
@@ -74,9 +83,9 @@ def main() -> None:
         llm = LLM(model=args.target, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len, seed=0,
                   speculative_config=spec, disable_log_stats=False, max_num_seqs=max(batches),
                   enable_prefix_caching=False)
-        time_steps(llm, prompts, 1, args.short, args.short + 1)  # warm-up
+        _timed_run(llm, [TokensPrompt(prompt_token_ids=prompts[0])], args.short)  # warm-up
         for b in batches:
-            table.setdefault(str(b), {})[str(k)] = row = time_steps(llm, prompts, b, args.short, args.long)
+            table.setdefault(str(b), {})[str(k)] = row = time_steps(llm, prompts, b, args.short, args.long, args.repeats)
             print(f"k={k} B={b}: {1000 * row['step_s']:.1f} ms a step", flush=True)
         del llm
     import torch

@@ -263,7 +263,7 @@ def _write(out: Path, args: argparse.Namespace, names: list[str], servers, peers
     compute = compute_table(cells, names, config, peaks) if peaks and config is not None else None
     meta = {"command": "adaflash " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
-            "servers": {n: a for n, a in servers}, "peers": peers,
+            "servers": {n: a for n, a in servers}, "peers": peers, "baseline": names[0],
             "max_batch": args.max_batch, "max_tokens": args.max_tokens,
             "threads_per_server": args.threads or "torch default",
             **({"matmul_peak_gflops": peaks} if peaks else {})}
