@@ -22,7 +22,7 @@ import platform
 import time
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -148,7 +148,7 @@ def main() -> None:
 
     generated = sum(len(r["token_ids"]) for r in results)
     report = {
-        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": _cpu_model(), "cpus": os.cpu_count(),
+        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": cpu_model(), "cpus": os.cpu_count(),
         # the engine core's torch threads: OMP_NUM_THREADS when set (vLLM otherwise lowers 2 cores to 1 thread)
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "dtype": "float32",
         "enforce_eager": True, "speculative_config": spec,

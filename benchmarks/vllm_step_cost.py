@@ -20,7 +20,7 @@ import json
 import os
 import time
 
-from vllm_offline import _cpu_model
+from vllm_offline import cpu_model
 
 
 def _steps(llm, batch: int, tokens: int) -> float:
@@ -91,7 +91,7 @@ def main() -> None:
     import torch
     import vllm
 
-    report = {"vllm": vllm.__version__, "torch": torch.__version__, "cpu": _cpu_model(), "cpus": os.cpu_count(),
+    report = {"vllm": vllm.__version__, "torch": torch.__version__, "cpu": cpu_model(), "cpus": os.cpu_count(),
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "dtype": "float32", "enforce_eager": True,
               "what": "vLLM engine step time by batch size B and draft length k (k = 0: no speculative config)",
               "step_s": {b: {k: row["step_s"] for k, row in by_k.items()} for b, by_k in table.items()},

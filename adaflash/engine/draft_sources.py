@@ -2,8 +2,8 @@
 
 As transformers' candidate generators and vLLM's proposers: `propose` answers, per request, with its drafts this step
 (token ids and the law they were drawn from) or None (not this source's: the next one in the chain asks);
-`feedback` hears how the drafts it proposed fared; `observe_step` the wall time of a step it answered for, priced when
-it answered for every request (its lengths are then the whole verify's). `Drafting` (drafting.py) chains the sources. Two of them:
+`feedback` hears how the drafts it proposed fared; `observe_step` the wall time of a step whose every draft it
+proposed. `Drafting` (drafting.py) chains the sources. Two of them:
 
 - `PromptLookupSource`: n-gram matches in the request's own tokens (no model pass), sized by `LookupLength`.
 - `DrafterSource`: the DFlash drafter with its length policy, its context cache and the target features waiting to
@@ -43,9 +43,8 @@ class DraftSource(Protocol):
     def feedback(self, requests: Sequence[Request], drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """How the step went for the requests this source answered for (in the order it was asked)."""
 
-    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
-        """The step took `seconds` (`lengths`: every request's drafts); `priced`: this source answered for every
-        request in it, so the lengths price the step (LengthPolicy.observe_step)."""
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+        """The step took `seconds`; this source answered for every request in it (`lengths`: their drafts)."""
 
 
 class PromptLookupSource:
@@ -69,7 +68,7 @@ class PromptLookupSource:
             for r, k, a in zip(requests, drafted, accepted):
                 self.length.feedback(r, k, a)
 
-    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
         pass  # lookups are sized by the verify profile alone (engine_factory.lookup_cost says why)
 
 
@@ -155,14 +154,14 @@ class DrafterSource:
         for r, k, a in zip(requests, drafted, accepted):
             self.policy.feedback(r, k, a)
 
-    def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
         # The step's cost teaches a cost model only when its drafter work is what its lengths say: not when the drafter
         # also caught up on a backlog (a prompt, or a request drafting again after idle steps) or ran for a request
-        # that then drafted nothing (a learned head's look), nor when another source's drafts widened the verify (on
-        # text that repeats itself the calibration then learns from fewer steps). The policy hears every step: the
-        # drafting check charges the unpriced ones to the arm they ran in.
+        # that then drafted nothing (a learned head's look). The policy still hears such a step, unpriced: the
+        # drafting check charges it to the arm it ran in. (Drafting asks only when no other source's drafts widened
+        # the verify: on text that repeats itself the calibration then learns from fewer steps.)
         step = self._step
-        priced = priced and step.fed <= self.max_draft + 1 and step.hidden.keys() <= set(step.drafting)
+        priced = step.fed <= self.max_draft + 1 and step.hidden.keys() <= set(step.drafting)
         self.policy.observe_step(lengths, seconds, priced)
 
 

@@ -1,9 +1,9 @@
 """A step's drafting: the draft sources chained, the drafter's context fed, each source told how its drafts fared.
 
 Each decoding request takes the first source that answers for it: prompt lookup where it has a match, else the drafter
-and its length policy (draft_sources.py). Feedback goes back to the source that answered, and a step's wall time to
-every source that answered in it: priced where one source answered for every request (its lengths are then the whole
-verify's).
+and its length policy (draft_sources.py). Feedback goes back to the source that answered; a step's wall time only to a
+source that answered for every request in it (its lengths are then the whole verify's: a step whose verify another
+source widened prices neither source's drafts, nor measures either arm of the drafting check).
 """
 
 from __future__ import annotations
@@ -65,11 +65,9 @@ class Drafting:
             if mine:
                 source.feedback([step.requests[i] for i in mine], [lengths[i] for i in mine],
                                 [accepted[i] for i in mine])
-        seconds = time.perf_counter() - step.start
-        answered = [source for source in self.sources if source in step.sources]
-        whole = len(answered) == 1 and None not in step.sources
-        for source in answered:
-            source.observe_step(lengths, seconds, priced=whole)
+        first = step.sources[0]
+        if first is not None and all(s is first for s in step.sources):
+            first.observe_step(lengths, time.perf_counter() - step.start)
 
     # ---- the drafter's context (prompt lookup reads the request's own tokens) ----------------------
 

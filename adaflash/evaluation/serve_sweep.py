@@ -7,8 +7,8 @@
 Starts one real server per configuration (each on its own port, same --max-batch), then for every dataset
 and concurrency level runs the `bench serve` client against each server in turn, so the methods of one
 cell are measured minutes apart, not an hour apart (these machines drift). Writes OUT.json, OUT.md (table
-with each method's throughput as a ratio of the first server's, and each server's achieved GFLOP/s against an fp32
-matmul peak timed in the same run) and OUT.png (throughput vs concurrency).
+with each method's throughput as a ratio of the baseline server's (the first, or --baseline), and each server's
+achieved GFLOP/s against an fp32 matmul peak timed in the same run) and OUT.png (throughput vs concurrency).
 
 `--peer NAME="llama-server args"` puts llama.cpp beside them (built by `make peer`; the same target GGUF unless
 the args give -m; one parallel slot per client at the highest concurrency), e.g.

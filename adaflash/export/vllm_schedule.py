@@ -28,7 +28,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -53,41 +53,43 @@ def length_for_batch(survival: Sequence[float], cost, batch: int, max_draft: int
     return max(sorted(set(lengths)), key=lengths.count)
 
 
-def batch_schedule(survival: Sequence[float], cost, max_draft: int, max_batch: int) -> list[list[int]]:
-    """[[start, end, k], ...] covering batch sizes 1..max_batch, one length per power-of-two bucket (evaluated at the
-    bucket's lower end), adjacent equal lengths merged."""
-    starts = [b for b in BUCKETS if b <= max_batch]
-    entries = []
+def _ranges(starts: Sequence[int], max_batch: int, length_at: Callable[[int], int]) -> list[list[int]]:
+    """[[start, end, k], ...]: each start covers batch sizes up to the next start (the last up to max_batch) with the
+    length `length_at(start)`; adjacent equal lengths merged."""
+    entries: list[list[int]] = []
     for i, start in enumerate(starts):
         end = starts[i + 1] - 1 if i + 1 < len(starts) else max_batch
-        k = length_for_batch(survival, cost, start, max_draft)
+        k = length_at(start)
         if entries and entries[-1][2] == k:
             entries[-1][1] = end
         else:
             entries.append([start, end, k])
     return entries
+
+
+def batch_schedule(survival: Sequence[float], cost, max_draft: int, max_batch: int) -> list[list[int]]:
+    """[[start, end, k], ...] covering batch sizes 1..max_batch, one length per power-of-two bucket (evaluated at the
+    bucket's lower end), adjacent equal lengths merged."""
+    starts = [b for b in BUCKETS if b <= max_batch]
+    return _ranges(starts, max_batch, lambda batch: length_for_batch(survival, cost, batch, max_draft))
 
 
 def schedule_from_step_costs(survival: Sequence[float], step_s: dict[str, dict[str, float]],
                              max_batch: int) -> list[list[int]]:
     """[[start, end, k], ...] from vLLM's timed steps (`vllm_step_cost.py`'s `step_s[B][k]`, k = 0 without a
     speculative config): for each timed batch size B, the timed k with the most expected tokens per second,
-    (1 + survival[0] + ... + survival[k-1]) / step_s[B][k]; B covers batch sizes up to the next timed one."""
-    def tokens_per_s(batch: str, k: str) -> float:
-        return (1 + sum(survival[: int(k)])) / step_s[batch][k]
+    (1 + survival[0] + ... + survival[k-1]) / step_s[B][k]; B covers batch sizes up to the next timed one. A k = 0
+    range inside a schedule that drafts elsewhere still runs with the speculative config, which costs vLLM more than
+    the timed k = 0 (the drafter loaded, the target's hidden states kept every step): that loss is not priced here."""
+    def best_length(batch: int) -> int:
+        timed = step_s[str(batch)]
+        return int(max((k for k in timed if int(k) <= len(survival)),
+                       key=lambda k: (1 + sum(survival[: int(k)])) / timed[k]))
 
     starts = sorted(int(b) for b in step_s if int(b) <= max_batch)
     if not starts or starts[0] != 1:
         raise ValueError(f"the step costs must time batch size 1 (timed: {sorted(step_s)})")
-    entries = []
-    for i, start in enumerate(starts):
-        end = starts[i + 1] - 1 if i + 1 < len(starts) else max_batch
-        k = int(max((k for k in step_s[str(start)] if int(k) <= len(survival)), key=lambda k: tokens_per_s(str(start), k)))
-        if entries and entries[-1][2] == k:
-            entries[-1][1] = end
-        else:
-            entries.append([start, end, k])
-    return entries
+    return _ranges(starts, max_batch, best_length)
 
 
 def speculative_config(drafter: str, schedule: list[list[int]], max_draft: int) -> dict:

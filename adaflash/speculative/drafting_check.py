@@ -152,8 +152,7 @@ class DraftingGuard:
 
     def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
         """Every step counts toward its arm, priced or not: a learned head's look at the blocks of requests it then
-        keeps from drafting is the drafting arm's cost (left out, the arm never had a rate, and a head that said 0 to
-        every request under load kept the look running every step)."""
+        keeps from drafting, or the drafter catching up on a backlog, is the drafting arm's cost."""
         self.policy.observe_step(lengths, seconds, priced)
         if self.check is not None:
             self.check.record(self.step_tokens, seconds)

@@ -47,8 +47,8 @@ class LengthPolicy(Protocol):
     def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
         """The step that verified these draft lengths (one per request) took `seconds` of wall time. `priced`: False
         where that time is not what the lengths price (the drafter also caught up on a backlog, or read the blocks
-        of requests that then drafted nothing, or lookup drafts widened the verify): no cost model learns from it, but
-        the drafting check counts it toward its arm, whose real cost it is."""
+        of requests that then drafted nothing): no cost model learns from it, but the drafting check counts it toward
+        its arm, whose real cost it is. (A step whose verify prompt-lookup drafts widened is not reported.)"""
 
 
 @dataclass

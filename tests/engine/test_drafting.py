@@ -1,5 +1,5 @@
 """The draft-source chain: each request takes the first source that answers for it, feedback goes back to that source,
-and a step's time to every source that answered in it, priced only for a source that answered for the whole step."""
+and a step's time only to a source that answered for the whole step."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ class Scripted:
         self.script = script
         self.asked: list[list[str]] = []
         self.heard: list[tuple[list[str], list[int], list[int]]] = []
-        self.observed: list[list[int]] = []  # the priced steps' lengths
-        self.unpriced = 0
+        self.observed: list[list[int]] = []
 
     def propose(self, requests):
         self.asked.append([r.request_id for r in requests])
@@ -25,12 +24,9 @@ class Scripted:
     def feedback(self, requests, drafted, accepted):
         self.heard.append(([r.request_id for r in requests], list(drafted), list(accepted)))
 
-    def observe_step(self, lengths, seconds, priced=True):
+    def observe_step(self, lengths, seconds):
         assert seconds >= 0
-        if priced:
-            self.observed.append(list(lengths))
-        else:
-            self.unpriced += 1
+        self.observed.append(list(lengths))
 
 
 def _requests(n: int) -> list[Request]:
@@ -49,7 +45,6 @@ def test_each_request_takes_the_first_source_that_answers_and_feedback_returns_t
     assert first.heard == [(["r0", "r2"], [2, 1], [1, 0])]
     assert second.heard == [(["r1", "r3"], [0, 3], [0, 3])]  # an empty answer is still the source's
     assert first.observed == second.observed == []  # two sources sized the verify: neither's cost alone
-    assert first.unpriced == second.unpriced == 1  # yet each hears the step (a drafting check charges it to its arm)
 
 
 def test_a_step_one_source_answered_whole_teaches_it_the_step_time():
@@ -57,7 +52,7 @@ def test_a_step_one_source_answered_whole_teaches_it_the_step_time():
     drafting = Drafting(first, second)
     step = drafting.propose(_requests(2))
     drafting.feedback(step, [0, 1])
-    assert second.observed == [[0, 1]] and first.heard == [] and first.observed == [] and first.unpriced == 0
+    assert second.observed == [[0, 1]] and first.heard == [] and first.observed == []
     only = Scripted({"r0": (3,), "r1": (4,)})
     later = Scripted({})
     drafting = Drafting(only, later)

@@ -16,6 +16,7 @@ from adaflash.models.registry import resolve_drafter
 from adaflash.models.target import TargetModel
 from adaflash.pipeline import Pipeline
 from adaflash.engine.engine_factory import EngineConfig, build_engine
+from adaflash.speculative.config import SpeculativeConfig
 from adaflash.speculative.length_policy import FixedLength
 
 
@@ -40,9 +41,9 @@ p = Pipeline.load("smollm2-135m", resolve_drafter("smollm2-135m", None), "int8")
 stop = list(p.stop_token_ids)
 prompts = [p.encode(messages=x.messages) for x in load_prompts("gsm8k", "eval", limit=4)]
 max_len = max(map(len, prompts)) + 96 + 17
-engines = {"ar": build_engine(EngineConfig("ar", None, max_batch=1, max_len=max_len), p.engine_models())}
+engines = {"ar": build_engine(EngineConfig(max_batch=1, max_len=max_len), p.engine_models())}
 for name, policy in (("fixed:0", FixedLength(0)), ("every4", Every(4, 2)), ("every1", Every(1, 2))):
-    engine = build_engine(EngineConfig("dflash", "fixed:1", max_batch=1, max_len=max_len), p.engine_models())
+    engine = build_engine(EngineConfig(SpeculativeConfig.of("dflash", "fixed:1"), max_batch=1, max_len=max_len), p.engine_models())
     engine.policy = policy
     engines[name] = engine
 forward = TargetModel.forward
