@@ -218,7 +218,10 @@ def _context(d: dict) -> str:
 def _headline(d: dict) -> str:
     if isinstance(d, dict) and "cells" in d and "servers" in d:
         return _sweep(d)
-    shapes = [("by_dtype", _runtime_speed), ("engine_tokens_per_s", lambda d: f"batch {d['batch']}: "
+    shapes = [("step_s", lambda d: "ms a step at batch 1 / 8 / 32 / 64 by drafts k: " + "; ".join(
+                  f"k={k} " + " / ".join(_f(1e3 * d["step_s"][b][k], 0) for b in ("1", "8", "32", "64"))
+                  for k in d["step_s"]["1"]) + (f"; schedule {d['schedule']}" if "schedule" in d else "")),
+              ("by_dtype", _runtime_speed), ("engine_tokens_per_s", lambda d: f"batch {d['batch']}: "
                f"{_f(d['engine_tokens_per_s'], 1)} tok/s, {_f(d['speedup'])}x transformers"),
               ("tau", _tau), ("final_loss", _curve), ("scores", _holdout_scores),
               ("ece_after", lambda d: f"ECE {_f(d['ece_before'], 3)} -> {_f(d['ece_after'], 3)} at T {_f(d['temperature'])}, "

@@ -14,7 +14,8 @@ which the choice is made again. The chosen arm's stretch starts at `first` steps
 stands (grows 4x where the other arm lost by more than `decisive`), up to `longest`, so a losing arm is found within
 the first ~30 steps and later costs at most about explore / longest of the time; a flip starts the growth over. The first `settle` steps after a
 switch are left out while the caches refill. Rates are kept per batch size (powers of two): tokens a second are
-comparable only at one batch size, and a batch may draft where one request does not.
+comparable only at one batch size, and a batch may draft where one request does not; a new batch size starts from the
+choice of the largest smaller one that has judged both arms, where that was plain.
 """
 
 from __future__ import annotations
@@ -113,8 +114,15 @@ class DraftingChecks:
     def of(self, batch: int) -> DraftingCheck:
         size = self.bucket(batch)
         if size not in self.by_size:  # the template's settings, its own rates and step times
-            self.by_size[size] = replace(self.template, rates={}, step_s={})
+            self.by_size[size] = replace(self.template, rates={}, step_s={}, drafting_chosen=self._starts_drafting(size))
         return self.by_size[size]
+
+    def _starts_drafting(self, size: int) -> bool:
+        """A new batch size starts plain where the largest smaller one that has judged both arms chose plain: verifying
+        drafts only costs more as the batch grows, and under load a first drafting stretch can take as long as
+        several rounds of plain steps."""
+        judged = [s for s, check in self.by_size.items() if s < size and len(check.rates) == 2]
+        return self.by_size[max(judged)].drafting_chosen if judged else self.template.drafting_chosen
 
 
 @dataclass

@@ -87,6 +87,17 @@ def test_checks_are_kept_per_power_of_two_batch_size():
     assert not checks.of(1).drafting_chosen and checks.of(1).explore == 3  # the template's settings
 
 
+def test_a_new_batch_size_starts_plain_where_the_largest_smaller_judged_one_chose_plain():
+    checks = DraftingChecks(DraftingCheck(explore=3, first=5, settle=1, margin=0.05))
+    assert checks.of(2).drafting_chosen  # nothing judged yet: the template's choice
+    _steps(checks.of(4), 9, {True: 100.0, False: 100.0})  # batch 4 judges both arms: drafting stays
+    _steps(checks.of(8), 9, {True: 50.0, False: 100.0})  # batch 8: plain wins
+    assert checks.of(4).drafting_chosen and not checks.of(8).drafting_chosen
+    assert not checks.of(32).drafting_chosen  # from batch 8, the largest smaller judged size
+    assert checks.of(16).drafting_chosen is False and checks.of(3).drafting_chosen  # 3 -> bucket 4, already there
+    assert _steps(checks.of(64), 6, {True: 50.0, False: 100.0}) == [False] * 5 + [True]  # plain first, then explored
+
+
 @pytest.mark.parametrize("bad", [dict(settle=0), dict(explore=8, settle=8), dict(first=32, longest=16)])
 def test_impossible_stretches_are_refused(bad):
     with pytest.raises(ValueError, match="settle < explore"):
