@@ -114,6 +114,7 @@ NOTES: dict[str, dict[str, str]] = {
                                      "of the same run (six-mix, 64 tokens)"},
     "peers/peer_sweep": {"what": "llama-server AR and DFlash (our exported drafter, draft lengths 1 and up) beside our "
                                  "servers (fp32, before the quantized kernels)"},
+    "peers/vllm_policy_lossless": {"headline": "greedy tokens = vLLM AR on 32 of 32 prompts (1424 draft steps, 592 of 4272 drafts accepted)"},
     "peers/llamacpp_interop": {"what": "llama.cpp (DFlash) running the exported shipped drafter: acceptance vs ours, losslessness",
                                "command": "pytest -m peer tests/export/test_llamacpp_interop.py"},
     "peers/llamacpp_dflash": {"what": "llama.cpp's DFlash with the v9 drafter by draft length, and llama-bench",
