@@ -81,7 +81,7 @@ def _gap(entry) -> float:
     return values[0] - values[1] if len(values) > 1 else float("inf")
 
 
-def _counters(llm) -> dict:
+def spec_counters(llm) -> dict:
     wanted = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
               "vllm:spec_decode_num_accepted_tokens")
     out = {}
@@ -156,7 +156,7 @@ def main() -> None:
         "max_tokens": args.max_tokens, "prompts": len(prompts), "sequential": args.sequential,
         "load_s": load_s, "generate_s": elapsed, "output_tokens": generated,
         "output_tok_per_s": generated / elapsed if elapsed else None,
-        "counters": _counters(llm), "results": results,
+        "counters": spec_counters(llm), "results": results,
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -20,16 +20,14 @@ import json
 import os
 import time
 
-from vllm_offline import cpu_model
+from vllm_offline import cpu_model, spec_counters
 
 
 def _steps(llm, batch: int, tokens: int) -> float:
     """Engine steps of a run of `batch` requests in lockstep for `tokens` tokens: from vLLM's draft counter when it
     drafts (draft steps per request), else one step per token."""
-    for metric in llm.get_metrics():
-        if metric.name == "vllm:spec_decode_num_drafts":
-            return metric.value / batch
-    return float(tokens)
+    drafts = spec_counters(llm).get("spec_decode_num_drafts")
+    return float(tokens) if drafts is None else drafts / batch
 
 
 def _timed_run(llm, requests, tokens: int) -> tuple[float, float]:

@@ -115,8 +115,9 @@ def _window_mean(before: dict, after: dict, name: str) -> float | None:
     delta = {k: after.get(f"vllm_{k}", 0) - before.get(f"vllm_{k}", 0) for k in _VLLM_COUNTERS}
     if delta["drafts"] <= 0:
         return None
-    per_step = delta["accepted"] if name == "accept_length" else delta["draft_tokens"]
-    return (name == "accept_length") + per_step / delta["drafts"]
+    if name == "accept_length":  # the drafts kept and the target's own token
+        return 1 + delta["accepted"] / delta["drafts"]
+    return delta["draft_tokens"] / delta["drafts"]
 
 
 async def run_level(
