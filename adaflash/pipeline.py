@@ -77,7 +77,8 @@ class Pipeline:
         # A learning policy (throughput's shared acceptance estimate) adapts across requests. By default every
         # generation starts from a fresh policy, so a benchmark's numbers do not depend on its prompt order;
         # carry_policy_state keeps one policy across generations, as a server's engine does. What the step times
-        # taught of this machine (the policies' shared `CalibratedCost`, in the factory) is kept either way.
+        # taught of this machine (the policies' shared `CalibratedCost` and drafting check, in the factory) is kept
+        # either way.
         self.carry_policy_state = carry_policy_state
         # Prompt-lookup (n-gram) drafts before the drafter's, on the engine; with `ar`, the only drafts.
         self.prompt_lookup = prompt_lookup
@@ -173,7 +174,8 @@ class Pipeline:
         widest = max_verified(self.proposer if speculative.uses_drafter else None, speculative.prompt_lookup) + 1
         config = EngineConfig(speculative, max_batch=1, max_len=len(prompt_ids) + max_new_tokens + widest)
         models = self.engine_models()
-        engine = build_engine(config, models, self._policy_for(config, models) if speculative.uses_drafter else None)
+        policy = self._policy_for(config, models) if speculative.uses_drafter else None
+        engine = build_engine(config, models, policy, self._policy_factory.checks if policy is not None else None)
         request = Request("generate", list(prompt_ids), max_new_tokens, sampling, self.stop_token_ids, seed)
         start = time.perf_counter()
         engine.add_request(request)

@@ -63,7 +63,9 @@ def test_prompt_lookup_paths_reproduce_ar(pipeline):
     for method, policy in [("ar", None), ("dflash", None), ("dflash", "fixed:2")]:
         out = lookup.with_length_policy(policy).generate_ids(ids, method, max_new_tokens=24)
         assert out.token_ids == ar.token_ids, (method, policy)
-        assert sum(out.stats.draft_lengths) > 0
+        # Adaptive lookups open with the drafting check's plain steps, past these matches (their drafts:
+        # tests/engine/test_engine_prompt_lookup.py); fixed:2 runs no check and drafts from the first step.
+        assert sum(out.stats.draft_lengths) > 0 or policy is None
     with pytest.raises(ValueError, match="with --prompt-lookup the serving engine runs"):
         lookup.generate_ids(ids, "dflash", max_new_tokens=4, draft_length=2)
 

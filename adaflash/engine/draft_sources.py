@@ -146,6 +146,12 @@ class DrafterSource:
             drafts[i] = Draft(tuple(chunk.tolist()), probs)
         return drafts
 
+    def hold(self, requests: Sequence[Request]) -> "DrafterSource":
+        """A step of the drafting check's plain arm: these requests are this source's, with no drafts, and neither the
+        policy nor the drafter runs (the policy still hears the step's feedback and time)."""
+        self._step = _DrafterStep(self, requests)
+        return self
+
     def feedback(self, requests: Sequence[Request], drafted: Sequence[int], accepted: Sequence[int]) -> None:
         step = self._step
         if self.observer is not None and step.drafting:
@@ -157,9 +163,9 @@ class DrafterSource:
     def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
         # The step's cost teaches a cost model only when its drafter work is what its lengths say: not when the drafter
         # also caught up on a backlog (a prompt, or a request drafting again after idle steps) or ran for a request
-        # that then drafted nothing (a learned head's look). The policy still hears such a step, unpriced: the
-        # drafting check charges it to the arm it ran in. (Drafting asks only when no other source's drafts widened
-        # the verify: on text that repeats itself the calibration then learns from fewer steps.)
+        # that then drafted nothing (a learned head's look). The policy still hears such a step, unpriced (the
+        # drafting check counts every step toward its arm itself, drafting.py). Drafting asks only when no other
+        # source's drafts widened the verify: on text that repeats itself the calibration learns from fewer steps.
         step = self._step
         priced = step.fed <= self.max_draft + 1 and step.hidden.keys() <= set(step.drafting)
         self.policy.observe_step(lengths, seconds, priced)

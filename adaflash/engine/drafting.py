@@ -3,7 +3,10 @@
 Each decoding request takes the first source that answers for it: prompt lookup where it has a match, else the drafter
 and its length policy (draft_sources.py). Feedback goes back to the source that answered; a step's wall time only to a
 source that answered for every request in it (its lengths are then the whole verify's: a step whose verify another
-source widened prices neither source's drafts, nor measures either arm of the drafting check).
+source widened prices neither source's drafts).
+
+With adaptive lengths the chain runs behind the drafting check (speculative/drafting_check.py): a step of its plain arm
+asks no source (no lookup, no drafter pass, no policy), and every step's committed tokens and time go to its arm.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from adaflash.engine.draft_sources import NO_DRAFT, Draft, DrafterSource, DraftSource, PromptLookupSource
 from adaflash.engine.request import Request
+from adaflash.speculative.drafting_check import DraftingChecks
 
 
 @dataclass(frozen=True)
@@ -39,13 +43,20 @@ class StepDrafts:
 class Drafting:
     """Prompt lookup, then the drafter (either may be absent: without both, every step decodes one token)."""
 
-    def __init__(self, lookup: PromptLookupSource | None, drafter: DrafterSource | None) -> None:
-        self.lookup, self.drafter = lookup, drafter
+    def __init__(self, lookup: PromptLookupSource | None, drafter: DrafterSource | None,
+                 checks: DraftingChecks | None = None) -> None:
+        """`checks`: the drafting check's arms (None: every step drafts as the sources decide)."""
+        self.lookup, self.drafter, self.checks = lookup, drafter, checks
         self.sources: tuple[DraftSource, ...] = tuple(s for s in (lookup, drafter) if s is not None)
 
     def propose(self, requests: Sequence[Request]) -> StepDrafts:
         start = time.perf_counter()
         drafts: list[Draft] = [NO_DRAFT] * len(requests)
+        if self.checks is not None and not self.checks.decide(len(requests)):
+            # The plain arm: the drafter (where there is one) answers for everyone with no drafts, running nothing, so
+            # its policy still hears the step: the throughput policies' calibration learns the plain step here.
+            held = self.drafter.hold(requests) if self.drafter is not None else None
+            return StepDrafts(tuple(requests), tuple(drafts), (held,) * len(requests), start)
         sources: list[DraftSource | None] = [None] * len(requests)
         left = list(range(len(requests)))
         for source in self.sources:
@@ -59,6 +70,7 @@ class Drafting:
 
     def feedback(self, step: StepDrafts, accepted: Sequence[int]) -> None:
         """`accepted`: per request, how many of its drafts the target kept."""
+        seconds = time.perf_counter() - step.start
         lengths = step.lengths
         for source in self.sources:
             mine = [i for i, s in enumerate(step.sources) if s is source]
@@ -67,7 +79,9 @@ class Drafting:
                                 [accepted[i] for i in mine])
         first = step.sources[0]
         if first is not None and all(s is first for s in step.sources):
-            first.observe_step(lengths, time.perf_counter() - step.start)
+            first.observe_step(lengths, seconds)
+        if self.checks is not None:  # every step counts toward its arm, whichever sources drafted in it
+            self.checks.record(sum(a + 1 for a in accepted), seconds)
 
     # ---- the drafter's context (prompt lookup reads the request's own tokens) ----------------------
 

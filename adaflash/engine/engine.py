@@ -24,6 +24,7 @@ from adaflash.models.kv_cache import KVCache, RaggedBatch
 from adaflash.models.layers import argmax_rows
 from adaflash.models.target import TargetModel
 from adaflash.speculative.cost_model import CalibratedCost, CostModel
+from adaflash.speculative.drafting_check import DraftingChecks
 from adaflash.speculative.length_policy import FixedLength, LengthPolicy, LookupLength
 from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
@@ -45,6 +46,7 @@ class Engine:
         prompt_lookup: PromptLookup | None = None,
         lookup_cost: CostModel | CalibratedCost | None = None,
         max_prefill_tokens: int = 2048,
+        drafting_checks: DraftingChecks | None = None,
     ) -> None:
         """`capture_layers`: target layers whose features a plain (drafter-less) engine returns to requests that
         ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers.
@@ -53,7 +55,8 @@ class Engine:
         size the lookups (`LookupLength`), needed unless `prompt_lookup.length` is "all". `max_prefill_tokens`: the
         most prompt tokens one prefill pass takes (admitted prompts go in passes of up to that many; a longer prompt
         alone): a 64-prompt pass ran ~0.8x the tokens a second of 450-1800-token passes (its intermediates outgrow the
-        caches and glibc's reused heap, and are faulted in afresh; docs/results/serving/prefill_pass_size.txt)."""
+        caches and glibc's reused heap, and are faulted in afresh; docs/results/serving/prefill_pass_size.txt).
+        `drafting_checks`: the drafting check the draft sources run behind (adaptive lengths; None: they always ask)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
@@ -77,7 +80,7 @@ class Engine:
         drafter = None
         if proposer is not None:  # the recorder observes the drafter's outcomes
             drafter = DrafterSource(proposer, policy, proposer.new_cache(max_batch, max_len), recorder)
-        self.drafting = Drafting(lookup, drafter)
+        self.drafting = Drafting(lookup, drafter, drafting_checks)
         self._policy_without_drafter = policy if drafter is None else None  # decides nothing; its name is shown
         # A new request reuses the prompt prefix its slot's cache already holds, where that is exact (prefix_reuse.py).
         self.prefixes = SlotPrefixes(max_batch) if target.rows_independent else None

@@ -84,7 +84,7 @@ class LengthPolicyFactory:
     checks: DraftingChecks = field(default_factory=DraftingChecks)
 
     def __call__(self, head=None) -> LengthPolicy:
-        return build_length_policy(self.spec, self.cost, head, self.checks)
+        return build_length_policy(self.spec, self.cost, head)
 
 
 def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthPolicyFactory | None:
@@ -104,15 +104,24 @@ def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthP
     return LengthPolicyFactory(spec, cost)
 
 
-def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolicy | None = None) -> Engine:
+def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolicy | None = None,
+                 checks: DraftingChecks | None = None) -> Engine:
     """The engine `config` describes over `models`. `policy`: one already built from `length_policy_factory` (kept
-    across engines, so what it learned carries over); None builds it for the models' length head."""
+    across engines, so what it learned carries over); None builds it for the models' length head. `checks`: the
+    drafting check's rates where the config's drafts are adaptive (`SpeculativeConfig.adaptive`), a factory's to
+    share them across engines; None: the engine's own."""
     speculative = config.speculative
     proposer = models.proposer if speculative.uses_drafter else None
     if speculative.uses_drafter and proposer is None:
         raise ValueError(f"--method {speculative.name} needs a drafter (--drafter PATH)")
     if policy is None and proposer is not None:
-        policy = length_policy_factory(config, models)(models.length_head)
+        policies = length_policy_factory(config, models)
+        policy = policies(models.length_head)
+        checks = policies.checks if checks is None else checks
+    if not speculative.adaptive:
+        checks = None
+    elif checks is None:
+        checks = DraftingChecks()
     # Positions past the model's trained range would decode garbage, not fail: never cache that far.
     max_len = min(config.max_len, models.target.config.max_position_embeddings)
     recorder = None
@@ -123,7 +132,8 @@ def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolic
                                       record_outcomes=proposer is not None)
     return Engine(models.target, proposer, policy, max_batch=config.max_batch, max_queue=config.max_queue,
                   max_len=max_len, recorder=recorder, prompt_lookup=speculative.prompt_lookup,
-                  lookup_cost=lookup_cost(config, models, proposer), max_prefill_tokens=config.max_prefill_tokens)
+                  lookup_cost=lookup_cost(config, models, proposer), max_prefill_tokens=config.max_prefill_tokens,
+                  drafting_checks=checks)
 
 
 def lookup_cost(config: EngineConfig, models: EngineModels, proposer: DFlashProposer | None) -> CostModel | None:

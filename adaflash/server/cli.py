@@ -47,7 +47,8 @@ def build_runner(args: argparse.Namespace, config: EngineConfig | None = None):
         if config.needs_cost_model:
             print("adaflash serve: loading or profiling the cost model (once per machine)", file=sys.stderr, flush=True)
         policies = length_policy_factory(config, models)  # also what each hot-swapped drafter's policy comes from
-        return build_engine(config, models, policies(models.length_head) if policies else None), (pipeline, policies)
+        policy, checks = (policies(models.length_head), policies.checks) if policies else (None, None)
+        return build_engine(config, models, policy, checks), (pipeline, policies)
 
     runner, (pipeline, policies) = EngineRunner.launch(build)
     watcher = None

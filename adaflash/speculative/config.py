@@ -201,6 +201,16 @@ class SpeculativeConfig:
         return self.length_policy is not None or self.prompt_lookup is not None
 
     @property
+    def adaptive(self) -> bool:
+        """Drafts are sized to what pays (an adaptive length policy, or prompt lookups sized by throughput): the
+        engine runs its draft sources behind the drafting check (speculative/drafting_check.py). `fixed:K` stays
+        fixed, lookups included."""
+        policy = self.engine_policy
+        if policy is not None:
+            return policy.name != FIXED
+        return self.prompt_lookup is not None and self.prompt_lookup.length == "throughput"
+
+    @property
     def engine_policy(self) -> LengthPolicySpec | None:
         """The length policy an engine runs for this config (None: nothing drafts with a drafter)."""
         if not self.uses_drafter:

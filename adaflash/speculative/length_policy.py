@@ -4,8 +4,8 @@ The engine's drafter source (engine/draft_sources.py) calls `decide` once per st
 without a prompt-lookup match, `feedback` after verification, and `observe_step` with the step's wall time. Each
 policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`, `block-head`) is what logs and
 metrics show; `build_length_policy` makes one from its spec (`config.py`'s `LengthPolicySpec`, where a spec is
-checked), every adaptive one behind the drafting check (`drafting_check.py`: plain stretches wherever drafting commits
-fewer tokens a second). The cost model the throughput policies read is in `cost_model.py`.
+checked); the engine runs every adaptive one behind the drafting check (`drafting_check.py`: plain stretches wherever
+drafting commits fewer tokens a second). The cost model the throughput policies read is in `cost_model.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 
 from adaflash.speculative.config import FIXED, LengthPolicySpec, length_policy_of
 from adaflash.speculative.cost_model import CalibratedCost, CostModel
-from adaflash.speculative.drafting_check import DraftingChecks, DraftingGuard
 
 if TYPE_CHECKING:  # the heads import torch.nn modules the rule-based policies never need
     from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
@@ -357,20 +356,15 @@ class BlockHeadLength:
         pass
 
 
-def build_length_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCost | None = None, head=None,
-                        checks: DraftingChecks | None = None) -> LengthPolicy:
+def build_length_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCost | None = None,
+                        head=None) -> LengthPolicy:
     """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model, corrected by measured step times),
     `throughput-profiled` (the profile alone: the calibration's ablation), `adaflash` (cost model + a per-position
     acceptance head) or `block-head` (the paper's block-level head); a string is parsed (`LengthPolicySpec`, where
-    every spec is checked). Every one but `fixed:K` runs behind the drafting check (`DraftingGuard`); `checks`: its
-    rates shared with other policies (None: the policy gets its own)."""
+    every spec is checked). The engine runs every one but `fixed:K` behind the drafting check (engine/drafting.py)."""
     spec = length_policy_of(spec)
     if spec.name == FIXED:
         return FixedLength(spec.length)
-    return DraftingGuard(_adaptive_policy(spec, cost, head), checks or DraftingChecks())
-
-
-def _adaptive_policy(spec: LengthPolicySpec, cost: CostModel | CalibratedCost | None, head) -> LengthPolicy:
     if spec.name == "heuristic":
         return HeuristicLength()
     if spec.needs_cost_model and cost is None:

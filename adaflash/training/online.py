@@ -94,7 +94,7 @@ class OnlineAdaptation:
             models = pipeline.engine_models(drafter_version=self.current.name)
             config = EngineConfig(self._speculative(models.length_head), max_batch=cfg.max_batch, max_len=1024)
             policies = length_policy_factory(config, models)  # its cost model serves every round's policy
-            return build_engine(config, models, policies(models.length_head)), (pipeline, policies)
+            return build_engine(config, models, policies(models.length_head), policies.checks), (pipeline, policies)
 
         self.runner, (self.pipeline, self.policies) = EngineRunner.launch(build)
         self.target = self.pipeline.target

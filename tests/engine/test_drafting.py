@@ -1,11 +1,14 @@
 """The draft-source chain: each request takes the first source that answers for it, feedback goes back to that source,
-and a step's time only to a source that answered for the whole step."""
+a step's time only to a source that answered for the whole step, and every step to its arm of the drafting check."""
 
 from __future__ import annotations
+
+import time
 
 from adaflash.engine.draft_sources import NO_DRAFT, Draft
 from adaflash.engine.drafting import Drafting
 from adaflash.engine.request import Request
+from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
 
 
 class Scripted:
@@ -67,3 +70,59 @@ def test_without_sources_every_request_decodes_one_token():
     drafting.feedback(step, [0, 0, 0])  # nobody to tell
     drafting.restart_context(0, 0)
     drafting.release(0)  # no drafter: no context to keep
+
+
+class HeldDrafter(Scripted):
+    """A drafter-like source: a step of the check's plain arm holds its requests (`DrafterSource.hold`); its drafting
+    steps take `seconds` (a drafter pass and a wider verify)."""
+
+    def __init__(self, script, seconds: float = 0.0) -> None:
+        super().__init__(script)
+        self.seconds, self.held = seconds, 0
+
+    def hold(self, requests):
+        self.held += 1
+        return self
+
+    def propose(self, requests):
+        time.sleep(self.seconds)
+        return super().propose(requests)
+
+
+def test_a_step_of_the_plain_arm_asks_no_source_and_the_drafter_still_hears_it():
+    lookup, drafter = Scripted({"r0": (7,)}), HeldDrafter({"r1": (5,)})
+    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1))  # a batch size opens with plain steps
+    drafting = Drafting(lookup, drafter, checks)
+    step = drafting.propose(_requests(2))
+    assert not step.any and lookup.asked == [] and drafter.asked == [] and drafter.held == 1
+    drafting.feedback(step, [0, 0])
+    assert drafter.heard == [(["r0", "r1"], [0, 0], [0, 0])] and drafter.observed == [[0, 0]]  # calibration learns
+    assert checks.current is checks.of(2) and checks.current.elapsed > 0
+
+
+def test_every_step_counts_toward_its_arm_whichever_sources_drafted_in_it():
+    lookup, drafter = Scripted({"r0": (7, 8)}), HeldDrafter({"r1": (5,)})
+    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1, drafting_chosen=True))
+    drafting = Drafting(lookup, drafter, checks)
+    for _ in range(3):
+        step = drafting.propose(_requests(2))
+        assert step.sources == (lookup, drafter)  # two sources: neither learns the step's cost ...
+        drafting.feedback(step, [2, 1])
+    assert drafter.observed == [] and checks.of(2).tokens == 2 * 5  # ... but the arm does: 5 tokens a measured step
+
+
+def test_a_drafting_arm_that_slows_every_step_is_dropped_and_tried_ever_more_rarely():
+    """transformers' schedule never stops drafting on its own: behind the check, drafting steps that take longer for
+    the same tokens lose to plain ones within the first few dozen steps."""
+    drafter = HeldDrafter({"r0": (5, 6)}, seconds=0.002)
+    checks = DraftingChecks()
+    drafting = Drafting(None, drafter, checks)
+    arms = []
+    for _ in range(300):
+        step = drafting.propose(_requests(1))
+        arms.append(step.any)
+        drafting.feedback(step, [0])  # every draft rejected: one token a step either way
+    check = checks.of(1)
+    assert not check.drafting_chosen and check.rates[False] > check.rates[True] * (1 + check.decisive)
+    assert not any(arms[: check.settle + 4]) and 0 < sum(arms) <= 3 * check.explore
+    assert not any(arms[-100:])  # the plain stretch has grown past 100 steps

@@ -18,6 +18,7 @@ from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
 from adaflash.speculative.config import METHODS, LengthPolicySpec, SpeculativeConfig
 from adaflash.speculative.length_policy import build_length_policy
+from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
 
@@ -93,3 +94,27 @@ def test_cost_model_policies_profile_once_and_share_it(models, tmp_path, monkeyp
         build_engine(engine_config("adaflash", max_batch=2), models)  # this drafter carries no head
     assert length_policy_factory(engine_config("ar"), models) is None
     assert length_policy_factory(engine_config("dflash", "heuristic"), models).cost is None
+
+
+def test_adaptive_drafts_and_only_they_run_behind_the_drafting_check(models):
+    """An adaptive length policy, or lookups sized by throughput, runs behind the check; fixed:K stays fixed (lookups
+    included); an engine built on a factory's policy shares that factory's check (a pipeline's generations, a server's
+    hot-swapped drafters)."""
+    lookup = PromptLookup(4)
+    behind = {
+        ("dflash", "heuristic", None): True,
+        ("dflash", "fixed:2", None): False,
+        ("dflash", "fixed:2", lookup): False,
+        ("ar", None, lookup): True,
+        ("ar", None, PromptLookup(4, length="all")): False,
+        ("ar", None, None): False,
+    }
+    for (method, policy, prompt_lookup), checked in behind.items():
+        config = EngineConfig(SpeculativeConfig.of(method, policy, prompt_lookup=prompt_lookup), max_len=64)
+        assert config.speculative.adaptive == checked
+        engine = build_engine(config, models)
+        assert (engine.drafting.checks is not None) == checked, (method, policy, prompt_lookup)
+    config = engine_config("dflash", "heuristic", max_len=64)
+    policies = length_policy_factory(config, models)
+    engines = [build_engine(config, models, policies(), policies.checks) for _ in range(2)]
+    assert engines[0].drafting.checks is engines[1].drafting.checks is policies.checks

@@ -8,7 +8,6 @@ import torch
 
 from adaflash.engine.request import Request
 from adaflash.speculative.cost_model import CostModel
-from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks, DraftingGuard
 from adaflash.speculative.length_policy import (
     FixedLength,
     HeuristicLength,
@@ -120,10 +119,10 @@ def test_throughput_stops_drafting_long_once_measured_steps_say_drafting_costs_m
     """The profile prices a one-draft step at +1 ms over decode; this machine's engine adds 6 ms per drafting request
     (its feed, verifier, rollback). The calibrated policy learns that from the step times and drafts longer only
     where the gain pays for it; the profile-only policy keeps drafting at the profile's length. (The policies alone, without
-    the drafting check that would also stop them drafting: test_a_losing_heuristic_falls_back_....)"""
+    the drafting check that would also stop them drafting: tests/engine/test_drafting.py.)"""
     cost = CostModel(total_tokens=(1, 2, 4, 8), verify_s=(0.010, 0.011, 0.012, 0.014), draft_s=0.001)
-    calibrated = build_length_policy("throughput", cost).policy
-    profiled = build_length_policy("throughput-profiled", cost).policy
+    calibrated = build_length_policy("throughput", cost)
+    profiled = build_length_policy("throughput-profiled", cost)
     assert profiled.name == "throughput-profiled" and calibrated.name == "throughput"
     lengths = {}
     for policy in (calibrated, profiled):
@@ -227,71 +226,11 @@ def test_adaflash_stops_looking_where_its_head_keeps_declining():
     assert 0 < looks[0.05] < looks[0.15] < 100  # it still looks now and then: the evidence fades, the request reopens
 
 
-def test_a_guarded_policy_drafts_only_in_the_drafting_arm():
-    """Where the check has found plain steps commit more a second (the drafter slows the steps around it), the policy
-    drafts nothing but in the explored stretch; the tokens each step committed reach the check with its time."""
-    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1, drafting_chosen=False))
-    policy, (r,) = DraftingGuard(FixedLength(3), checks), _requests(1)
-    drafted = []
-    for _ in range(12):
-        (k,) = policy.decide([r], 7)
-        drafted.append(k > 0)
-        policy.feedback(r, drafted=k, accepted=k)
-        policy.observe_step([k], 0.01 if k else 0.005)  # plain steps commit 1 token in 5 ms: 200/s
-    assert drafted == [False] * 8 + [True] * 4
-    check = checks.of(1)
-    assert check.rates == {False: pytest.approx(200.0)}  # the drafting stretch closes at the next step
-    (k,) = policy.decide([r], 7)
-    assert check.rates[True] == pytest.approx(400.0) and check.drafting_chosen and k > 0  # 4 tokens in 10 ms
-
-
-def test_each_batch_size_has_its_own_check():
-    """Tokens a second are comparable only at one batch size: a batch's steps never advance one request's check."""
-    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1))
-    policy = DraftingGuard(HeuristicLength(initial=3), checks)
-    for _ in range(5):
-        lengths = policy.decide(_requests(3), 7)
-        assert lengths == [3, 3, 3]
-    assert set(checks.by_size) == {4} and checks.of(3) is checks.of(4) and checks.of(1) is not checks.of(4)
-    assert checks.of(4).left == 3 and checks.of(1).arm is None
-
-
 @pytest.mark.parametrize("spec", ["heuristic", "throughput", "throughput-profiled"])
-def test_every_adaptive_policy_is_guarded_and_reads_through(spec):
+def test_every_adaptive_policy_is_built_by_its_name(spec):
     cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)
     policy = build_length_policy(spec, cost)
-    assert isinstance(policy, DraftingGuard) and policy.name == spec
+    assert policy.name == spec
     if spec != "heuristic":
         assert policy.step_cost is not None and policy.shared_alpha == pytest.approx(0.6)
-    assert not isinstance(build_length_policy("fixed:3"), DraftingGuard)
-
-
-def test_a_losing_heuristic_falls_back_to_plain_within_a_few_dozen_steps():
-    """transformers' schedule never stops drafting on its own; behind the check, a drafter that slows every step to
-    no gain is dropped after its first stretch and the plain one, then tried again ever more rarely."""
-    policy, (r,) = build_length_policy("heuristic"), _requests(1)
-    arms = []
-    for _ in range(400):
-        (k,) = policy.decide([r], 7)
-        arms.append(k > 0)
-        policy.feedback(r, drafted=k, accepted=0)  # every draft rejected: one token a step either way
-        policy.observe_step([k], 0.013 if k else 0.010)
-    check = policy.checks.of(1)
-    first = check.first + check.explore
-    assert all(arms[: check.first]) and not any(arms[check.first : first])
-    assert not check.drafting_chosen and sum(arms[first:]) <= 2 * check.explore  # the drafting arm explored rarely
-
-
-def test_the_policies_of_one_factory_share_their_drafting_checks():
-    """A pipeline builds a policy per generation and a server one per drafter: what the check measured of this machine
-    must carry over, as the calibration does."""
-    from adaflash.engine.engine_factory import LengthPolicyFactory
-    from adaflash.speculative.config import LengthPolicySpec
-    from adaflash.speculative.cost_model import CalibratedCost
-
-    cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)
-    factory = LengthPolicyFactory(LengthPolicySpec("throughput"), CalibratedCost(cost))
-    first, second = factory(), factory()
-    assert first is not second and first.checks is second.checks is factory.checks
-    assert first.step_cost is second.step_cost
-    assert build_length_policy("throughput", cost).checks is not build_length_policy("throughput", cost).checks
+    assert isinstance(build_length_policy("fixed:3"), FixedLength)

@@ -1,0 +1,126 @@
+"""What a length policy's own work costs a step, beside the plain decode step it rides on.
+
+    python benchmarks/policy_overhead.py --dtype fp32 --threads 2 --out docs/results/adaflash/policy_overhead.json
+
+Per batch size: our engine's plain decode step (`fixed:0`, every slot busy; the median of timed steps) and, timed
+apart in the same process, each adaptive policy's bookkeeping for one step of that batch as the engine runs it: the
+drafting check's decision and record, the policy's `decide` (a learned head's forward included, on block hidden states
+handed to it: the drafter pass that makes them is the drafter's cost, not the policy's), every request's feedback, and
+the step's observation (the calibration's update); `lookup sizing` is `LookupLength` over 8-token matches. Outcomes are
+drawn at a 50% per-position acceptance and the check kept in its drafting arm, the dearer one (a plain-arm step skips
+`decide`). Run with nothing else on the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from adaflash.cli_args import configure_process
+from adaflash.engine.engine_factory import EngineConfig, build_engine, length_policy_factory
+from adaflash.engine.request import Request
+from adaflash.models.kernels.selection import cpu_model
+from adaflash.models.registry import shipped_drafter
+from adaflash.pipeline import Pipeline
+from adaflash.report import markdown_table, write_report
+from adaflash.speculative.config import SpeculativeConfig
+from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
+from adaflash.speculative.length_policy import LookupLength, build_length_policy
+
+POLICIES = ("heuristic", "throughput", "throughput-profiled", "adaflash")
+
+
+def decode_step_s(pipeline: Pipeline, batch: int, steps: int) -> float:
+    """The median plain decode step of an engine with `batch` busy slots."""
+    config = EngineConfig(SpeculativeConfig.of("dflash", "fixed:0"), max_batch=batch, max_len=64 + steps + 32)
+    engine = build_engine(config, pipeline.engine_models())
+    for i in range(batch):
+        engine.add_request(Request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(64)], steps + 8))
+    engine.step()  # the prefill
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def policy_step_s(policy, batch: int, max_draft: int, hidden: torch.Tensor, steps: int, seed: int = 0) -> float:
+    """The median seconds of one step's bookkeeping: check, decide, feedback, observe."""
+    rng = random.Random(seed)
+    checks = DraftingChecks(DraftingCheck(drafting_chosen=True, stretch=10 ** 6))  # always the drafting arm
+    requests = [Request(f"r{i}", [1, 2], 10 ** 6) for i in range(batch)]
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        checks.decide(batch)
+        lengths = policy.decide(requests, max_draft, lambda rows: hidden[: len(rows)])
+        accepted = [next((j for j in range(k) if rng.random() > 0.5), k) for k in lengths]
+        for r, k, a in zip(requests, lengths, accepted):
+            policy.feedback(r, k, a)
+        policy.observe_step(lengths, 0.01 * batch)
+        checks.record(sum(accepted) + batch, 0.01 * batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[5:])
+
+
+def lookup_step_s(cost, batch: int, steps: int, seed: int = 0) -> float:
+    rng = random.Random(seed)
+    sizing = LookupLength(cost)
+    requests = [Request(f"r{i}", [1, 2], 10 ** 6) for i in range(batch)]
+    proposals = [list(range(8))] * batch
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        lengths = sizing.decide(requests, proposals)
+        for r, k in zip(requests, lengths):
+            sizing.feedback(r, k, next((j for j in range(k) if rng.random() > 0.5), k))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[5:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "int8"])
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    threads = configure_process(args.threads, "cpu")
+    batches = [int(b) for b in args.batches.split(",")]
+    pipeline = Pipeline.load("smollm2-135m", shipped_drafter("smollm2-135m", "adaflash"), args.dtype)
+    models = pipeline.engine_models()
+    config = EngineConfig(SpeculativeConfig.of("dflash", "throughput"), max_batch=max(batches))
+    cost = length_policy_factory(config, models).cost
+    block = models.proposer.block_size
+    hidden = torch.randn(max(batches), block, pipeline.length_head.config.hidden_size)
+    rows, report = [], {"decode_step_s": {}, "policy_step_s": {}}
+    for batch in batches:
+        decode = decode_step_s(pipeline, batch, args.steps)
+        report["decode_step_s"][batch] = decode
+        costs = {name: policy_step_s(build_length_policy(name, cost, pipeline.length_head), batch, block - 1, hidden,
+                                     args.steps) for name in POLICIES}
+        costs["lookup sizing"] = lookup_step_s(cost.profile, batch, args.steps)
+        report["policy_step_s"][batch] = costs
+        rows += [[str(batch), f"{decode * 1e3:.2f}", name, f"{s * 1e6:.0f}", f"{100 * s / decode:.2f}%"]
+                 for name, s in costs.items()]
+    report.update(command=" ".join(["python", "benchmarks/policy_overhead.py",
+                                    *(argv if argv is not None else sys.argv[1:])]),
+                  machine={"cpu": cpu_model(), "threads": threads, "dtype": args.dtype})
+    text = (f"A length policy's own work per engine step beside the plain decode step, {report['machine']['cpu']}, "
+            f"{threads} threads, {args.dtype}. Command: `{report['command']}`\n\n"
+            + markdown_table(["batch", "decode step ms", "policy", "policy µs a step", "of the decode step"], rows)
+            + "\n")
+    write_report(args.out, report, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""The policy-overhead benchmark times each policy's real bookkeeping for a step, at the batch size asked."""
+
+from __future__ import annotations
+
+import torch
+
+from adaflash.speculative.cost_model import CostModel
+from adaflash.speculative.length_policy import HeuristicLength, ThroughputLength
+from benchmarks.policy_overhead import lookup_step_s, policy_step_s
+
+COST = CostModel(total_tokens=(1, 8, 64), verify_s=(0.01, 0.012, 0.08), draft_s=0.001)
+
+
+def test_a_policy_step_is_timed_in_the_drafting_arm_with_every_request_heard():
+    heard = []
+
+    class Counting(HeuristicLength):
+        def feedback(self, request, drafted, accepted):
+            heard.append((drafted, accepted))
+            super().feedback(request, drafted, accepted)
+
+    assert policy_step_s(Counting(initial=3), 4, 7, torch.zeros(4, 8, 16), steps=10) > 0
+    assert len(heard) == 4 * 10 and all(d == 3 for d, _ in heard[:4])  # the drafting arm: the policy drafted
+    assert policy_step_s(ThroughputLength(COST), 8, 7, torch.zeros(8, 8, 16), steps=10) > 0
+    assert lookup_step_s(COST, 8, steps=10) > 0
