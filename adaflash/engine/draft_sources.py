@@ -91,17 +91,28 @@ class DrafterSource:
 
     # ---- context ---------------------------------------------------------------------------------
 
+    def context_length(self, slot: int) -> int:
+        """Positions of `slot` the drafter's context holds or has waiting: what a new request there may reuse."""
+        held = self.cache.lengths[slot]
+        if slot in self._pending:
+            start, chunks = self._pending[slot]
+            held = start + sum(len(c) for c in chunks)
+        return held
+
     def restart_context(self, slot: int, keep: int) -> None:
-        """A new request takes `slot`, whose context keeps its first `keep` positions."""
-        self.cache.rollback(slot, keep)
-        self._pending.pop(slot, None)
+        """A new request takes `slot`, whose context keeps its first `keep` positions, fed or still waiting: a finished
+        request's waiting features stay until then, since the next request there may reuse their prefix (one kept
+        from drafting fed none, and its prompt is the likeliest prefix of the next)."""
+        fed = int(self.cache.lengths[slot])
+        self.cache.rollback(slot, min(keep, fed))
+        pending = self._pending.pop(slot, None)
+        if pending is not None and keep > fed:  # waiting features of the kept prefix: still to be fed
+            start, chunks = pending
+            self._pending[slot] = (start, [torch.cat(chunks)[: keep - start]])
 
     def add_context(self, slot: int, start: int, features: torch.Tensor) -> None:
         """Target features of committed positions from `start` on (after any still pending for the slot)."""
         self._pending.setdefault(slot, (start, []))[1].append(features)
-
-    def release(self, slot: int) -> None:
-        self._pending.pop(slot, None)
 
     def feed_context(self, slots: Sequence[int]) -> int:
         """One ragged drafter-context pass over the pending target features of these slots; returns the most

@@ -85,6 +85,10 @@ class Drafting:
 
     # ---- the drafter's context (prompt lookup reads the request's own tokens) ----------------------
 
+    def context_length(self, slot: int) -> int | None:
+        """Positions of `slot` the drafter's context holds, fed or waiting (None: no drafter)."""
+        return self.drafter.context_length(slot) if self.drafter is not None else None
+
     def restart_context(self, slot: int, keep: int) -> None:
         if self.drafter is not None:
             self.drafter.restart_context(slot, keep)
@@ -93,6 +97,3 @@ class Drafting:
         if self.drafter is not None:
             self.drafter.add_context(slot, start, features)
 
-    def release(self, slot: int) -> None:
-        if self.drafter is not None:
-            self.drafter.release(slot)

@@ -163,7 +163,6 @@ class Engine:
 
     def _release(self, request: Request) -> None:
         if request.slot is not None and request in self.scheduler.running:
-            self.drafting.release(request.slot)
             if self.prefixes is not None:  # what the slot's cache holds: every position below its length
                 held = self.target_cache.lengths[request.slot]
                 self.prefixes.remember(request.slot, (request.prompt_ids + request.output_ids)[:held])
@@ -174,13 +173,12 @@ class Engine:
 
     def _reusable(self, request: Request) -> int:
         """Leading prompt positions `request`'s slot holds and may keep (none where the prompt's features are asked
-        for, or without reuse); with a drafter, no more than its context cache holds too."""
+        for, or without reuse); with a drafter, no more than its context holds too (fed, or waiting to be fed)."""
         if self.prefixes is None or request.return_features:
             return 0
         keep = self.prefixes.reusable(request.slot, request.prompt_ids)
-        if self.draft_cache is not None:
-            keep = min(keep, self.draft_cache.lengths[request.slot])
-        return keep
+        drafter_held = self.drafting.context_length(request.slot)
+        return keep if drafter_held is None else min(keep, drafter_held)
 
     def swap_proposer(self, proposer: DFlashProposer, policy: LengthPolicy | None = None, version: str = "") -> None:
         """Between steps, a new drafter (a published checkpoint) takes over; running requests keep going.

@@ -69,7 +69,7 @@ def test_without_sources_every_request_decodes_one_token():
     assert step.drafts == (NO_DRAFT,) * 3 and not step.any and step.sources == (None,) * 3
     drafting.feedback(step, [0, 0, 0])  # nobody to tell
     drafting.restart_context(0, 0)
-    drafting.release(0)  # no drafter: no context to keep
+    assert drafting.context_length(0) is None  # no drafter: no context to keep
 
 
 class HeldDrafter(Scripted):

@@ -200,3 +200,42 @@ def test_int8_engine_reuses_a_slots_prompt_prefix_exactly(smollm2_dir, pipeline)
         # The slot held the first turn and most of its answer (with a drafter: what its context cache had been fed).
         assert engine.prompt_tokens_reused >= n + len(answer) // 2
         assert again == run(Engine(int8, drafter, max_batch=1, max_len=512), second)
+
+
+def test_a_request_kept_from_drafting_leaves_its_whole_prefix_for_the_next(smollm2_dir, pipeline):
+    """A request the policy kept at zero drafts fed the drafter nothing: its features wait. The next request in its slot
+    reuses the whole held prefix all the same (what an AR engine reuses), and when it drafts, the waiting features are
+    fed then: its drafts fare exactly as in a fresh engine (the int8 target's features are bitwise those of a fresh
+    prefill), and its tokens are the target's."""
+    from adaflash.engine.engine import Engine
+    from adaflash.engine.request import Request
+    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.kernels.selection import fast_linears_available
+    from adaflash.models.registry import shipped_drafter
+    from adaflash.speculative.length_policy import FixedLength
+    from adaflash.speculative.proposer import DFlashProposer
+
+    if not fast_linears_available(pipeline.target.lm_head):
+        pytest.skip("our CPU kernels are unavailable here")
+    int8 = load_target(smollm2_dir, dtype=torch.float32, int8_activations=True)
+    proposer = DFlashProposer(load_drafter(shipped_drafter("smollm2-135m"), dtype=torch.float32), int8)
+    ids = pipeline.encode(messages=[{"role": "user", "content": "Count from one to ten in words."}])
+
+    def run(engine: Engine, prompt: list[int]) -> Request:
+        request = Request(f"r{engine.prompt_tokens}", prompt, 24, stop_token_ids=pipeline.stop_token_ids)
+        engine.add_request(request)
+        while engine.has_work():
+            engine.step()
+        return request
+
+    engine = Engine(int8, proposer, FixedLength(0), max_batch=1, max_len=512)
+    answer = run(engine, ids).output_ids
+    follow = pipeline.tokenizer.encode("\n<|im_start|>user\nNow in French.<|im_end|>\n<|im_start|>assistant\n",
+                                       add_special_tokens=False)
+    second = ids + answer + follow
+    engine.policy = FixedLength(3)
+    again = run(engine, second)
+    assert engine.prompt_tokens_reused == len(ids) + len(answer) - 1  # every position the slot computed
+    fresh = run(Engine(int8, proposer, FixedLength(3), max_batch=1, max_len=512), second)
+    assert again.output_ids == fresh.output_ids and sum(again.draft_lengths) > 0
+    assert again.accept_lengths == fresh.accept_lengths  # the drafter's context is a fresh one's
