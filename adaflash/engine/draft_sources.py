@@ -93,7 +93,7 @@ class DrafterSource:
 
     def context_length(self, slot: int) -> int:
         """Positions of `slot` the drafter's context holds or has waiting: what a new request there may reuse."""
-        held = self.cache.lengths[slot]
+        held = int(self.cache.lengths[slot])
         if slot in self._pending:
             start, chunks = self._pending[slot]
             held = start + sum(len(c) for c in chunks)

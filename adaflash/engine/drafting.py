@@ -70,13 +70,13 @@ class Drafting:
 
     def feedback(self, step: StepDrafts, accepted: Sequence[int]) -> None:
         """`accepted`: per request, how many of its drafts the target kept."""
-        seconds = time.perf_counter() - step.start
         lengths = step.lengths
         for source in self.sources:
             mine = [i for i, s in enumerate(step.sources) if s is source]
             if mine:
                 source.feedback([step.requests[i] for i in mine], [lengths[i] for i in mine],
                                 [accepted[i] for i in mine])
+        seconds = time.perf_counter() - step.start  # the policies' feedback included: part of a step's cost
         first = step.sources[0]
         if first is not None and all(s is first for s in step.sources):
             first.observe_step(lengths, seconds)

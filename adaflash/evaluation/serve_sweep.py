@@ -81,8 +81,10 @@ def _parse_server(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(rest)
 
 
-def measure_cell(names: list[str], run: Callable[[str], dict], rounds: int = 1) -> dict[str, dict]:
-    """Every server's result in one cell, `run(name)` each, `rounds` times. The baseline (names[0]) runs before each
+def measure_cell(names: list[str], run: Callable[[str], dict], rounds: int = 1, warmup: int = 0) -> dict[str, dict]:
+    """Every server's result in one cell, `run(name)` each, `rounds` times, after `warmup` untimed runs of each (a
+    server's first run of a cell's prompts finds no prompt prefix to reuse and its drafting check at a new batch size
+    opening: a long-running server is past both). The baseline (names[0]) runs before each
     round and once more after the last, so what drifts during a cell (warm-up, the machine's clock) lands on both
     sides of every ratio: a server's `ratio` is the median over rounds of its throughput over the mean of the two
     baseline runs around it. Each round starts with the next server (A B C, B C A, ...), so no server always runs
@@ -90,6 +92,9 @@ def measure_cell(names: list[str], run: Callable[[str], dict], rounds: int = 1) 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     others = names[1:]
+    for _ in range(warmup):
+        for n in names:
+            run(n)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     runs[names[0]].append(run(names[0]))
     for r in range(rounds if others else 0):
@@ -246,7 +251,7 @@ def _cmd(args: argparse.Namespace) -> int:
                           f"accept {r.accept_len_mean}  verify {r.verify_len_mean}", flush=True)
                     return asdict(r)
 
-                results = measure_cell(names, run, args.rounds)
+                results = measure_cell(names, run, args.rounds, args.warmup)
                 cells.append({"dataset": ds, "concurrency": c, "num_prompts": n_prompts,
                               "prompt_tokens": sum(map(size, pool)), "results": results})
                 _write(out, args, names, servers, peer_cmds, cells, peaks, config)  # partial results survive an interruption
@@ -271,7 +276,8 @@ def _write(out: Path, args: argparse.Namespace, names: list[str], servers, peers
     markdown = (
         f"# Serving sweep\n\n`{meta['command']}`\n\nMachine: {meta['machine']}. Greedy, streaming chat completions, "
         f"{args.max_tokens} max tokens, max batch {args.max_batch}; each cell runs the servers one after another on "
-        f"the same prompts, {args.rounds} round(s). Ratios are against `{names[0]}`, which runs before every round "
+        f"the same prompts, {args.rounds} round(s)"
+        f"{f' after {args.warmup} untimed run(s) of each' if getattr(args, 'warmup', 0) else ''}. Ratios are against `{names[0]}`, which runs before every round "
         f"and after the last: a ratio is the median over rounds of a server's throughput over the mean of the two "
         f"baseline runs around it (with several rounds, their range in brackets); throughputs are medians over runs, "
         f"every run in the JSON.\n\n" + sweep_table(cells, names) + (compute[1] if compute else ""))
@@ -333,6 +339,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="run every server this many times per cell, the baseline between rounds: ratios are medians "
                    "over rounds (on a machine whose speed drifts, 3 or more)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed runs of every server per cell before the rounds (the steady state of a long-running "
+                   "server: prompt prefixes to reuse, drafting checks past their opening)")
     p.add_argument("--port", type=int, default=8310, help="first server's port; the others follow")
     p.add_argument("--threads", type=int, default=None,
                    help="OMP threads per server (pin to 1 when other work shares the machine: OpenMP stalls under contention)")

@@ -45,6 +45,18 @@ def test_rounds_rotate_the_order_and_each_ratio_uses_the_baseline_runs_around_it
     assert results["b"]["runs_tok_s"] == [90.0, 85.0, 66.0]
 
 
+def test_warmup_runs_every_server_untimed_first():
+    order, speeds = [], iter([10.0, 20.0, 30.0, 100.0, 110.0, 90.0, 100.0])
+
+    def run(name):
+        order.append(name)
+        return {"output_tokens_per_s": next(speeds), "failed": 0, "accept_len_mean": 1.0}
+
+    results = measure_cell(["ar", "a", "b"], run, rounds=1, warmup=1)
+    assert order == ["ar", "a", "b", "ar", "a", "b", "ar"]
+    assert results["ar"]["runs_tok_s"] == [100.0, 100.0] and results["a"]["ratio"] == pytest.approx(1.1)
+
+
 def test_the_compute_table_counts_each_cells_prompts_against_the_higher_peak():
     from adaflash.evaluation.flops import linear_flops_per_token
     from adaflash.evaluation.serve_sweep import compute_table
