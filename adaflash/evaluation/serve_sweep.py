@@ -273,11 +273,11 @@ def _write(out: Path, args: argparse.Namespace, names: list[str], servers, peers
             "threads_per_server": args.threads or "torch default",
             **({"matmul_peak_gflops": peaks} if peaks else {})}
     report = {**meta, "cells": cells, **({"compute": compute[0]} if compute else {})}
+    warmup = f" after {args.warmup} untimed run(s) of each" if args.warmup else ""
     markdown = (
         f"# Serving sweep\n\n`{meta['command']}`\n\nMachine: {meta['machine']}. Greedy, streaming chat completions, "
         f"{args.max_tokens} max tokens, max batch {args.max_batch}; each cell runs the servers one after another on "
-        f"the same prompts, {args.rounds} round(s)"
-        f"{f' after {args.warmup} untimed run(s) of each' if args.warmup else ''}. Ratios are against `{names[0]}`, which runs before every round "
+        f"the same prompts, {args.rounds} round(s){warmup}. Ratios are against `{names[0]}`, which runs before every round "
         f"and after the last: a ratio is the median over rounds of a server's throughput over the mean of the two "
         f"baseline runs around it (with several rounds, their range in brackets); throughputs are medians over runs, "
         f"every run in the JSON.\n\n" + sweep_table(cells, names) + (compute[1] if compute else ""))
