@@ -6,8 +6,10 @@ in one process, alternating prompt by prompt (order rotated each round), per dom
 Variants: `ar` (the reference loop: what `generate --method ar` runs), `fixed:0` (the engine with a policy that never
 drafts: the overhead a request kept at length 0 pays), the adaptive policies with the shipped drafters (`throughput`,
 `throughput-profiled` and `heuristic` with the DFlash drafter, `adaflash` with the drafter carrying its length head), and
-`throughput` with prompt lookup (`--prompt-lookup 8`). The policies' drafting check carries over prompts, as it does in
-a `generate --prompts-file` run or a server. Ratios are per prompt against the AR run beside it, medians per domain.
+`throughput` with prompt lookup (`--prompt-lookup 8`); and `lookup whole`, the fixed way to verify lookups (every match
+verified whole, `--prompt-lookup-length all`, the drafter kept at fixed:0): the gain the adaptive lookups should keep.
+The policies' drafting check carries over prompts, as it does in a `generate --prompts-file` run or a server. Ratios
+are per prompt against the AR run beside it, medians per domain.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def variants(dtype: str) -> dict[str, tuple[Pipeline, str]]:
         "heuristic": (dflash.with_length_policy("heuristic"), "dflash"),
         "adaflash": (adaflash.with_length_policy("adaflash"), "adaflash"),
         "throughput+lookup": (dflash.with_length_policy("throughput").with_prompt_lookup(PromptLookup(8)), "dflash"),
+        # Fixed lookups: every match verified whole, the drafter never drafting, no drafting check.
+        "lookup whole": (dflash.with_length_policy("fixed:0").with_prompt_lookup(PromptLookup(8, length="all")), "dflash"),
     }
 
 
