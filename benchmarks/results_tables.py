@@ -82,11 +82,12 @@ NOTES: dict[str, dict[str, str]] = {
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
                                         "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
     "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain (fp32, nothing else running)",
-                                     "headline": "throughput 0.99, throughput-profiled 0.99, heuristic 1.00, adaflash 0.99, "
-                                                 "throughput+lookup 1.12x AR (multilingual 1.27x); by domain 0.96-1.01x"},
+                                     "headline": "throughput 1.00, throughput-profiled 0.98, heuristic 0.97 (code 0.92), adaflash 1.01, "
+                                                 "throughput+lookup 1.08x AR (multilingual 1.29x; lookups verified whole 1.31x)"},
     "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain (int8, nothing else running)",
-                                     "headline": "throughput 1.01, throughput-profiled 1.01, heuristic 1.00 (code 0.91, chat 0.93), "
-                                                 "adaflash 0.96, throughput+lookup 1.23x AR; fixed:0 (the engine path) 0.98x"},
+                                     "headline": "throughput 1.03, throughput-profiled 1.05, heuristic 1.00, adaflash 0.97 (code 0.93), "
+                                                 "throughput+lookup 1.33x AR (multilingual 1.74x; lookups verified whole 1.68x); "
+                                                 "fixed:0 (the engine path) 0.99x"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
                                          "beside the plain decode step, batch 1-64 (fp32)",
                                  "headline": "heuristic 0.04-0.07%, throughput 0.32-1.15%, adaflash (head forward included) "
@@ -111,8 +112,8 @@ NOTES: dict[str, dict[str, str]] = {
                                       "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
     "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32): AR vs full block, 2 drafts, adaptive, adaptive + prompt lookup",
-                      "headline": "full block 0.35x AR, 2 drafts 0.80x, adaptive 0.98x (0.92-1.08 by domain), adaptive + "
-                                  "lookup 1.01x (multilingual 1.58x); medians over domains",
+                      "headline": "full block 0.35x AR, 2 drafts 0.79x, adaptive 0.98x (0.97-1.04 by domain), adaptive + "
+                                  "lookup 0.97x (multilingual 1.24x); medians over domains",
                       "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                       "command": "make demo"},
     "peers/served_ar": {"what": "our AR server (--dtype int8) beside llama-server's AR: same GGUF, same 2 cores, six-mix, 64 tokens"},
