@@ -84,10 +84,11 @@ NOTES: dict[str, dict[str, str]] = {
     "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain (fp32, nothing else running)",
                                      "headline": "throughput 1.00, throughput-profiled 0.98, heuristic 0.97 (code 0.92), adaflash 1.01, "
                                                  "throughput+lookup 1.08x AR (multilingual 1.29x; lookups verified whole 1.31x)"},
-    "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain (int8, nothing else running)",
-                                     "headline": "throughput 1.03, throughput-profiled 1.05, heuristic 1.00, adaflash 0.97 (code 0.93), "
-                                                 "throughput+lookup 1.33x AR (multilingual 1.74x; lookups verified whole 1.68x); "
-                                                 "fixed:0 (the engine path) 0.99x"},
+    "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 4 rounds "
+                                             "(int8, nothing else running)",
+                                     "headline": "throughput 1.00, throughput-profiled 1.01, heuristic 0.99 (code 0.92), adaflash 0.98 "
+                                                 "(code 0.94), throughput+lookup 1.27x AR (multilingual 1.74x; lookups verified whole "
+                                                 "1.69x); fixed:0 (the engine path) 0.99x (code 0.97x)"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
                                          "beside the plain decode step, batch 1-64 (fp32)",
                                  "headline": "heuristic 0.04-0.07%, throughput 0.32-1.15%, adaflash (head forward included) "
