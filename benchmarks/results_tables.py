@@ -113,8 +113,8 @@ NOTES: dict[str, dict[str, str]] = {
                                       "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
     "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32): AR vs full block, 2 drafts, adaptive, adaptive + prompt lookup",
-                      "headline": "full block 0.35x AR, 2 drafts 0.79x, adaptive 0.98x (0.97-1.04 by domain), adaptive + "
-                                  "lookup 0.97x (multilingual 1.24x); medians over domains",
+                      "headline": "full block 0.34x AR, 2 drafts 0.82x, adaptive 0.98x (0.94-1.04 by domain), adaptive + "
+                                  "lookup 1.00x (multilingual 1.53x); medians over domains",
                       "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                       "command": "make demo"},
     "peers/served_ar": {"what": "our AR server (--dtype int8) beside llama-server's AR: same GGUF, same 2 cores, six-mix, 64 tokens"},

@@ -11,10 +11,11 @@ prompt lookup) and plain, and each arm is judged by the committed tokens a secon
 Stretches alternate: the chosen arm, then the other for as long as `explore` steps of the chosen one take (at most
 `explore` steps, at least `settle` + 4: under load a drafting step can cost several plain ones, so the other arm's
 trial is bounded in time, not in steps), after which the choice is made again. Drafting is chosen only where it commits
-more than plain by `margin`: a tie goes to the arm that cannot lose to plain decoding. The chosen arm's stretch doubles
-each time the choice stands (grows 4x where the other arm lost by more than `decisive`), up to `longest`, so a losing
-arm is found within the first ~30 steps and later costs at most about explore / longest of the time; a flip starts the
-growth over from `first`. The first `settle` steps after a switch are left out while the caches refill.
+more than plain by `margin`: a tie goes to the arm that cannot lose to plain decoding, and is re-checked after `first`
+steps (which arm pays may change with the requests running: text that repeats itself comes and goes). The chosen arm's
+stretch doubles each time a won choice stands (grows 4x where the other arm lost by more than `decisive`), up to
+`longest`, so a losing arm is found within the first ~30 steps and later costs at most about explore / longest of the
+time; a flip starts the growth over from `first`. The first `settle` steps after a switch are left out while the caches refill.
 
 Rates are kept per batch size (powers of two): tokens a second are comparable only at one batch size, and a batch may
 draft where one request does not. A batch size opens with a short plain stretch (`settle` + 4 steps: the yardstick its
@@ -103,9 +104,13 @@ class DraftingCheck:
             return
         chosen = self.rates[True] > self.rates[False] * (1 + self.margin)
         winner, loser = self.rates[chosen], self.rates[not chosen]
-        growth = 4 if winner > loser * (1 + self.decisive) else 2
-        stands = chosen == self.drafting_chosen
-        self.stretch = min(growth * (max(self.stretch, self.first // 2) if stands else self.first // 2), self.longest)
+        if winner <= loser * (1 + self.margin):  # a tie is no verdict: re-checked as often as at the start
+            self.stretch = self.first
+        else:
+            growth = 4 if winner > loser * (1 + self.decisive) else 2
+            stands = chosen == self.drafting_chosen
+            self.stretch = min(growth * (max(self.stretch, self.first // 2) if stands else self.first // 2),
+                               self.longest)
         self.drafting_chosen = chosen
 
 

@@ -40,7 +40,9 @@ def test_the_chosen_stretch_doubles_while_the_choice_stands_up_to_the_longest():
 
 def test_drafting_is_chosen_only_where_it_beats_plain_by_the_margin_and_a_flip_restarts_the_doubling():
     check = DraftingCheck(explore=3, first=6, settle=1, margin=0.05)
-    assert _steps(check, 18, {True: 104.0, False: 100.0})[8:] == [False] * 10  # within the margin: plain stays
+    # Within the margin plain stays, and a tie is re-checked after `first` steps: it is no verdict to grow on.
+    assert _steps(check, 17, {True: 104.0, False: 100.0})[8:] == [False] * 6 + [True] * 3
+    assert not check.drafting_chosen and check.stretch == 6
     check = DraftingCheck(explore=3, first=6, settle=1, margin=0.05)
     assert _steps(check, 14, {True: 110.0, False: 100.0})[8:] == [True] * 6  # drafting won: a stretch of `first`
     assert check.drafting_chosen and check.stretch == 6
