@@ -50,6 +50,11 @@ def decode_step_s(pipeline: Pipeline, batch: int, steps: int) -> float:
     return statistics.median(times[2:])
 
 
+def _accepted(rng: random.Random, drafted: int) -> int:
+    """Drafts kept of `drafted`, each position accepted with probability 0.5 while the ones before it were."""
+    return next((j for j in range(drafted) if rng.random() > 0.5), drafted)
+
+
 def policy_step_s(policy, batch: int, max_draft: int, hidden: torch.Tensor, steps: int, seed: int = 0) -> float:
     """The median seconds of one step's bookkeeping: check, decide, feedback, observe."""
     rng = random.Random(seed)
@@ -60,7 +65,7 @@ def policy_step_s(policy, batch: int, max_draft: int, hidden: torch.Tensor, step
         start = time.perf_counter()
         checks.decide(batch)
         lengths = policy.decide(requests, max_draft, lambda rows: hidden[: len(rows)])
-        accepted = [next((j for j in range(k) if rng.random() > 0.5), k) for k in lengths]
+        accepted = [_accepted(rng, k) for k in lengths]
         for r, k, a in zip(requests, lengths, accepted):
             policy.feedback(r, k, a)
         policy.observe_step(lengths, 0.01 * batch)
@@ -79,7 +84,7 @@ def lookup_step_s(cost, batch: int, steps: int, seed: int = 0) -> float:
         start = time.perf_counter()
         lengths = sizing.decide(requests, proposals)
         for r, k in zip(requests, lengths):
-            sizing.feedback(r, k, next((j for j in range(k) if rng.random() > 0.5), k))
+            sizing.feedback(r, k, _accepted(rng, k))
         times.append(time.perf_counter() - start)
     return statistics.median(times[5:])
 

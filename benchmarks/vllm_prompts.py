@@ -13,6 +13,7 @@ from pathlib import Path
 
 from adaflash.data import load_prompts
 from adaflash.models.registry import load_tokenizer, resolve_target
+from adaflash.models.text_codec import TextCodec
 
 SETS = ("gsm8k", "humaneval", "mt-bench", "sharegpt-chat")
 
@@ -25,13 +26,12 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    tokenizer = load_tokenizer(resolve_target(args.model))
+    codec = TextCodec(load_tokenizer(resolve_target(args.model)), eos_token_ids=())  # encoding only: no stop tokens
     chosen = []
     for name in args.sets.split(","):
         fitting = []
         for prompt in load_prompts(name, "eval", limit=4 * args.per_set):
-            ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
+            ids = codec.encode(messages=prompt.messages)
             if len(ids) <= args.max_prompt_tokens:
                 fitting.append({"id": prompt.id, "dataset": name, "ids": list(ids)})
         chosen += fitting[: args.per_set]
