@@ -89,6 +89,15 @@ NOTES: dict[str, dict[str, str]] = {
                                      "headline": "throughput 1.00, throughput-profiled 1.01, heuristic 0.99 (code 0.92), adaflash 0.98 "
                                                  "(code 0.94), throughput+lookup 1.27x AR (multilingual 1.74x; lookups verified whole "
                                                  "1.69x); fixed:0 (the engine path) 0.99x (code 0.97x)"},
+    "adaflash/adaptive_vs_ar_int8_rerun": {"what": "the batch-1 int8 benchmark again, 3 prompts a domain, 3 rounds, after a tie in "
+                                                   "the drafting check is re-checked after 16 steps",
+                                           "headline": "throughput 1.05, throughput-profiled 1.02, heuristic 1.02, adaflash 0.97, "
+                                                       "throughput+lookup 1.27x AR (multilingual 1.75x; lookups verified whole "
+                                                       "1.72x); fixed:0 0.97x"},
+    "adaflash/prefill_capture": {"what": "the engine's path (a drafter loaded, never drafting) against the reference AR loop on "
+                                         "code prompts, batch 1, int8: prefill alone and 96 new tokens",
+                                 "headline": "engine / AR time 0.994-1.008 in two runs",
+                                 "command": "python docs/results/adaflash/prefill_capture.py"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
                                          "beside the plain decode step, batch 1-64 (fp32)",
                                  "headline": "heuristic 0.04-0.07%, throughput 0.32-1.15%, adaflash (head forward included) "
