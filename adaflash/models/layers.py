@@ -31,21 +31,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def fused_kernels_available(x: torch.Tensor) -> bool:
     """Whether our fused CPU kernels (kernels/fused.cpp) can run on `x`: fp32 on CPU, no autograd, the kernel
     library built here, and not ADAFLASH_KERNELS=stock."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and _kernel_library() is not None)
+    return _fused_library(x) is not None
+
+
+def _fused_library(x: torch.Tensor):
+    """The kernel library where fused_kernels_available(x), else None (one lookup: a decode step makes dozens)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled():
+        return _kernel_library()
+    return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
-        if weight.dtype == torch.float32 and fused_kernels_available(x):  # torch's costs ~20 us a call at one row
+        lib = _fused_library(x) if weight.dtype == torch.float32 else None
+        if lib is not None:  # torch's costs ~20 us a call at one row
             from adaflash.models.kernels.packed import profiled
 
             x, w = x.contiguous(), weight.contiguous()  # bound: a temporary would be freed before the call
             out = torch.empty_like(x)
             if x.numel():
                 with profiled("adaflash::rms_norm"):
-                    _kernel_library().adaflash_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                                                        w.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+                    lib.adaflash_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], w.data_ptr(), eps,
+                                          out.data_ptr(), torch.get_num_threads())
             return out
         return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     # Normalise in fp32 and scale in the model dtype, as transformers' Llama/Qwen RMSNorm does.
@@ -54,7 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over the fused gate/up projection [rows, 2 * inter] (gate first)."""
-    if fused_kernels_available(gate_up) and gate_up.dim() == 2:  # one kernel where torch runs chunk, silu and mul
+    lib = _fused_library(gate_up)
+    if lib is not None and gate_up.dim() == 2:  # one kernel where torch runs chunk, silu and mul
         from adaflash.models.kernels.packed import profiled
 
         gate_up = gate_up.contiguous()
@@ -62,8 +70,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows, inter, dtype=torch.float32)
         if rows:
             with profiled("adaflash::silu_mul"):
-                _kernel_library().adaflash_silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr(),
-                                                    torch.get_num_threads())
+                lib.adaflash_silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -72,14 +79,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) over [rows, V] (int64 [rows]); our kernel where it runs (torch's costs ~40 us a
     49152-wide row here, paid for every greedy token decoded or verified), the same indices."""
-    if fused_kernels_available(logits) and logits.dim() == 2 and logits.shape[0] and logits.shape[1]:
+    lib = _fused_library(logits)
+    if lib is not None and logits.dim() == 2 and logits.shape[0] and logits.shape[1]:
         from adaflash.models.kernels.packed import profiled
 
         logits = logits.contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.long)
         with profiled("adaflash::argmax_rows"):
-            _kernel_library().adaflash_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
-                                                   torch.get_num_threads())
+            lib.adaflash_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+                                     torch.get_num_threads())
         return out
     return logits.argmax(-1)
 

@@ -212,8 +212,14 @@ class TargetModel(nn.Module):
         attention.commit_lengths(cache)
         hidden = None
         if capture_layers:
-            by_layer = dict(zip(sorted(capture), captured))
-            hidden = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
+            order = sorted(capture)
+            if isinstance(captured, torch.Tensor) and list(capture_layers) == order and len(captured) == len(order):
+                # The kernel's stacked [layers, T, hidden] as [T, layers * hidden]: at one token (a decode step) a
+                # view, not a copy (run on a cold cache, just after the weights streamed through it).
+                hidden = captured.transpose(0, 1).reshape(captured.shape[1], -1)
+            else:
+                by_layer = dict(zip(order, captured))
+                hidden = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
         if compute_logits and logits is None:
             selected = h if logit_indices is None else h[logit_indices.to(self.device)]
             logits = self.logits(rms_norm(selected, self.final_norm, cfg.rms_norm_eps))

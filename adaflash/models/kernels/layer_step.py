@@ -134,10 +134,10 @@ class LayerSteps:
         return structs
 
     def run(self, h: torch.Tensor, attention, cache, cos: torch.Tensor, sin: torch.Tensor,
-            capture: set[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+            capture: set[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer over the residual stream `h` [T, hidden] of a RaggedAttention batch (causal or not); returns
-        the final stream and the stream after each layer in `capture` (ascending), or None where the step cannot run
-        (the caller runs its Python loop)."""
+        the final stream and the streams after the layers in `capture` ([layers ascending, T, hidden]), or None where
+        the step cannot run (the caller runs its Python loop)."""
         call = self._prepare(h.shape[0], h.dtype, h.device, attention, cache, cos, sin, capture)
         if call is None:
             return None
@@ -148,7 +148,7 @@ class LayerSteps:
 
     def forward(self, token_ids: torch.Tensor, embed: torch.Tensor, attention, cache, cos: torch.Tensor,
                 sin: torch.Tensor, capture: set[int], head: "StepHead | None",
-                logit_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None:
+                logit_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """A target's forward in one kernel call: the embedding rows of `token_ids`, every layer, and - with `head`,
         where its linear has a packed kernel at that row count - the logits of rows `logit_rows` (all if None).
         Returns (the final stream, the logits or None, the captured streams), or None where the layers cannot run.
@@ -196,10 +196,13 @@ class LayerSteps:
         lib = packed.library()
         scratch = torch.empty(lib.adaflash_layer_scratch_floats(ctypes.byref(self.shape), t), dtype=torch.float32)
         wanted = sorted(i for i in capture if 0 <= i < len(structs))
-        captured = [torch.empty(t, self.shape.hidden, dtype=torch.float32) for _ in wanted]
-        by_layer = dict(zip(wanted, captured))
-        targets = self._no_captures if not wanted else (ctypes.c_void_p * len(structs))(
-            *(by_layer[i].data_ptr() if i in by_layer else None for i in range(len(structs))))
+        # Stacked: a decode step's features are then one view of it (target.py).
+        captured = torch.empty(len(wanted), t, self.shape.hidden, dtype=torch.float32)
+        targets = self._no_captures
+        if wanted:
+            targets = (ctypes.c_void_p * len(structs))()
+            for j, i in enumerate(wanted):
+                targets[i] = captured.data_ptr() + j * captured.stride(0) * captured.element_size()
         # (the tensors and structures the pointers refer to stay referenced by the _Call until the call returns)
         return _Call((structs, len(structs), ctypes.byref(self.shape), ctypes.byref(batch), scratch.data_ptr(), targets,
                       torch.get_num_threads()), captured, (cos, sin, index, batch, scratch))
@@ -216,7 +219,7 @@ class StepHead:
 @dataclass(frozen=True)
 class _Call:
     layer_args: tuple  # adaflash_decoder_layers' arguments after h
-    captured: list[torch.Tensor]
+    captured: torch.Tensor  # [captured layers (ascending), T, hidden]
     keep: tuple  # what the pointers in layer_args refer to
 
 
