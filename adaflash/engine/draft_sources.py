@@ -37,6 +37,8 @@ NO_DRAFT = Draft()  # the request verifies only its own next token
 
 
 class DraftSource(Protocol):
+    name: str  # keys the source's drafting check
+
     def propose(self, requests: Sequence[Request]) -> list[Draft | None]:
         """Per request, its drafts this step (possibly none), or None to leave it to the next source."""
 
@@ -49,6 +51,8 @@ class DraftSource(Protocol):
 
 class PromptLookupSource:
     """Prompt-lookup drafts: a request with a match verifies (a prefix of) it; one without is the next source's."""
+
+    name = "lookup"
 
     def __init__(self, lookup: PromptLookup, length: LookupLength | None, vocab_size: int) -> None:
         """`length`: sizes each match (None: every match is verified whole)."""
@@ -81,6 +85,8 @@ class DrafterSource:
     work. `observer` (the engine's recorder) receives the block hidden states of the requests that drafted, with their
     outcomes; with one, drafts go through `draft_hidden` + `draft_tokens` so those states exist.
     """
+
+    name = "drafter"
 
     def __init__(self, proposer: DFlashProposer, policy: LengthPolicy, cache: KVCache, observer=None) -> None:
         self.proposer, self.policy, self.cache, self.observer = proposer, policy, cache, observer

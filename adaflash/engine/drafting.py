@@ -5,8 +5,9 @@ and its length policy (draft_sources.py). Feedback goes back to the source that 
 source that answered for every request in it (its lengths are then the whole verify's: a step whose verify another
 source widened prices neither source's drafts).
 
-With adaptive lengths the chain runs behind the drafting check (speculative/drafting_check.py): a step of its plain arm
-asks no source (no lookup, no drafter pass, no policy), and every step's committed tokens and time go to its arm.
+With adaptive lengths each source runs behind its own drafting check (speculative/drafting_check.py): in a step of its
+plain arm the source runs nothing (no lookup; no drafter pass, no policy decision), and the step's committed tokens and
+time go to the arm of every check that decided in it.
 """
 
 from __future__ import annotations
@@ -52,17 +53,21 @@ class Drafting:
     def propose(self, requests: Sequence[Request]) -> StepDrafts:
         start = time.perf_counter()
         drafts: list[Draft] = [NO_DRAFT] * len(requests)
-        if self.checks is not None and not self.checks.decide(len(requests)):
-            # The plain arm: the drafter (where there is one) answers for everyone with no drafts, running nothing, so
-            # its policy still hears the step: the throughput policies' calibration learns the plain step here.
-            held = self.drafter.hold(requests) if self.drafter is not None else None
-            return StepDrafts(tuple(requests), tuple(drafts), (held,) * len(requests), start)
         sources: list[DraftSource | None] = [None] * len(requests)
         left = list(range(len(requests)))
         for source in self.sources:
             if not left:
                 break
-            for i, draft in zip(left, source.propose([requests[i] for i in left])):
+            asked = [requests[i] for i in left]
+            if self.checks is not None and not self.checks.decide(len(requests), source.name):
+                # The source's plain arm: it runs nothing. The drafter (last in the chain) still answers, with no
+                # drafts, so its policy hears the step: the throughput policies' calibration learns the plain step.
+                if source is self.drafter:
+                    held = self.drafter.hold(asked)
+                    for i in left:
+                        sources[i] = held
+                continue
+            for i, draft in zip(left, source.propose(asked)):
                 if draft is not None:
                     drafts[i], sources[i] = draft, source
             left = [i for i in left if sources[i] is None]
@@ -80,7 +85,7 @@ class Drafting:
         first = step.sources[0]
         if first is not None and all(s is first for s in step.sources):
             first.observe_step(lengths, seconds)
-        if self.checks is not None:  # every step counts toward its arm, whichever sources drafted in it
+        if self.checks is not None:  # the step counts toward the arm of every check that decided in it
             self.checks.record(sum(a + 1 for a in accepted), seconds)
 
     # ---- the drafter's context (prompt lookup reads the request's own tokens) ----------------------

@@ -5,8 +5,13 @@ drafting also slows the steps around it (most likely the drafter's passes push t
 on an AMX Xeon a 3-token verify took 5.1 ms while every step drafted and 4.5 ms while every fourth did, and a decode
 step 3.4 ms in an engine that never drafted against 3.7-3.8 between drafting steps
 (docs/results/adaflash/drafting_rhythm.txt). Priced step by step drafting looked worth it; as a regime it ran
-0.85-0.92x plain decoding. So steps run in two arms, drafting (every draft source as its policy decides: the drafter,
-prompt lookup) and plain, and each arm is judged by the committed tokens a second of its stretches.
+0.85-0.92x plain decoding. So each draft source runs in two arms, drafting (as its policy decides) and plain (it runs
+nothing), and each arm is judged by the committed tokens a second of its stretches.
+
+Each source has its own check: prompt lookup's is asked first, the drafter's for the requests left, and a step's
+tokens and time go to every check that decided in it (measured only where no other source was on trial; one source's
+trial waits for another's to end). One check over both let lookup's gain on text that repeats itself
+(1.5x on the demo's multilingual prompt) carry the drafter's drafting where that lost 5% (its chat, code and math).
 
 Stretches alternate: the chosen arm, then the other for as long as `explore` steps of the chosen one take (at most
 `explore` steps, at least `settle` + 4: under load a drafting step can cost several plain ones, so the other arm's
@@ -17,7 +22,7 @@ stretch doubles each time a won choice stands (grows 4x where the other arm lost
 `longest`, so a losing arm is found within the first ~30 steps and later costs at most about explore / longest of the
 time; a flip starts the growth over from `first`. The first `settle` steps after a switch are left out while the caches refill.
 
-Rates are kept per batch size (powers of two): tokens a second are comparable only at one batch size, and a batch may
+Rates are kept per source and batch size (powers of two): tokens a second are comparable only at one batch size, and a batch may
 draft where one request does not. A batch size opens with a short plain stretch (`settle` + 4 steps: the yardstick its
 first drafting trial is timed against); where the largest smaller batch size that has judged both arms chose plain, it
 starts from that choice and that confidence instead (verifying drafts only costs more as the batch grows).
@@ -62,10 +67,13 @@ class DraftingCheck:
         """Both arms have a measured rate."""
         return len(self.rates) == 2
 
-    def next_step_drafts(self) -> bool:
-        """Advance one step; whether it belongs to the drafting arm (else it must draft nothing)."""
+    def next_step_drafts(self, may_try: bool = True) -> bool:
+        """Advance one step; whether it belongs to the drafting arm (else it must draft nothing). `may_try`: the other
+        arm's trial may start now (else the chosen stretch runs on a step: another source is on trial)."""
         if self.arm is None:
             self.arm, self.left = self.drafting_chosen, self.stretch
+        elif self.arm == self.drafting_chosen and self.left == 0 and not may_try:
+            self.left = 1
         elif self.left == 0 or self._explored_enough():
             self._close(self.arm)
             if self.arm == self.drafting_chosen:  # the chosen arm ran its stretch: try the other
@@ -78,10 +86,16 @@ class DraftingCheck:
         self.since_switch += 1
         return self.arm
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """The step just decided committed `tokens` in `seconds`."""
+    @property
+    def on_trial(self) -> bool:
+        """The current stretch is the other arm's trial (not the chosen arm's)."""
+        return self.arm is not None and self.arm != self.drafting_chosen
+
+    def record(self, tokens: int, seconds: float, measured: bool = True) -> None:
+        """The step just decided committed `tokens` in `seconds`; `measured`: count it toward its arm's rate (else
+        only toward the stretch's time)."""
         self.elapsed += seconds
-        if self.since_switch >= self.settle and seconds > 0:
+        if measured and self.since_switch >= self.settle and seconds > 0:
             self.tokens += tokens
             self.seconds += seconds
             self.steps += 1
@@ -116,41 +130,50 @@ class DraftingCheck:
 
 @dataclass
 class DraftingChecks:
-    """A `DraftingCheck` per batch size (rounded up to a power of two), made on first use from `template`'s settings;
-    `decide` before a step (whether it may draft), `record` after it, as the engine's drafting does."""
+    """A `DraftingCheck` per draft source and batch size (rounded up to a power of two), made on first use from
+    `template`'s settings; `decide` before a source is asked (whether it may draft this step), `record` after the step,
+    as the engine's drafting does. A step's tokens and time go to every check that decided in it."""
 
     template: DraftingCheck = field(default_factory=DraftingCheck)
-    by_size: dict[int, DraftingCheck] = field(default_factory=dict)
+    by_size: dict[tuple[str, int], DraftingCheck] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.current: DraftingCheck | None = None  # the check of the step decided last
+        self.deciding: list[DraftingCheck] = []  # the checks that decided in the step under way
+        self.current: DraftingCheck | None = None  # the check that decided last
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(0, batch - 1).bit_length()
 
-    def of(self, batch: int) -> DraftingCheck:
-        size = self.bucket(batch)
-        if size not in self.by_size:  # the template's settings, its own rates and step times
-            self.by_size[size] = replace(self.template, rates={}, step_s={}, **self._start(size))
-        return self.by_size[size]
+    def of(self, batch: int, source: str = "drafter") -> DraftingCheck:
+        key = (source, self.bucket(batch))
+        if key not in self.by_size:  # the template's settings, its own rates and step times
+            self.by_size[key] = replace(self.template, rates={}, step_s={}, **self._start(*key))
+        return self.by_size[key]
 
-    def decide(self, batch: int) -> bool:
-        """Whether this step, of `batch` decoding requests, belongs to the drafting arm."""
-        self.current = self.of(batch)
-        return self.current.next_step_drafts()
+    def decide(self, batch: int, source: str = "drafter") -> bool:
+        """Whether `source` may draft in this step of `batch` decoding requests (its check's drafting arm). One source
+        is on trial at a time: trials run together would be measured by neither."""
+        self.current = self.of(batch, source)
+        self.deciding.append(self.current)
+        size = self.bucket(batch)
+        others_on_trial = any(check.on_trial for (src, s), check in self.by_size.items() if s == size and src != source)
+        return self.current.next_step_drafts(may_try=not others_on_trial)
 
     def record(self, tokens: int, seconds: float) -> None:
-        """The step decided last committed `tokens` in `seconds`."""
-        if self.current is not None:
-            self.current.record(tokens, seconds)
+        """The step just run committed `tokens` in `seconds`: to the arm of every check that decided in it, measured
+        where no other source was on trial (a drafter trial's slow steps must not count against lookups, nor the
+        reverse)."""
+        for check in self.deciding:
+            check.record(tokens, seconds, measured=not any(o.on_trial for o in self.deciding if o is not check))
+        self.deciding = []
 
-    def _start(self, size: int) -> dict:
-        """A new batch size starts plain, with the confidence of the largest smaller one that has judged both arms,
-        where that one chose plain: verifying drafts only costs more as the batch grows, and under load a drafting
-        trial can take as long as several rounds of plain steps."""
-        judged = [s for s, check in self.by_size.items() if s < size and check.judged]
-        smaller = self.by_size[max(judged)] if judged else None
+    def _start(self, source: str, size: int) -> dict:
+        """A new batch size starts plain, with the confidence of the same source's largest smaller size that has judged
+        both arms, where that one chose plain: verifying drafts only costs more as the batch grows, and under load a
+        drafting trial can take as long as several rounds of plain steps."""
+        judged = [s for (src, s), check in self.by_size.items() if src == source and s < size and check.judged]
+        smaller = self.by_size[(source, max(judged))] if judged else None
         if smaller is not None and not smaller.drafting_chosen:
             return dict(drafting_chosen=False, stretch=smaller.stretch)
         return dict(drafting_chosen=self.template.drafting_chosen, stretch=0)

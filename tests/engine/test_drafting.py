@@ -1,5 +1,6 @@
 """The draft-source chain: each request takes the first source that answers for it, feedback goes back to that source,
-a step's time only to a source that answered for the whole step, and every step to its arm of the drafting check."""
+a step's time only to a source that answered for the whole step, and every step to the arm of each drafting check
+that decided in it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
 class Scripted:
     """A draft source answering from a script: request id -> its drafts (absent: left to the next source)."""
 
-    def __init__(self, script: dict[str, tuple[int, ...]]) -> None:
-        self.script = script
+    def __init__(self, script: dict[str, tuple[int, ...]], name: str = "lookup") -> None:
+        self.script, self.name = script, name
         self.asked: list[list[str]] = []
         self.heard: list[tuple[list[str], list[int], list[int]]] = []
         self.observed: list[list[int]] = []
@@ -77,7 +78,7 @@ class HeldDrafter(Scripted):
     steps take `seconds` (a drafter pass and a wider verify)."""
 
     def __init__(self, script, seconds: float = 0.0) -> None:
-        super().__init__(script)
+        super().__init__(script, "drafter")
         self.seconds, self.held = seconds, 0
 
     def hold(self, requests):
@@ -126,3 +127,20 @@ def test_a_drafting_arm_that_slows_every_step_is_dropped_and_tried_ever_more_rar
     assert not check.drafting_chosen and check.rates[False] > check.rates[True] * (1 + check.decisive)
     assert not any(arms[: check.settle + 4]) and 0 < sum(arms) <= 3 * check.explore
     assert not any(arms[-100:])  # the plain stretch has grown past 100 steps
+
+
+def test_each_source_is_judged_by_its_own_check():
+    """Lookups that pay keep drafting while the drafter, whose drafts slow its steps and never land, is dropped: one
+    check over both sources would have kept or dropped them together."""
+    lookup, drafter = Scripted({"r0": (7, 8)}), HeldDrafter({"r1": (5,)}, seconds=0.002)
+    checks = DraftingChecks()
+    drafting = Drafting(lookup, drafter, checks)
+    drafted_by = {lookup: 0, drafter: 0}
+    for k in range(400):  # one request a step: a match for the lookup every other step, the drafter's turn between
+        step = drafting.propose([Request(f"r{k % 2}", [3, 4], 8)])
+        source = step.sources[0] if step.any else None
+        if source is not None:
+            drafted_by[source] += 1
+        drafting.feedback(step, [2 if source is lookup else 0])
+    assert checks.of(1, "lookup").drafting_chosen and not checks.of(1, "drafter").drafting_chosen
+    assert drafted_by[lookup] > 150 and drafted_by[drafter] < 40

@@ -97,6 +97,25 @@ def test_checks_are_kept_per_power_of_two_batch_size():
     assert checks.of(4).elapsed == pytest.approx(0.01) and checks.of(1).elapsed == 0
 
 
+def test_each_source_has_its_own_checks_and_one_is_on_trial_at_a_time():
+    checks = DraftingChecks(DraftingCheck(explore=3, first=5, settle=1))
+    assert checks.of(4, "lookup") is not checks.of(4, "drafter") and checks.of(4) is checks.of(4, "drafter")
+    lookup, drafter = checks.of(1, "lookup"), checks.of(1, "drafter")
+
+    def step():
+        checks.decide(1, "lookup"), checks.decide(1, "drafter")
+        checks.record(1, 0.01)
+
+    for _ in range(7):  # both open plain (5 steps); then the lookup's trial, asked first
+        step()
+    assert lookup.on_trial and not drafter.on_trial  # the drafter's trial waits: its plain stretch runs on
+    assert drafter.tokens == 4 and drafter.elapsed == pytest.approx(0.07)  # no sample from the lookup's trial
+    assert lookup.tokens == 1  # the trial's second step, past its settling one
+    for _ in range(4):  # the lookup's trial ends (as long as 3 plain steps take, at least 5 steps)
+        step()
+    assert not lookup.on_trial and drafter.on_trial
+
+
 def test_a_new_batch_size_starts_where_the_largest_smaller_judged_one_chose_plain_with_its_confidence():
     checks = DraftingChecks(DraftingCheck(explore=3, first=5, settle=1, margin=0.05, drafting_chosen=True))
     assert checks.of(2).drafting_chosen  # nothing judged yet: the template's choice
