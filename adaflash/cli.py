@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="AR vs speculative decoding on a few chat, code and math prompts")
     add_model_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=48)
-    demo.add_argument("--rounds", type=int, default=3, help="runs of every prompt and method; medians are reported")
+    demo.add_argument("--rounds", type=int, default=5, help="runs of every prompt and method; medians are reported")
     demo.set_defaults(func=_cmd_demo)
 
     data = sub.add_parser("data", help="prompt sets")

@@ -27,7 +27,7 @@ DEMO_LOOKUP_TOKENS = 3
 
 
 def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, draft_vocab: str | None = None,
-             rounds: int = 3) -> int:
+             rounds: int = 5) -> int:
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
     shipped = shipped_drafter(model)

@@ -20,10 +20,11 @@ more than plain by `margin`: a tie goes to the arm that cannot lose to plain dec
 steps (which arm pays may change with the requests running: text that repeats itself comes and goes). The chosen arm's
 stretch doubles each time a won choice stands (grows 4x where the other arm lost by more than `decisive`), up to
 `longest`, so a losing arm is found within the first ~30 steps and later costs at most about explore / longest of the
-time; a flip starts the growth over from `first`. The first `settle` steps after a switch are left out while the caches refill.
+time; a flip starts the growth over from `first`. The first `settle` steps after a switch are left out while the caches
+refill.
 
-Rates are kept per source and batch size (powers of two): tokens a second are comparable only at one batch size, and a batch may
-draft where one request does not. A batch size opens with a short plain stretch (`settle` + 4 steps: the yardstick its
+Rates are kept per source and batch size (powers of two): tokens a second are comparable only at one batch size, and a
+batch may draft where one request does not. A batch size opens with a short plain stretch (`settle` + 4 steps: the yardstick its
 first drafting trial is timed against); where the largest smaller batch size that has judged both arms chose plain, it
 starts from that choice and that confidence instead (verifying drafts only costs more as the batch grows).
 """
@@ -101,7 +102,7 @@ class DraftingCheck:
             self.steps += 1
 
     def _explored_enough(self) -> bool:
-        """The other arm's trial has taken as long as `explore` of the chosen arm's steps (and measured 4 of its own)."""
+        """The other arm's trial has taken as long as `explore` of the chosen arm's steps (and run settle + 4 steps)."""
         chosen = self.drafting_chosen
         return (self.arm != chosen and chosen in self.step_s and self.since_switch + 1 >= self.settle + 4
                 and self.elapsed >= self.explore * self.step_s[chosen])

@@ -51,33 +51,6 @@ def test_argmax_rows_is_torchs_argmax(rows, cols):
         assert torch.equal(ours, case.argmax(-1)), case
 
 
-@torch.inference_mode()
-@pytest.mark.parametrize("threads", [2, 3, 7])
-def test_argmax_rows_split_across_threads_keeps_the_first_largest(threads):
-    """Fewer rows than threads: each row is split in contiguous shares, one a thread. The first largest value (or
-    first NaN) must win across shares: ties straddling a share boundary, a NaN in a later share than the largest
-    value, +-0 in different shares."""
-    cols = 8195  # shares of uneven size, with vector and scalar tails
-    bounds = [cols * t // threads for t in range(1, threads)]
-    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(threads))
-    tie = x.clone()
-    tie[:, bounds[0] - 1] = tie[:, bounds[-1]] = tie[:, -1] = 50.0
-    late_nan = x.clone()
-    late_nan[:, 3] = 50.0
-    late_nan[:, bounds[-1] + 1] = float("nan")
-    zeros = torch.full((2, cols), -1.0)
-    zeros[:, bounds[-1]] = 0.0
-    zeros[:, bounds[0] + 2] = -0.0
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for case in (x, tie, late_nan, zeros):
-            for rows in (case[:1], case):  # one row (split) and, with 2 threads, a row a thread
-                assert torch.equal(argmax_rows(rows), rows.argmax(-1)), rows
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_rms_norm_keeps_torchs_kernel_under_autograd():
     x, w = torch.randn(2, 16, requires_grad=True), torch.randn(16, requires_grad=True)
     rms_norm(x, w, 1e-6).sum().backward()
