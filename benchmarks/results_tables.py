@@ -81,19 +81,17 @@ NOTES: dict[str, dict[str, str]] = {
     "serving/prompt_lookup_sim_sized": {"what": "prompt lookups verified whole vs sized by the throughput policy, replayed on the target's responses",
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
                                         "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
-    "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain (fp32, nothing else running)",
-                                     "headline": "throughput 1.00, throughput-profiled 0.98, heuristic 0.97 (code 0.92), adaflash 1.01, "
-                                                 "throughput+lookup 1.08x AR (multilingual 1.29x; lookups verified whole 1.31x)"},
-    "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 4 rounds "
-                                             "(int8, nothing else running)",
-                                     "headline": "throughput 1.00, throughput-profiled 1.01, heuristic 0.99 (code 0.92), adaflash 0.98 "
-                                                 "(code 0.94), throughput+lookup 1.27x AR (multilingual 1.74x; lookups verified whole "
-                                                 "1.69x); fixed:0 (the engine path) 0.99x (code 0.97x)"},
-    "adaflash/adaptive_vs_ar_int8_rerun": {"what": "the batch-1 int8 benchmark again, 3 prompts a domain, 3 rounds, after a tie in "
-                                                   "the drafting check is re-checked after 16 steps",
-                                           "headline": "throughput 1.05, throughput-profiled 1.02, heuristic 1.02, adaflash 0.97, "
-                                                       "throughput+lookup 1.27x AR (multilingual 1.75x; lookups verified whole "
-                                                       "1.72x); fixed:0 0.97x"},
+    "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain, 4 prompts each, 3 rounds "
+                                             "(fp32, 1 thread; commit 5307d04)",
+                                     "headline": "throughput 0.985, throughput-profiled 0.996, heuristic 0.985, adaflash 1.000, "
+                                                 "throughput+lookup 1.078x AR (multilingual 1.426x; lookups verified whole "
+                                                 "1.415x); fixed:0 (the engine path, never drafting) 0.985x"},
+    "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 3 rounds "
+                                             "(int8, 1 thread; commit 5307d04)",
+                                     "headline": "throughput 1.008 (math 1.205, code 0.938), throughput-profiled 1.010, "
+                                                 "heuristic 0.986 (code 0.915), adaflash 0.970 (code 0.936), throughput+lookup "
+                                                 "1.268x AR (multilingual 1.815x; lookups verified whole 1.741x); fixed:0 "
+                                                 "0.972x"},
     "adaflash/prefill_capture": {"what": "the engine's path (a drafter loaded, never drafting) against the reference AR loop on "
                                          "code prompts, batch 1, int8: prefill alone and 96 new tokens",
                                  "headline": "engine / AR time 0.994-1.008 in two runs",
@@ -121,11 +119,23 @@ NOTES: dict[str, dict[str, str]] = {
                                       "headline": "gsm8k 0.86-0.87x AR before, 0.87-0.92x after; chat 0.82-0.89x before, 0.85-0.88x after",
                                       "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
-    "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32): AR vs full block, 2 drafts, adaptive, adaptive + prompt lookup",
-                      "headline": "full block 0.34x AR, 2 drafts 0.82x, adaptive 0.98x (0.94-1.04 by domain), adaptive + "
-                                  "lookup 1.00x (multilingual 1.53x); medians over domains",
+    "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32, 5 rounds): AR vs full block, 2 drafts, adaptive, adaptive + "
+                              "prompt lookup",
+                      "headline": "full block 0.34x AR, 2 drafts 0.74x, adaptive 0.98x (0.93-1.00 by domain), adaptive + "
+                                  "lookup 0.93x (multilingual 1.47x, the other domains 0.90-0.94x); medians over domains",
                       "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                       "command": "make demo"},
+    "adaflash/served_engines_fp32": {"what": "serve's engines fed waves of c requests in one process, the variants alternating "
+                                             "wave by wave (fp32, six-mix, 64 tokens, 4 rounds)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.99 / 1.00 / 0.98 / 1.01x AR, "
+                                                 "throughput-profiled 0.99 / 1.02 / 0.98 / 1.03x, heuristic 0.99 / 0.96 / "
+                                                 "0.99 / 0.93x, adaflash 1.00 / 0.98 / 1.00 / 0.92x, throughput+lookup "
+                                                 "1.04 / 0.98 / 0.98 / 0.97x (medians of 16 / 8 / 4 / 4 waves)"},
+    "adaflash/engine_path": {"what": "the engine's path at batch 1 (no drafter; a drafter at fixed:0) against the reference "
+                                     "AR loop, 48 tokens, fp32, before and after the per-step cuts",
+                             "headline": "fixed:0 0.961 and 0.988x the reference loop in two runs of the final code, "
+                                         "0.981x before",
+                             "command": "python docs/results/adaflash/engine_path.py"},
     "peers/served_ar": {"what": "our AR server (--dtype int8) beside llama-server's AR: same GGUF, same 2 cores, six-mix, 64 tokens"},
     "peers/served_ar_peak": {"what": "our AR server (--dtype int8) beside llama-server built without AMX, with the matmul peak "
                                      "of the same run (six-mix, 64 tokens)"},

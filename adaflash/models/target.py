@@ -215,7 +215,7 @@ class TargetModel(nn.Module):
             order = sorted(capture)
             if isinstance(captured, torch.Tensor) and list(capture_layers) == order and len(captured) == len(order):
                 # The kernel's stacked [layers, T, hidden] as [T, layers * hidden]: at one token (a decode step) a
-                # view, not a copy (run on a cold cache, just after the weights streamed through it).
+                # view, where a cat copied every step.
                 hidden = captured.transpose(0, 1).reshape(captured.shape[1], -1)
             else:
                 by_layer = dict(zip(order, captured))
