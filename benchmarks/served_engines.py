@@ -123,12 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for c, cell in cells.items():
         for n in names:
-            low, _, high = statistics.quantiles(cell["ratios"][n], n=4) if len(cell["ratios"][n]) > 1 else [0, 0, 0]
-            rows.append([c, n, f"{cell['tokens_per_s'][n]:.1f}", f"{cell['ratio_to_ar'][n]:.3f}",
-                         f"{low:.3f}-{high:.3f}" if len(cell["ratios"][n]) > 1 else "", f"{cell['verify'][n]:.2f}"])
+            spread = ""
+            if len(cell["ratios"][n]) > 1:
+                low, _, high = statistics.quantiles(cell["ratios"][n], n=4)
+                spread = f"{low:.3f}-{high:.3f}"
+            rows.append([c, n, f"{cell['tokens_per_s'][n]:.1f}", f"{cell['ratio_to_ar'][n]:.3f}", spread,
+                         f"{cell['verify'][n]:.2f}"])
     text = (f"`serve`'s engines fed waves of c concurrent requests in one process, the variants alternating wave by "
-            f"wave: {report['machine']['cpu']}, {threads} threads, {args.dtype}; six-mix prompts, {args.max_new_tokens} new "
-            f"tokens, {args.rounds} rounds. Command: `{report['command']}`\n\n"
+            f"wave: {report['machine']['cpu']}, {threads} threads, {args.dtype}; six-mix prompts, "
+            f"{args.max_new_tokens} new tokens, {args.rounds} rounds. Command: `{report['command']}`\n\n"
             + markdown_table(["concurrency", "variant", "tok/s (median wave)", "ratio to AR (median)",
                               "ratio quartiles", "verify"], rows) + "\n")
     write_report(args.out, report, text)

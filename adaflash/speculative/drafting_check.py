@@ -10,8 +10,8 @@ nothing), and each arm is judged by the committed tokens a second of its stretch
 
 Each source has its own check: prompt lookup's is asked first, the drafter's for the requests left, and a step's
 tokens and time go to every check that decided in it (measured only where no other source was on trial; one source's
-trial waits for another's to end). One check over both let lookup's gain on text that repeats itself
-(1.5x on the demo's multilingual prompt) carry the drafter's drafting where that lost 5% (its chat, code and math).
+trial waits for another's to end). One check over both let lookup's gain on text that repeats itself (the demo's
+multilingual prompt) carry the drafter's drafting onto prompts where that lost (its chat, code and math).
 
 Stretches alternate: the chosen arm, then the other for as long as `explore` steps of the chosen one take (at most
 `explore` steps, at least `settle` + 4: under load a drafting step can cost several plain ones, so the other arm's
@@ -24,9 +24,10 @@ time; a flip starts the growth over from `first`. The first `settle` steps after
 refill.
 
 Rates are kept per source and batch size (powers of two): tokens a second are comparable only at one batch size, and a
-batch may draft where one request does not. A batch size opens with a short plain stretch (`settle` + 4 steps: the yardstick its
-first drafting trial is timed against); where the largest smaller batch size that has judged both arms chose plain, it
-starts from that choice and that confidence instead (verifying drafts only costs more as the batch grows).
+batch may draft where one request does not. A batch size opens with a short plain stretch (`settle` + 4 steps: the
+yardstick its first drafting trial is timed against); where the largest smaller batch size that has judged both arms
+chose plain, it starts from that choice and that confidence instead (verifying drafts only costs more as the batch
+grows).
 """
 
 from __future__ import annotations
