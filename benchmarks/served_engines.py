@@ -21,7 +21,7 @@ import sys
 import time
 
 from adaflash.cli_args import configure_process
-from adaflash.engine.engine_factory import EngineConfig, build_engine, length_policy_factory
+from adaflash.engine.engine_factory import EngineConfig, build_engine
 from adaflash.engine.request import Request
 from adaflash.evaluation.serve_sweep import SIX_MIX, prompt_pool
 from adaflash.models.kernels.selection import cpu_model
@@ -51,11 +51,9 @@ def build(name: str, dtype: str, loaded: dict) -> tuple[Pipeline, object]:
     if drafter not in loaded:
         loaded[drafter] = Pipeline.load(MODEL, drafter, dtype)
     pipeline = loaded[drafter]
-    config = EngineConfig(speculative=speculative, max_batch=64, max_len=512)
-    models = pipeline.engine_models()
-    policies = length_policy_factory(config, models)
-    policy, checks = (policies(models.length_head), policies.checks) if policies else (None, None)
-    return pipeline, build_engine(config, models, policy, checks)
+    # The policy, with its drafting checks, from the config's factory, as `serve` builds them.
+    return pipeline, build_engine(EngineConfig(speculative=speculative, max_batch=64, max_len=512),
+                                  pipeline.engine_models())
 
 
 def run_wave(variant, prompts: list[list[int]], max_new_tokens: int, tag: str) -> tuple[float, list[Request]]:

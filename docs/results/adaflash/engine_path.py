@@ -16,7 +16,7 @@ import subprocess
 import time
 
 from adaflash.cli_args import configure_process
-from adaflash.engine.engine_factory import EngineConfig, build_engine, length_policy_factory
+from adaflash.engine.engine_factory import EngineConfig, build_engine
 from adaflash.engine.request import Request
 from adaflash.evaluation.demo import DEMO_PROMPTS
 from adaflash.models.kernels.selection import cpu_model
@@ -40,9 +40,7 @@ def main() -> None:
     def engine(speculative: SpeculativeConfig):
         def run() -> tuple[float, float]:
             config = EngineConfig(speculative, max_batch=1, max_len=len(ids) + NEW_TOKENS + 16)
-            models = pipeline.engine_models()
-            policies = length_policy_factory(config, models)
-            built = build_engine(config, models, policies(None) if policies else None)
+            built = build_engine(config, pipeline.engine_models())
             request = Request("g", list(ids), NEW_TOKENS, stop_token_ids=pipeline.stop_token_ids)
             start = time.perf_counter()
             built.add_request(request)
