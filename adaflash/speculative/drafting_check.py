@@ -16,8 +16,9 @@ multilingual prompt) carry the drafter's drafting onto prompts where that lost (
 Stretches alternate: the chosen arm, then the other for as long as `explore` steps of the chosen one take (at most
 `explore` steps, at least `settle` + 4: under load a drafting step can cost several plain ones, so the other arm's
 trial is bounded in time, not in steps), after which the choice is made again. Drafting is chosen only where it commits
-more than plain by `margin`: a tie goes to the arm that cannot lose to plain decoding, and is re-checked after `first`
-steps (which arm pays may change with the requests running: text that repeats itself comes and goes). The chosen arm's
+more than plain by `margin`, and kept while it commits at least as much: a tie goes to plain decoding unless drafting
+has won before and still loses nothing, and is re-checked after `first` steps (which arm pays may change with the
+requests running: text that repeats itself comes and goes). The chosen arm's
 stretch doubles each time a won choice stands (grows 4x where the other arm lost by more than `decisive`), up to
 `longest`, so a losing arm is found within the first ~30 steps and later costs at most about explore / longest of the
 time; a flip starts the growth over from `first`. The first `settle` steps after a switch are left out while the caches
@@ -118,7 +119,10 @@ class DraftingCheck:
     def _choose(self) -> None:
         if not self.judged:
             return
-        chosen = self.rates[True] > self.rates[False] * (1 + self.margin)
+        drafting, plain = self.rates[True], self.rates[False]
+        # Drafting is chosen where it beats plain by the margin, and kept while it loses nothing: a tie is no evidence
+        # against an arm that won (a lookup winning on text that repeats itself went back to plain at its first tie).
+        chosen = drafting >= plain if self.drafting_chosen else drafting > plain * (1 + self.margin)
         winner, loser = self.rates[chosen], self.rates[not chosen]
         if winner <= loser * (1 + self.margin):  # a tie is no verdict: re-checked as often as at the start
             self.stretch = self.first
