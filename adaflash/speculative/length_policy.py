@@ -70,19 +70,24 @@ class FixedLength:
 
 @dataclass
 class HeuristicLength:
-    """transformers' assisted-generation schedule: +2 after a fully accepted draft, -1 after a rejection."""
+    """transformers' assisted-generation schedule: +2 after a fully accepted draft, -1 after a rejection. As its
+    default ("heuristic", not "heuristic_transient") the length carries over: a new request starts where the last
+    feedback left it (`carried`), not at `initial`, so a server's policy does not open every request at the longest
+    drafts the text has already refused (each trial of the drafting check would pay for them again)."""
 
     initial: int = 8
     name: str = "heuristic"
+    carried: int | None = None  # the length the last feedback left (None: none yet)
 
     def decide(self, requests: Sequence[PolicyRequest], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
-        return [min(r.policy_state.setdefault("length", self.initial), max_draft) for r in requests]
+        start = self.initial if self.carried is None else self.carried
+        return [min(r.policy_state.setdefault("length", start), max_draft) for r in requests]
 
     def feedback(self, request: PolicyRequest, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         length = request.policy_state.get("length", self.initial)
-        request.policy_state["length"] = length + 2 if accepted == drafted else max(1, length - 1)
+        request.policy_state["length"] = self.carried = length + 2 if accepted == drafted else max(1, length - 1)
 
     def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
         pass

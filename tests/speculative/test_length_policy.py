@@ -43,6 +43,16 @@ def test_heuristic_grows_after_a_full_accept_and_shrinks_after_a_rejection():
     assert policy.decide([r], 15) == [5]
 
 
+def test_heuristic_starts_a_new_request_where_the_last_feedback_left_the_length():
+    policy, (a, b, c) = HeuristicLength(initial=8), _requests(3)
+    assert policy.decide([a, b], 15) == [8, 8]
+    policy.feedback(a, drafted=8, accepted=0)
+    policy.feedback(a, drafted=7, accepted=1)
+    assert policy.decide([a, b, c], 15) == [6, 8, 6]  # b keeps its own; c, new, starts at a's 6
+    policy.feedback(b, drafted=8, accepted=8)
+    assert policy.decide([Request("d", [1], 8)], 15) == [10]
+
+
 def test_allocate_drafts_long_when_verification_is_free_and_none_when_it_is_not():
     survival = [[0.9 ** j for j in range(1, 8)]] * 2
     assert allocate_drafts(survival, FREE_VERIFY, max_draft=7) == [7, 7]
