@@ -82,20 +82,16 @@ NOTES: dict[str, dict[str, str]] = {
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
                                         "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
     "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain, 4 prompts each, 3 rounds "
-                                             "(fp32, 1 thread; commit 5307d04)",
-                                     "headline": "throughput 0.985, throughput-profiled 0.996, heuristic 0.985, adaflash 1.000, "
-                                                 "throughput+lookup 1.078x AR (multilingual 1.426x; lookups verified whole "
-                                                 "1.415x); fixed:0 (the engine path, never drafting) 0.985x"},
+                                             "(fp32, 1 thread; commit 8320dd2)",
+                                     "headline": "throughput 0.972 (math 1.043, code 0.959), throughput-profiled 0.985, heuristic "
+                                                 "0.986, adaflash 1.004, throughput+lookup 1.069x AR (multilingual 1.232x; lookups "
+                                                 "verified whole 1.312x); fixed:0 (the engine path, never drafting) 0.987x"},
     "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 3 rounds "
-                                             "(int8, 1 thread; commit 5307d04)",
-                                     "headline": "throughput 1.008 (math 1.205, code 0.938), throughput-profiled 1.010, "
-                                                 "heuristic 0.986 (code 0.915), adaflash 0.970 (code 0.936), throughput+lookup "
-                                                 "1.268x AR (multilingual 1.815x; lookups verified whole 1.741x); fixed:0 "
-                                                 "0.972x"},
-    "adaflash/prefill_capture": {"what": "the engine's path (a drafter loaded, never drafting) against the reference AR loop on "
-                                         "code prompts, batch 1, int8: prefill alone and 96 new tokens",
-                                 "headline": "engine / AR time 0.994-1.008 in two runs",
-                                 "command": "python docs/results/adaflash/prefill_capture.py"},
+                                             "(int8, 1 thread; commit 8320dd2)",
+                                     "headline": "throughput 1.023 (math 1.166, chat 0.965), throughput-profiled 1.011, "
+                                                 "heuristic 1.024 (multilingual 0.961), adaflash 0.970 (0.960-0.976 by domain), "
+                                                 "throughput+lookup 1.324x AR (multilingual 1.852x; lookups verified whole "
+                                                 "1.727x); fixed:0 0.998x"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
                                          "beside the plain decode step, batch 1-64 (fp32)",
                                  "headline": "heuristic 0.04-0.07%, throughput 0.32-1.15%, adaflash (head forward included) "
@@ -121,21 +117,28 @@ NOTES: dict[str, dict[str, str]] = {
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
     "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32, 5 rounds): AR vs full block, 2 drafts, adaptive, adaptive + "
                               "prompt lookup",
-                      "headline": "full block 0.34x AR, 2 drafts 0.74x, adaptive 0.98x (0.93-1.00 by domain), adaptive + "
-                                  "lookup 0.93x (multilingual 1.47x, the other domains 0.90-0.94x); medians over domains",
+                      "headline": "full block 0.33x AR, 2 drafts 0.78x, adaptive 0.98x (0.93-1.03 by domain), adaptive + "
+                                  "lookup 0.99x (multilingual 1.50x); a run minutes earlier 0.99x and 1.02x",
                       "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                       "command": "make demo"},
     "adaflash/served_engines_fp32": {"what": "serve's engines fed waves of c requests in one process, the variants alternating "
-                                             "wave by wave (fp32, six-mix, 64 tokens, 4 rounds)",
-                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.99 / 1.00 / 0.98 / 1.01x AR, "
-                                                 "throughput-profiled 0.99 / 1.02 / 0.98 / 1.03x, heuristic 0.99 / 0.96 / "
-                                                 "0.99 / 0.93x, adaflash 1.00 / 0.98 / 1.00 / 0.92x, throughput+lookup "
-                                                 "1.04 / 0.98 / 0.98 / 0.97x (medians of 16 / 8 / 4 / 4 waves)"},
+                                             "wave by wave (fp32, six-mix, 64 tokens, 4 rounds; commit 8320dd2)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 1.01 / 0.99 / 1.03 / 0.98x AR, "
+                                                 "throughput-profiled 1.00 / 1.01 / 1.04 / 1.03x, heuristic 1.02 / 1.03 / "
+                                                 "1.04 / 0.98x, adaflash 1.00 / 1.03 / 1.04 / 0.98x, throughput+lookup "
+                                                 "1.00 / 1.01 / 1.04 / 1.00x (medians of 16 / 8 / 4 / 4 waves)"},
     "adaflash/engine_path": {"what": "the engine's path at batch 1 (no drafter; a drafter at fixed:0) against the reference "
-                                     "AR loop, 48 tokens, fp32, before and after the per-step cuts",
-                             "headline": "fixed:0 0.961 and 0.988x the reference loop in two runs of the final code, "
-                                         "0.981x before",
+                                     "AR loop: `make demo`'s code prompt, 48 tokens, fp32, 2 threads, 40 rounds",
+                             "headline": "reference / engine time 0.994x, with a drafter at fixed:0 0.994x",
+                             "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                              "command": "python docs/results/adaflash/engine_path.py"},
+    "adaflash/engine_path_int8": {"what": "the same on six humaneval prompts, int8, 1 thread, 3 rounds: the prefill alone (1 "
+                                          "token) and 96 tokens",
+                                  "headline": "fixed:0 1.030x the reference loop's speed on the prefill, 0.990x over 96 "
+                                              "tokens (the engine without a drafter 1.002x and 0.968x)",
+                                  "machine": "AMD EPYC (AVX-512, BF16), 1 thread",
+                                  "command": "python docs/results/adaflash/engine_path.py --dtype int8 --threads 1 --prompts "
+                                             "humaneval --new-tokens 1,96 --rounds 3"},
     "peers/served_ar": {"what": "our AR server (--dtype int8) beside llama-server's AR: same GGUF, same 2 cores, six-mix, 64 tokens"},
     "peers/served_ar_peak": {"what": "our AR server (--dtype int8) beside llama-server built without AMX, with the matmul peak "
                                      "of the same run (six-mix, 64 tokens)"},
