@@ -14,15 +14,14 @@ trial waits for another's to end). One check over both let lookup's gain on text
 multilingual prompt) carry the drafter's drafting onto prompts where that lost (its chat, code and math).
 
 Stretches alternate: the chosen arm, then the other for as long as `explore` steps of the chosen one take (at most
-`explore` steps, at least `settle` + 4: under load a drafting step can cost several plain ones, so the other arm's
-trial is bounded in time, not in steps), after which the choice is made again. Drafting is chosen only where it commits
-more than plain by `margin`, and kept while it commits at least as much: a tie goes to plain decoding unless drafting
-has won before and still loses nothing, and is re-checked after `first` steps (which arm pays may change with the
-requests running: text that repeats itself comes and goes). The chosen arm's
-stretch doubles each time a won choice stands (grows 4x where the other arm lost by more than `decisive`), up to
-`longest`, so a losing arm is found within the first ~30 steps and later costs at most about explore / longest of the
-time; a flip starts the growth over from `first`. The first `settle` steps after a switch are left out while the caches
-refill.
+`explore` steps, at least `settle` + 4: under load a drafting step can cost several plain ones, so the other arm's trial
+is bounded in time, not in steps), after which the choice is made again. Drafting is chosen only where it commits more
+than plain by `margin`, and kept while it commits at least as much: a tie goes to plain decoding unless drafting has won
+before and still loses nothing, and is re-checked after `first` steps (which arm pays may change with the requests
+running: text that repeats itself comes and goes). The chosen arm's stretch doubles each time a won choice stands (grows
+4x where the other arm lost by more than `decisive`), up to `longest`, so a losing arm is found within the first ~30
+steps and later costs at most about explore / longest of the time; a flip starts the growth over from `first`. The first
+`settle` steps after a switch are left out while the caches refill.
 
 Rates are kept per source and batch size (powers of two): tokens a second are comparable only at one batch size, and a
 batch may draft where one request does not. A batch size opens with a short plain stretch (`settle` + 4 steps: the
