@@ -74,11 +74,11 @@ class Pipeline:
         # that draft (None: the reference loop with a fixed draft length; else run through the engine at batch 1,
         # exactly as `serve` runs it), and prompt lookup (below).
         self.length_policy = length_policy_of(length_policy)
-        # A learning policy (throughput's shared acceptance estimate) adapts across requests. By default every
-        # generation starts from a fresh policy, so a benchmark's numbers do not depend on its prompt order;
-        # carry_policy_state keeps one policy across generations, as a server's engine does. What the step times
-        # taught of this machine (the policies' shared `CalibratedCost` and drafting check, in the factory) is kept
-        # either way.
+        # A learning policy (throughput's shared acceptance estimate, heuristic's carried length) adapts across
+        # requests. By default every generation starts from a fresh policy, so a benchmark's numbers do not depend on
+        # its prompt order; carry_policy_state keeps one policy across generations, as a server's engine does. What the
+        # step times taught of this machine (the policies' shared `CalibratedCost` and drafting check, in the factory)
+        # is kept either way.
         self.carry_policy_state = carry_policy_state
         # Prompt-lookup (n-gram) drafts before the drafter's, on the engine; with `ar`, the only drafts.
         self.prompt_lookup = prompt_lookup

@@ -119,8 +119,9 @@ class DraftingCheck:
         if not self.judged:
             return
         drafting, plain = self.rates[True], self.rates[False]
-        # Drafting is chosen where it beats plain by the margin, and kept while it loses nothing: a tie is no evidence
-        # against an arm that won (a lookup winning on text that repeats itself went back to plain at its first tie).
+        # Drafting is chosen where it beats plain by the margin, and kept while it loses nothing: a gap within the
+        # margin is no evidence that an arm which won now loses, and dropping it there gives up a gain until its next
+        # trial (text that repeats itself, where lookups pay, is often short).
         chosen = drafting >= plain if self.drafting_chosen else drafting > plain * (1 + self.margin)
         winner, loser = self.rates[chosen], self.rates[not chosen]
         if winner <= loser * (1 + self.margin):  # a tie is no verdict: re-checked as often as at the start

@@ -71,23 +71,29 @@ class FixedLength:
 @dataclass
 class HeuristicLength:
     """transformers' assisted-generation schedule: +2 after a fully accepted draft, -1 after a rejection. As its
-    default ("heuristic", not "heuristic_transient") the length carries over: a new request starts where the last
-    feedback left it (`carried`), not at `initial`, so a server's policy does not open every request at the longest
-    drafts the text has already refused (each trial of the drafting check would pay for them again)."""
+    `heuristic` schedule does (`heuristic_transient` resets), the length carries over: a new request starts where the
+    last feedback left it (with several requests, the one heard last), not at `initial`, so a server's policy does not
+    open every request at 8 drafts the text has already refused (each trial of the drafting check would pay for them
+    again)."""
 
     initial: int = 8
     name: str = "heuristic"
-    carried: int | None = None  # the length the last feedback left (None: none yet)
+    carried: int | None = field(default=None, init=False, repr=False, compare=False)  # None: no feedback yet
 
     def decide(self, requests: Sequence[PolicyRequest], max_draft: int, hidden_of: HiddenOf | None = None) -> list[int]:
-        start = self.initial if self.carried is None else self.carried
-        return [min(r.policy_state.setdefault("length", start), max_draft) for r in requests]
+        for r in requests:  # kept within the cap, so full accepts at the cap do not carry a length past it
+            r.policy_state["length"] = min(r.policy_state.get("length", self._start), max_draft)
+        return [r.policy_state["length"] for r in requests]
 
     def feedback(self, request: PolicyRequest, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
-        length = request.policy_state.get("length", self.initial)
+        length = request.policy_state.get("length", self._start)
         request.policy_state["length"] = self.carried = length + 2 if accepted == drafted else max(1, length - 1)
+
+    @property
+    def _start(self) -> int:
+        return self.initial if self.carried is None else self.carried
 
     def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
         pass

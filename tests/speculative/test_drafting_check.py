@@ -48,13 +48,13 @@ def test_drafting_is_chosen_only_where_it_beats_plain_by_the_margin_and_a_flip_r
     assert check.drafting_chosen and check.stretch == 6
 
 
-@pytest.mark.parametrize("plain, kept", [(100.0, True), (104.0, True), (106.0, False)])
+@pytest.mark.parametrize("plain, kept", [(101.0, True), (104.0, True), (106.0, False)])
 def test_drafting_once_chosen_is_kept_while_it_loses_nothing_and_a_tie_is_rechecked_after_first(plain, kept):
-    check = DraftingCheck(explore=3, first=6, settle=1, margin=0.05, follow=1.0, drafting_chosen=True, stretch=6,
+    check = DraftingCheck(explore=3, first=6, settle=1, margin=0.05, follow=1.0, drafting_chosen=True, stretch=24,
                           rates={True: 110.0, False: 100.0}, step_s={True: 0.02, False: 0.02})
     # Drafting's stretch, then plain's trial: drafting now commits 105 tokens a second, plain `plain`.
-    arms = _steps(check, 6 + 3 + 1, {True: 105.0, False: plain}, tokens=2)
-    assert arms[:9] == [True] * 6 + [False] * 3
+    arms = _steps(check, 24 + 3 + 1, {True: 105.0, False: plain}, tokens=2)
+    assert arms[:27] == [True] * 24 + [False] * 3
     assert check.drafting_chosen == (check.rates[True] >= check.rates[False]) == kept
     assert check.stretch == 6  # within the margin either way: a tie, re-checked after `first` steps
 

@@ -51,6 +51,10 @@ def test_heuristic_starts_a_new_request_where_the_last_feedback_left_the_length(
     assert policy.decide([a, b, c], 15) == [6, 8, 6]  # b keeps its own; c, new, starts at a's 6
     policy.feedback(b, drafted=8, accepted=8)
     assert policy.decide([Request("d", [1], 8)], 15) == [10]
+    for _ in range(5):  # full accepts at the cap carry no length past it
+        k = policy.decide([b], 12)[0]
+        policy.feedback(b, drafted=k, accepted=k)
+    assert policy.decide([Request("e", [1], 8)], 12) == [12] and policy.carried <= 14
 
 
 def test_allocate_drafts_long_when_verification_is_free_and_none_when_it_is_not():
