@@ -127,6 +127,11 @@ NOTES: dict[str, dict[str, str]] = {
                                                  "throughput-profiled 1.00 / 1.01 / 1.04 / 1.03x, heuristic 1.02 / 1.03 / "
                                                  "1.04 / 0.98x, adaflash 1.00 / 1.03 / 1.04 / 0.98x, throughput+lookup "
                                                  "1.00 / 1.01 / 1.04 / 1.00x (medians of 16 / 8 / 4 / 4 waves)"},
+    "adaflash/served_engines_int8": {"what": "the same, int8 (six-mix, 64 tokens, 4 rounds; commit 155bc51)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.97 / 1.01 / 1.01 / 1.14x AR, "
+                                                 "throughput-profiled 0.96 / 0.96 / 0.99 / 1.16x, heuristic 0.99 / 0.98 / "
+                                                 "0.97 / 1.13x, adaflash 0.97 / 0.97 / 1.01 / 1.11x, throughput+lookup "
+                                                 "1.16 / 0.94 / 0.99 / 1.00x; at c = 1 throughput verifies 0.55 drafts a step"},
     "adaflash/engine_path": {"what": "the engine's path at batch 1 (no drafter; a drafter at fixed:0) against the reference "
                                      "AR loop: `make demo`'s code prompt, 48 tokens, fp32, 2 threads, 40 rounds",
                              "headline": "reference / engine time 0.994x, with a drafter at fixed:0 0.994x",
