@@ -213,11 +213,14 @@ class TargetModel(nn.Module):
         hidden = None
         if capture_layers:
             order = sorted(capture)
-            if isinstance(captured, torch.Tensor) and list(capture_layers) == order and len(captured) == len(order):
-                # The kernel's stacked [layers, T, hidden] as [T, layers * hidden]: at one token (a decode step) a
-                # view, where a cat copied every step.
-                hidden = captured.transpose(0, 1).reshape(captured.shape[1], -1)
+            if (isinstance(captured, torch.Tensor) and list(capture_layers) == order
+                    and captured.shape[1] == len(order) * cfg.hidden_size):
+                # The kernel's [T, layers ascending * hidden] is what the drafter reads: no tensor op runs after the
+                # kernel (the first one there runs cold, ~50 us of a 4 ms decode step).
+                hidden = captured
             else:
+                if isinstance(captured, torch.Tensor):
+                    captured = captured.split(cfg.hidden_size, dim=-1)
                 by_layer = dict(zip(order, captured))
                 hidden = torch.cat([by_layer[i] for i in capture_layers], dim=-1)
         if compute_logits and logits is None:

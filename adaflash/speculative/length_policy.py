@@ -172,7 +172,8 @@ class AcceptanceEstimate:
     def survival(self, requests: Sequence[PolicyRequest], widths: Sequence[int],
                  optimism: float = 0.0) -> list[list[float]]:
         """Per request, P(its drafts 1..j all accepted) for j = 1..its width: `allocate_drafts`' input."""
-        return [[self.alpha(r, optimism) ** j for j in range(1, w + 1)] for r, w in zip(requests, widths)]
+        alphas = [self.alpha(r, optimism) for r in requests]
+        return [[a ** j for j in range(1, w + 1)] for a, w in zip(alphas, widths)]
 
     def expect(self, request: PolicyRequest, probability: float) -> None:
         """A look that drafted nothing: `probability` (a calibrated guess that the first draft would have been

@@ -136,14 +136,17 @@ void adaflash_decoder_layer(float* h, const Layer* layer, int64_t layer_index, c
 }
 
 // Every layer of a stack in one call (a 1-token step of SmolLM2's 30 layers made ~10 us of ctypes and Python per
-// layer, ~7% of the step): h [tokens, hidden] updated in place; captures[i], where not null, receives h after layer i.
+// layer, ~7% of the step): h [tokens, hidden] updated in place; captures[i], where not null, receives h after layer i,
+// token r's row at captures[i] + r * capture_stride (the caller's [tokens, layers * hidden] buffer takes every
+// captured layer side by side, so no tensor op runs on it after the call: one ran cold there, ~50 us a step).
 void adaflash_decoder_layers(float* h, const Layer* layers, int64_t num_layers, const Shape* s, const Batch* b,
-                             float* scratch, float* const* captures, int threads) {
-  const int64_t count = b->tokens * s->hidden;
+                             float* scratch, float* const* captures, int64_t capture_stride, int threads) {
+  const int64_t t = b->tokens, d = s->hidden;
   for (int64_t i = 0; i < num_layers; ++i) {
     adaflash_decoder_layer(h, layers + i, i, s, b, scratch, threads);
     if (captures[i])
-      for (int64_t j = 0; j < count; ++j) captures[i][j] = h[j];
+      for (int64_t r = 0; r < t; ++r)
+        for (int64_t j = 0; j < d; ++j) captures[i][r * capture_stride + j] = h[r * d + j];
   }
 }
 
@@ -156,7 +159,8 @@ void adaflash_decoder_layers(float* h, const Layer* layers, int64_t num_layers, 
 // -2 where a row is not in [-t, t) (negative rows count from the end, as torch indexes). num_rows <= t.
 int adaflash_decoder_forward(const int64_t* tokens, const float* embed, int64_t vocab, float* h, const Layer* layers,
                              int64_t num_layers, const Shape* s, const Batch* b, float* scratch,
-                             float* const* captures, const float* final_norm, const int64_t* rows, int64_t num_rows,
+                             float* const* captures, int64_t capture_stride, const float* final_norm,
+                             const int64_t* rows, int64_t num_rows,
                              const Linear* head, float* logits, int threads) {
   const int64_t t = b->tokens, d = s->hidden;
   for (int64_t i = 0; i < t; ++i)
@@ -165,7 +169,7 @@ int adaflash_decoder_forward(const int64_t* tokens, const float* embed, int64_t 
     if (rows[r] < -t || rows[r] >= t) return -2;
   for (int64_t i = 0; i < t; ++i)
     for (int64_t j = 0; j < d; ++j) h[i * d + j] = embed[tokens[i] * d + j];
-  adaflash_decoder_layers(h, layers, num_layers, s, b, scratch, captures, threads);
+  adaflash_decoder_layers(h, layers, num_layers, s, b, scratch, captures, capture_stride, threads);
   if (head == nullptr) return 0;
   float* selected = scratch;  // [num_rows, d]: the layers are done with their scratch
   for (int64_t r = 0; r < num_rows; ++r) {

@@ -136,7 +136,7 @@ class LayerSteps:
     def run(self, h: torch.Tensor, attention, cache, cos: torch.Tensor, sin: torch.Tensor,
             capture: set[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer over the residual stream `h` [T, hidden] of a RaggedAttention batch (causal or not); returns
-        the final stream and the streams after the layers in `capture` ([layers ascending, T, hidden]), or None where
+        the final stream and the streams after the layers in `capture` ([T, layers ascending * hidden]), or None where
         the step cannot run (the caller runs its Python loop)."""
         call = self._prepare(h.shape[0], h.dtype, h.device, attention, cache, cos, sin, capture)
         if call is None:
@@ -196,16 +196,17 @@ class LayerSteps:
         lib = packed.library()
         scratch = torch.empty(lib.adaflash_layer_scratch_floats(ctypes.byref(self.shape), t), dtype=torch.float32)
         wanted = sorted(i for i in capture if 0 <= i < len(structs))
-        # Stacked: a decode step's features are then one view of it (target.py).
-        captured = torch.empty(len(wanted), t, self.shape.hidden, dtype=torch.float32)
+        # Side by side, [T, layers * hidden]: the features as the drafter reads them, with no tensor op after the call.
+        width = len(wanted) * self.shape.hidden
+        captured = torch.empty(t, width, dtype=torch.float32)
         targets = self._no_captures
         if wanted:
             targets = (ctypes.c_void_p * len(structs))()
             for j, i in enumerate(wanted):
-                targets[i] = captured.data_ptr() + j * captured.stride(0) * captured.element_size()
+                targets[i] = captured.data_ptr() + j * self.shape.hidden * captured.element_size()
         # (the tensors and structures the pointers refer to stay referenced by the _Call until the call returns)
         return _Call((structs, len(structs), ctypes.byref(self.shape), ctypes.byref(batch), scratch.data_ptr(), targets,
-                      torch.get_num_threads()), captured, (cos, sin, index, batch, scratch))
+                      width, torch.get_num_threads()), captured, (cos, sin, index, batch, scratch))
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ class StepHead:
 @dataclass(frozen=True)
 class _Call:
     layer_args: tuple  # adaflash_decoder_layers' arguments after h
-    captured: torch.Tensor  # [captured layers (ascending), T, hidden]
+    captured: torch.Tensor  # [T, captured layers (ascending) * hidden]
     keep: tuple  # what the pointers in layer_args refer to
 
 

@@ -159,10 +159,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.adaflash_layer_scratch_floats.restype = i64
     lib.adaflash_decoder_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i32]
     lib.adaflash_decoder_layer.restype = None
-    lib.adaflash_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i32]
+    lib.adaflash_decoder_layers.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i32]
     lib.adaflash_decoder_layers.restype = None
-    lib.adaflash_decoder_forward.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
-                                             ptr, i32]
+    lib.adaflash_decoder_forward.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64,
+                                             ptr, ptr, i32]
     lib.adaflash_decoder_forward.restype = ctypes.c_int
     lib.adaflash_context_scratch_floats.argtypes = [ptr, i64]
     lib.adaflash_context_scratch_floats.restype = i64
