@@ -9,6 +9,10 @@ handed to it: the drafter pass that makes them is the drafter's cost, not the po
 the step's observation (the calibration's update); `lookup sizing` is `LookupLength` over 8-token matches. Outcomes are
 drawn at a 50% per-position acceptance and the check kept in its drafting arm, the dearer one (a plain-arm step skips
 `decide`). Run with nothing else on the cores.
+
+Each is timed twice: warm (its steps back to back) and in place (a plain decode step of the engine before each, as the
+engine runs it: the step's weights have streamed through the caches, so the policy's code and data are fetched afresh,
+and the same work costs several times its warm time).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -35,13 +40,18 @@ from adaflash.speculative.length_policy import LookupLength, build_length_policy
 POLICIES = ("heuristic", "throughput", "throughput-profiled", "adaflash")
 
 
-def decode_step_s(pipeline: Pipeline, batch: int, steps: int) -> float:
-    """The median plain decode step of an engine with `batch` busy slots."""
+def decoding_engine(pipeline: Pipeline, batch: int, steps: int):
+    """Our engine (`fixed:0`: a drafter's engine that never drafts) with `batch` slots busy for `steps` plain steps."""
     config = EngineConfig(SpeculativeConfig.of("dflash", "fixed:0"), max_batch=batch, max_len=64 + steps + 32)
     engine = build_engine(config, pipeline.engine_models())
     for i in range(batch):
         engine.add_request(Request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(64)], steps + 8))
     engine.step()  # the prefill
+    return engine
+
+
+def decode_step_s(engine, steps: int) -> float:
+    """The median of `steps` plain decode steps of `engine`."""
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -55,13 +65,16 @@ def _accepted(rng: random.Random, drafted: int) -> int:
     return next((j for j in range(drafted) if rng.random() > 0.5), drafted)
 
 
-def policy_step_s(policy, batch: int, max_draft: int, hidden: torch.Tensor, steps: int, seed: int = 0) -> float:
-    """The median seconds of one step's bookkeeping: check, decide, feedback, observe."""
+def policy_step_s(policy, batch: int, max_draft: int, hidden: torch.Tensor, steps: int, seed: int = 0,
+                  before: Callable[[], object] = lambda: None) -> float:
+    """The median seconds of one step's bookkeeping: check, decide, feedback, observe; `before` runs untimed ahead of
+    each (an engine's decode step: the policy in place)."""
     rng = random.Random(seed)
     checks = DraftingChecks(DraftingCheck(drafting_chosen=True, stretch=10 ** 6))  # always the drafting arm
     requests = [Request(f"r{i}", [1, 2], 10 ** 6) for i in range(batch)]
     times = []
     for _ in range(steps):
+        before()
         start = time.perf_counter()
         checks.decide(batch)
         lengths = policy.decide(requests, max_draft, lambda rows: hidden[: len(rows)])
@@ -74,13 +87,14 @@ def policy_step_s(policy, batch: int, max_draft: int, hidden: torch.Tensor, step
     return statistics.median(times[5:])
 
 
-def lookup_step_s(cost, batch: int, steps: int, seed: int = 0) -> float:
+def lookup_step_s(cost, batch: int, steps: int, seed: int = 0, before: Callable[[], object] = lambda: None) -> float:
     rng = random.Random(seed)
     sizing = LookupLength(cost)
     requests = [Request(f"r{i}", [1, 2], 10 ** 6) for i in range(batch)]
     proposals = [list(range(8))] * batch
     times = []
     for _ in range(steps):
+        before()
         start = time.perf_counter()
         lengths = sizing.decide(requests, proposals)
         for r, k in zip(requests, lengths):
@@ -105,22 +119,26 @@ def main(argv: list[str] | None = None) -> int:
     cost = length_policy_factory(config, models).cost
     block = models.proposer.block_size
     hidden = torch.randn(max(batches), block, pipeline.length_head.config.hidden_size)
-    rows, report = [], {"decode_step_s": {}, "policy_step_s": {}}
+    rows, report = [], {"decode_step_s": {}, "policy_step_s": {}, "policy_in_place_s": {}}
     for batch in batches:
-        decode = decode_step_s(pipeline, batch, args.steps)
+        engine = decoding_engine(pipeline, batch, args.steps * (2 * len(POLICIES) + 3))
+        decode = decode_step_s(engine, args.steps)
         report["decode_step_s"][batch] = decode
-        costs = {name: policy_step_s(build_length_policy(name, cost, pipeline.length_head), batch, block - 1, hidden,
-                                     args.steps) for name in POLICIES}
-        costs["lookup sizing"] = lookup_step_s(cost.profile, batch, args.steps)
-        report["policy_step_s"][batch] = costs
-        rows += [[str(batch), f"{decode * 1e3:.2f}", name, f"{s * 1e6:.0f}", f"{100 * s / decode:.2f}%"]
-                 for name, s in costs.items()]
+        timed = {}
+        for place, before in (("warm", lambda: None), ("in place", engine.step)):
+            timed[place] = {name: policy_step_s(build_length_policy(name, cost, pipeline.length_head), batch,
+                                                block - 1, hidden, args.steps, before=before) for name in POLICIES}
+            timed[place]["lookup sizing"] = lookup_step_s(cost.profile, batch, args.steps, before=before)
+        report["policy_step_s"][batch], report["policy_in_place_s"][batch] = timed["warm"], timed["in place"]
+        rows += [[str(batch), f"{decode * 1e3:.2f}", name, f"{s * 1e6:.0f}", f"{timed['in place'][name] * 1e6:.0f}",
+                  f"{100 * timed['in place'][name] / decode:.2f}%"] for name, s in timed["warm"].items()]
     report.update(command=" ".join(["python", "benchmarks/policy_overhead.py",
                                     *(argv if argv is not None else sys.argv[1:])]),
                   machine={"cpu": cpu_model(), "threads": threads, "dtype": args.dtype})
     text = (f"A length policy's own work per engine step beside the plain decode step, {report['machine']['cpu']}, "
             f"{threads} threads, {args.dtype}. Command: `{report['command']}`\n\n"
-            + markdown_table(["batch", "decode step ms", "policy", "policy µs a step", "of the decode step"], rows)
+            + markdown_table(["batch", "decode step ms", "policy", "µs a step, warm", "µs a step, in place",
+                              "in place, of the decode step"], rows)
             + "\n")
     write_report(args.out, report, text)
     print(text)

@@ -86,18 +86,15 @@ class CalibratedCost:
         # The excess fit's normal equations over (drafting requests, extra drafts); the prior: (0 s, 0 s), a ridge.
         self._dd, self._de, self._ee = prior_steps, 0.0, prior_steps
         self._d_excess, self._e_excess = 0.0, 0.0
+        self._solve()
 
-    @property
-    def scale(self) -> float:
-        return self._scale_sum / self._scale_weight
-
-    @property
-    def per_draft_s(self) -> float:
-        return (self._d_excess * self._ee - self._e_excess * self._de) / (self._dd * self._ee - self._de ** 2)
-
-    @property
-    def per_extra_draft_s(self) -> float:
-        return (self._e_excess * self._dd - self._d_excess * self._de) / (self._dd * self._ee - self._de ** 2)
+    def _solve(self) -> None:
+        """The three estimates from the running sums, once per observed step rather than at every price asked (a
+        policy asks several a step, and each step's Python runs cold after the target's kernel)."""
+        self.scale = self._scale_sum / self._scale_weight
+        det = self._dd * self._ee - self._de ** 2
+        self.per_draft_s = (self._d_excess * self._ee - self._e_excess * self._de) / det
+        self.per_extra_draft_s = (self._e_excess * self._dd - self._d_excess * self._de) / det
 
     def predicted(self, lengths: Sequence[int]) -> float:
         """The profile's seconds for a step that verifies these draft lengths (one per request, 0: plain)."""
@@ -120,6 +117,7 @@ class CalibratedCost:
             self._dd, self._de, self._ee = f * self._dd + drafting ** 2, f * self._de + drafting * extra, \
                 f * self._ee + extra ** 2
             self._d_excess, self._e_excess = f * self._d_excess + drafting * excess, f * self._e_excess + extra * excess
+        self._solve()
 
     def verify(self, tokens: int) -> float:
         return self.scale * self.profile.verify(tokens)

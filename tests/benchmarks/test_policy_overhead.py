@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from adaflash.speculative.cost_model import CostModel
@@ -23,3 +25,15 @@ def test_a_policy_step_is_timed_in_the_drafting_arm_with_every_request_heard():
     assert len(heard) == 4 * 10 and all(d == 3 for d, _ in heard[:4])  # the drafting arm: the policy drafted
     assert policy_step_s(ThroughputLength(COST), 8, 7, torch.zeros(8, 8, 16), steps=10) > 0
     assert lookup_step_s(COST, 8, steps=10) > 0
+
+
+def test_in_place_timing_runs_the_engine_step_before_each_policy_step_and_leaves_it_out():
+    ran = []
+
+    def engine_step():  # stands in for a decode step: slow, and not the policy's
+        ran.append(1)
+        time.sleep(0.005)
+
+    assert policy_step_s(ThroughputLength(COST), 2, 7, torch.zeros(2, 8, 16), steps=10, before=engine_step) < 0.004
+    assert len(ran) == 10
+    assert lookup_step_s(COST, 2, steps=10, before=engine_step) < 0.004 and len(ran) == 20
