@@ -13,6 +13,10 @@ drawn at a 50% per-position acceptance and the check kept in its drafting arm, t
 Each is timed twice: warm (its steps back to back) and in place (a plain decode step of the engine before each, as the
 engine runs it: the step's weights have streamed through the caches, so the policy's code and data are fetched afresh,
 and the same work costs several times its warm time).
+
+Then, whole: at batch 1 and 8, the AR engine and each policy's engine held in its check's plain arm (what a request the
+check keeps from drafting costs: the check, the policy hearing the step, the drafter's features captured and kept),
+stepped in turn on the same requests: how much longer than AR's step a plain-arm step runs.
 """
 
 from __future__ import annotations
@@ -103,6 +107,33 @@ def lookup_step_s(cost, batch: int, steps: int, seed: int = 0, before: Callable[
     return statistics.median(times[5:])
 
 
+def plain_arm_steps_s(pipeline: Pipeline, batch: int, steps: int) -> dict[str, float]:
+    """AR's median step, and per policy the median of its plain-arm step's excess over AR's step of the same round: the
+    engines step in turn, so a round's steps run within milliseconds of each other and this VM's drift cancels."""
+    models = pipeline.engine_models()
+
+    def engine(method: str, policy: str | None):
+        held = DraftingChecks(DraftingCheck(stretch=10 ** 6, longest=10 ** 6))  # plain, for longer than this runs
+        config = EngineConfig(SpeculativeConfig.of(method, policy), max_batch=batch, max_len=64 + steps + 32)
+        built = build_engine(config, models, checks=held if method != "ar" else None)
+        for i in range(batch):
+            built.add_request(Request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(64)], steps + 8))
+        built.step()  # the prefill
+        return built
+
+    engines = {"ar": engine("ar", None), **{name: engine("dflash", name) for name in POLICIES}}
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    names = list(engines)
+    for k in range(steps):
+        for name in names[k % len(names):] + names[: k % len(names)]:
+            start = time.perf_counter()
+            engines[name].step()
+            times[name].append(time.perf_counter() - start)
+    excess = {name: statistics.median(a - b for a, b in zip(t[2:], times["ar"][2:])) for name, t in times.items()
+              if name != "ar"}
+    return {"ar": statistics.median(times["ar"][2:]), **excess}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "int8"])
@@ -132,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         report["policy_step_s"][batch], report["policy_in_place_s"][batch] = timed["warm"], timed["in place"]
         rows += [[str(batch), f"{decode * 1e3:.2f}", name, f"{s * 1e6:.0f}", f"{timed['in place'][name] * 1e6:.0f}",
                   f"{100 * timed['in place'][name] / decode:.2f}%"] for name, s in timed["warm"].items()]
+    plain_rows, report["plain_arm_step_s"] = [], {}
+    for batch in [b for b in batches if b <= 8]:
+        measured = report["plain_arm_step_s"][batch] = plain_arm_steps_s(pipeline, batch, 25 * args.steps)
+        ar = measured["ar"]
+        plain_rows += [[str(batch), f"{ar * 1e3:.3f}", name, f"{excess * 1e6:+.0f}", f"{100 * excess / ar:+.2f}%"]
+                       for name, excess in measured.items() if name != "ar"]
     report.update(command=" ".join(["python", "benchmarks/policy_overhead.py",
                                     *(argv if argv is not None else sys.argv[1:])]),
                   machine={"cpu": cpu_model(), "threads": threads, "dtype": args.dtype})
@@ -139,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{threads} threads, {args.dtype}. Command: `{report['command']}`\n\n"
             + markdown_table(["batch", "decode step ms", "policy", "µs a step, warm", "µs a step, in place",
                               "in place, of the decode step"], rows)
-            + "\n")
+            + "\n\nWhole engine steps: each policy's engine held in its check's plain arm against AR's engine, stepped "
+              f"in turn ({25 * args.steps} rounds; the median of a round's excess over AR's step):\n\n"
+            + markdown_table(["batch", "AR step ms", "policy", "plain-arm excess µs a step", "of AR's step"],
+                             plain_rows) + "\n")
     write_report(args.out, report, text)
     print(text)
     return 0

@@ -94,6 +94,7 @@ class DrafterSource:
         # Per slot: (first position, [T, n*d] chunks) of target features not yet fed to the drafter.
         self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self._step: _DrafterStep | None = None  # the last `propose`'s work, read by its feedback
+        self._held = _DrafterStep(self, ())  # a plain-arm step's: no drafter work (built once: a step's Python is dear)
 
     # ---- context ---------------------------------------------------------------------------------
 
@@ -166,7 +167,7 @@ class DrafterSource:
     def hold(self, requests: Sequence[Request]) -> "DrafterSource":
         """A step of the drafting check's plain arm: these requests are this source's, with no drafts, and neither the
         policy nor the drafter runs (the policy still hears the step's feedback and time)."""
-        self._step = _DrafterStep(self, requests)
+        self._step = self._held
         return self
 
     def feedback(self, requests: Sequence[Request], drafted: Sequence[int], accepted: Sequence[int]) -> None:
@@ -184,7 +185,7 @@ class DrafterSource:
         # drafting check counts every step toward its arm itself, drafting.py). Drafting asks only when no other
         # source's drafts widened the verify: on text that repeats itself the calibration learns from fewer steps.
         step = self._step
-        priced = step.fed <= self.max_draft + 1 and step.hidden.keys() <= set(step.drafting)
+        priced = step.fed <= self.max_draft + 1 and (not step.hidden or step.hidden.keys() <= set(step.drafting))
         self.policy.observe_step(lengths, seconds, priced)
 
 

@@ -98,13 +98,14 @@ class CalibratedCost:
 
     def predicted(self, lengths: Sequence[int]) -> float:
         """The profile's seconds for a step that verifies these draft lengths (one per request, 0: plain)."""
-        return self.profile.verify(sum(k + 1 for k in lengths)) + sum(self.profile.draft(k) for k in lengths)
+        verify = self.profile.verify(len(lengths) + sum(lengths))
+        return verify + sum(self.profile.draft(k) for k in lengths if k > 0) if any(lengths) else verify
 
     def observe(self, lengths: Sequence[int], seconds: float) -> None:
         """One engine step (its requests' draft lengths) took `seconds` of wall time."""
         if not lengths:
             return
-        predicted, drafting = self.predicted(lengths), sum(1 for k in lengths if k > 0)
+        predicted, drafting = self.predicted(lengths), len(lengths) - lengths.count(0)
         if predicted <= 0:
             return
         seconds = min(max(seconds, predicted * self.scale / 4), predicted * self.scale * 4)

@@ -25,9 +25,9 @@ steps and later costs at most about explore / longest of the time; a flip starts
 
 Rates are kept per source and batch size (powers of two): tokens a second are comparable only at one batch size, and a
 batch may draft where one request does not. A batch size opens with a short plain stretch (`settle` + 4 steps: the
-yardstick its first drafting trial is timed against); where the largest smaller batch size that has judged both arms
-chose plain, it starts from that choice and that confidence instead (verifying drafts only costs more as the batch
-grows).
+yardstick its first drafting trial is timed against; a template given a first stretch and arm opens with those, as a
+benchmark holding one arm does); where the largest smaller batch size that has judged both arms chose plain, it starts
+from that choice and that confidence instead (verifying drafts only costs more as the batch grows).
 """
 
 from __future__ import annotations
@@ -182,4 +182,4 @@ class DraftingChecks:
         smaller = self.by_size[(source, max(judged))] if judged else None
         if smaller is not None and not smaller.drafting_chosen:
             return dict(drafting_chosen=False, stretch=smaller.stretch)
-        return dict(drafting_chosen=self.template.drafting_chosen, stretch=0)
+        return dict(drafting_chosen=self.template.drafting_chosen, stretch=self.template.stretch)

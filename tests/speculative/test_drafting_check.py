@@ -138,6 +138,13 @@ def test_a_new_batch_size_starts_where_the_largest_smaller_judged_one_chose_plai
     assert _steps(checks.of(64), 9, {True: 50.0, False: 100.0}) == [False] * 8 + [True]  # batch 8's stretch first
 
 
+def test_a_template_with_an_opening_stretch_holds_its_arm_that_long_at_every_batch_size():
+    checks = DraftingChecks(DraftingCheck(explore=3, first=5, settle=1, stretch=50, longest=50))
+    assert [checks.decide(1) for _ in range(50)] == [False] * 50 and checks.decide(1)  # then drafting's trial
+    assert checks.of(16).stretch == 50  # nothing judged at a smaller size: the template's opening
+    assert DraftingChecks(DraftingCheck(explore=3, first=5, settle=1)).of(1).stretch == 5  # default: settle + 4
+
+
 @pytest.mark.parametrize("bad", [dict(settle=0), dict(explore=8, settle=8), dict(first=32, longest=16)])
 def test_impossible_stretches_are_refused(bad):
     with pytest.raises(ValueError, match="settle < explore"):
