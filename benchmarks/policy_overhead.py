@@ -14,7 +14,7 @@ Each is timed twice: warm (its steps back to back) and in place (a plain decode 
 engine runs it: the step's weights have streamed through the caches, so the policy's code and data are fetched afresh,
 and the same work costs several times its warm time).
 
-Then, whole: at batch 1 and 8, the AR engine and each policy's engine held in its check's plain arm (what a request the
+Then, whole: at the batch sizes up to 8 (1 and 8 by default), the AR engine and each policy's engine held in its check's plain arm (what a request the
 check keeps from drafting costs: the check, the policy hearing the step, the drafter's features captured and kept),
 stepped in turn on the same requests: how much longer than AR's step a plain-arm step runs.
 """
@@ -44,10 +44,13 @@ from adaflash.speculative.length_policy import LookupLength, build_length_policy
 POLICIES = ("heuristic", "throughput", "throughput-profiled", "adaflash")
 
 
-def decoding_engine(pipeline: Pipeline, batch: int, steps: int):
-    """Our engine (`fixed:0`: a drafter's engine that never drafts) with `batch` slots busy for `steps` plain steps."""
-    config = EngineConfig(SpeculativeConfig.of("dflash", "fixed:0"), max_batch=batch, max_len=64 + steps + 32)
-    engine = build_engine(config, pipeline.engine_models())
+def decoding_engine(pipeline: Pipeline, batch: int, steps: int, speculative: SpeculativeConfig | None = None,
+                    checks: DraftingChecks | None = None):
+    """`speculative`'s engine (default `fixed:0`: a drafter's engine that never drafts) with `batch` slots busy for
+    `steps` steps, past its prefill; `checks`: its drafting checks (None: the factory's)."""
+    speculative = speculative or SpeculativeConfig.of("dflash", "fixed:0")
+    config = EngineConfig(speculative, max_batch=batch, max_len=64 + steps + 32)
+    engine = build_engine(config, pipeline.engine_models(), checks=checks)
     for i in range(batch):
         engine.add_request(Request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(64)], steps + 8))
     engine.step()  # the prefill
@@ -107,31 +110,30 @@ def lookup_step_s(cost, batch: int, steps: int, seed: int = 0, before: Callable[
     return statistics.median(times[5:])
 
 
-def plain_arm_steps_s(pipeline: Pipeline, batch: int, steps: int) -> dict[str, float]:
-    """AR's median step, and per policy the median of its plain-arm step's excess over AR's step of the same round: the
-    engines step in turn, so a round's steps run within milliseconds of each other and this VM's drift cancels."""
-    models = pipeline.engine_models()
-
-    def engine(method: str, policy: str | None):
-        held = DraftingChecks(DraftingCheck(stretch=10 ** 6, longest=10 ** 6))  # plain, for longer than this runs
-        config = EngineConfig(SpeculativeConfig.of(method, policy), max_batch=batch, max_len=64 + steps + 32)
-        built = build_engine(config, models, checks=held if method != "ar" else None)
-        for i in range(batch):
-            built.add_request(Request(f"r{i}", [(7 * i + j) % 1000 + 100 for j in range(64)], steps + 8))
-        built.step()  # the prefill
-        return built
-
-    engines = {"ar": engine("ar", None), **{name: engine("dflash", name) for name in POLICIES}}
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    names = list(engines)
-    for k in range(steps):
+def paired_excess_s(steppers: dict[str, Callable[[], object]], rounds: int, baseline: str = "ar") -> dict[str, float]:
+    """The steppers called in turn for `rounds` rounds (the order rotated each round): the baseline's median seconds,
+    and per other stepper the median of its excess over the baseline's call in the same round. A round's calls run
+    within milliseconds of each other, so this VM's drift cancels out of the pairs."""
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    names = list(steppers)
+    for k in range(rounds):
         for name in names[k % len(names):] + names[: k % len(names)]:
             start = time.perf_counter()
-            engines[name].step()
+            steppers[name]()
             times[name].append(time.perf_counter() - start)
-    excess = {name: statistics.median(a - b for a, b in zip(t[2:], times["ar"][2:])) for name, t in times.items()
-              if name != "ar"}
-    return {"ar": statistics.median(times["ar"][2:]), **excess}
+    base = times[baseline][2:]  # past the first rounds' warm-up
+    excess = {name: statistics.median(a - b for a, b in zip(t[2:], base)) for name, t in times.items()
+              if name != baseline}
+    return {baseline: statistics.median(base), **excess}
+
+
+def plain_arm_steps_s(pipeline: Pipeline, batch: int, steps: int) -> dict[str, float]:
+    """AR's engine step and each policy's engine step in its check's plain arm (`paired_excess_s`)."""
+    engines = {"ar": decoding_engine(pipeline, batch, steps, SpeculativeConfig.of("ar"))}
+    for name in POLICIES:  # each check held in its plain arm for longer than this runs
+        held = DraftingChecks(DraftingCheck(stretch=10 ** 6, longest=10 ** 6))
+        engines[name] = decoding_engine(pipeline, batch, steps, SpeculativeConfig.of("dflash", name), held)
+    return paired_excess_s({name: engine.step for name, engine in engines.items()}, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     hidden = torch.randn(max(batches), block, pipeline.length_head.config.hidden_size)
     rows, report = [], {"decode_step_s": {}, "policy_step_s": {}, "policy_in_place_s": {}}
     for batch in batches:
-        engine = decoding_engine(pipeline, batch, args.steps * (2 * len(POLICIES) + 3))
+        engine = decoding_engine(pipeline, batch, args.steps * (len(POLICIES) + 2))  # the decode steps, each in place
         decode = decode_step_s(engine, args.steps)
         report["decode_step_s"][batch] = decode
         timed = {}

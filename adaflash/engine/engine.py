@@ -264,7 +264,7 @@ class Engine:
         batch = RaggedBatch.build([r.slot for r in requests], [r.position for r in requests], [1] * len(requests))
         out = self.target(torch.tensor([r.output_ids[-1] for r in requests]), batch, self.target_cache, self.capture)
         outputs = []
-        # Each request's row of features (one request: the whole tensor, with no tensor op run cold after the pass).
+        # Each request's row of features (one request: the whole tensor, not a split run cold after the pass).
         rows = (out.hidden.split(1) if len(requests) > 1 else (out.hidden,)) if self.capture else [None] * len(requests)
         for i, (r, token, features) in enumerate(zip(requests, self._picks(requests, out.logits), rows)):
             self.drafting.add_context(r.slot, r.position, features)

@@ -44,14 +44,14 @@ def _spy_on_the_step(monkeypatch, method: str = "forward") -> list[bool | str]:
 
 def _steps(model):
     """Prefill (20 tokens: past the step's 16 queries, the loop), a 3-token verify with captures out of layer order
-    and logits of two of its rows, a decode step, a ragged batch joining two new sequences (captures in layer order:
-    the kernel's own layout), and a mixed batch over all three."""
+    and logits of two of its rows, a decode step and a ragged batch joining two new sequences with captures in layer
+    order (the kernel's own layout, returned as is), and a mixed batch over all three."""
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(0))
     cache = model.new_cache(3, 64)
     outs = [model(ids[:20], RaggedBatch.build([0], [0], [20]), cache, capture_layers=(1, 3)),
             model(ids[20:23], RaggedBatch.build([0], [20], [3]), cache, capture_layers=(3, 0),
                   logit_indices=torch.tensor([2, 0])),
-            model(ids[23:24], RaggedBatch.build([0], [23], [1]), cache),
+            model(ids[23:24], RaggedBatch.build([0], [23], [1]), cache, capture_layers=(0, 2)),
             model(ids[24:30], RaggedBatch.build([2, 1], [0, 0], [2, 4]), cache, capture_layers=(0, 2)),
             model(ids[30:40], RaggedBatch.build([0, 1, 2], [24, 4, 2], [5, 1, 4]), cache)]
     return outs, cache
