@@ -82,21 +82,26 @@ NOTES: dict[str, dict[str, str]] = {
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
                                         "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
     "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain, 4 prompts each, 3 rounds "
-                                             "(fp32, 1 thread; commit 8320dd2)",
-                                     "headline": "throughput 0.972 (math 1.043, code 0.959), throughput-profiled 0.985, heuristic "
-                                                 "0.986, adaflash 1.004, throughput+lookup 1.069x AR (multilingual 1.232x; lookups "
-                                                 "verified whole 1.312x); fixed:0 (the engine path, never drafting) 0.987x"},
+                                             "(fp32, 1 thread; commit 1f0bbf2)",
+                                     "headline": "throughput 0.978 (math 1.009, code 0.951), throughput-profiled 0.978, heuristic "
+                                                 "0.972, adaflash 0.996, throughput+lookup 1.074x AR (multilingual 1.309x; lookups "
+                                                 "verified whole 1.334x); fixed:0 (the engine path, never drafting) 0.989x"},
     "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 3 rounds "
-                                             "(int8, 1 thread; commit 8320dd2)",
-                                     "headline": "throughput 1.023 (math 1.166, chat 0.965), throughput-profiled 1.011, "
-                                                 "heuristic 1.024 (multilingual 0.961), adaflash 0.970 (0.960-0.976 by domain), "
-                                                 "throughput+lookup 1.324x AR (multilingual 1.852x; lookups verified whole "
-                                                 "1.727x); fixed:0 0.998x"},
+                                             "(int8, 1 thread; commit 1f0bbf2)",
+                                     "headline": "throughput 1.019 (math 1.145, code 0.927), throughput-profiled 1.037, "
+                                                 "heuristic 1.032, adaflash 0.970 (code 0.930, multilingual 0.955), "
+                                                 "throughput+lookup 1.223x AR (multilingual 1.694x; lookups verified whole "
+                                                 "1.589x); fixed:0 0.983x"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
-                                         "beside the plain decode step, batch 1-64 (fp32)",
-                                 "headline": "heuristic 0.04-0.07%, throughput 0.32-1.15%, adaflash (head forward included) "
-                                             "0.24-0.61%, lookup sizing 0.13-0.71% of a decode step (drafting-arm steps; "
-                                             "a plain-arm step skips decide)"},
+                                         "beside the plain decode step, warm and in place (after an engine step), batch "
+                                         "1-64; and whole plain-arm engine steps against AR's (fp32; commit 1f0bbf2)",
+                                 "headline": "in place at batch 1: heuristic 38 µs (0.49%), throughput 95 µs (1.24%), adaflash "
+                                             "85 µs (1.11%), lookup sizing 56 µs; warm 4-15 µs. A plain-arm engine step: "
+                                             "+48 to +63 µs over AR's at batch 1 (0.57-0.76%), within +-0.2% at batch 8"},
+    "adaflash/policy_overhead_int8": {"what": "the same, int8 (commit 1f0bbf2)",
+                                      "headline": "in place at batch 1: heuristic 38 µs (0.94% of a 4.1 ms step), throughput "
+                                                  "112 µs (2.75%), adaflash 83 µs (2.04%); a plain-arm engine step +57 to +78 "
+                                                  "µs over AR's at batch 1 (1.07-1.46%), +40 to +115 µs at batch 8 (0.28-0.81%)"},
     "adaflash/main_table": {"what": "main table: AR, DFlash fixed-16 / fixed-2, throughput, adaflash, adaflash + lookup; "
                                     "served, six-mix, 64 tokens, --dtype int8 (adaflash before its look fix)"},
     "adaflash/look_feedback": {"what": "throughput, adaflash (after its look fix), adaflash + lookup; served, six-mix, int8"},
@@ -116,22 +121,24 @@ NOTES: dict[str, dict[str, str]] = {
                                       "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
     "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32, 5 rounds): AR vs full block, 2 drafts, adaptive, adaptive + "
-                              "prompt lookup",
-                      "headline": "full block 0.33x AR, 2 drafts 0.78x, adaptive 0.98x (0.93-1.03 by domain), adaptive + "
-                                  "lookup 0.99x (multilingual 1.50x); a run minutes earlier 0.99x and 1.02x",
+                              "prompt lookup (commit 1f0bbf2)",
+                      "headline": "full block 0.35x AR, 2 drafts 0.79x, adaptive 0.99x (0.96-1.01 by domain), adaptive + "
+                                  "lookup 0.97x (multilingual 1.52x; chat / code / math 0.95-0.98x)",
                       "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                       "command": "make demo"},
     "adaflash/served_engines_fp32": {"what": "serve's engines fed waves of c requests in one process, the variants alternating "
-                                             "wave by wave (fp32, six-mix, 64 tokens, 4 rounds; commit 8320dd2)",
-                                     "headline": "c = 1 / 8 / 32 / 64: throughput 1.01 / 0.99 / 1.03 / 0.98x AR, "
-                                                 "throughput-profiled 1.00 / 1.01 / 1.04 / 1.03x, heuristic 1.02 / 1.03 / "
-                                                 "1.04 / 0.98x, adaflash 1.00 / 1.03 / 1.04 / 0.98x, throughput+lookup "
-                                                 "1.00 / 1.01 / 1.04 / 1.00x (medians of 16 / 8 / 4 / 4 waves)"},
-    "adaflash/served_engines_int8": {"what": "the same, int8 (six-mix, 64 tokens, 4 rounds; commit 155bc51)",
-                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.97 / 1.01 / 1.01 / 1.14x AR, "
-                                                 "throughput-profiled 0.96 / 0.96 / 0.99 / 1.16x, heuristic 0.99 / 0.98 / "
-                                                 "0.97 / 1.13x, adaflash 0.97 / 0.97 / 1.01 / 1.11x, throughput+lookup "
-                                                 "1.16 / 0.94 / 0.99 / 1.00x; at c = 1 throughput verifies 0.55 drafts a step"},
+                                             "wave by wave (fp32, six-mix, 64 tokens, 4 rounds; commit 1f0bbf2)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.99 / 1.00 / 0.98 / 1.00x AR, "
+                                                 "throughput-profiled 0.99 / 0.99 / 0.95 / 0.98x, heuristic 0.99 / 0.99 / "
+                                                 "0.93 / 1.02x, adaflash 1.00 / 1.00 / 0.96 / 1.02x, throughput+lookup "
+                                                 "1.04 / 0.96 / 0.97 / 0.98x (medians of 16 / 8 / 4 / 4 waves; from c = 8 "
+                                                 "on every variant verifies 0.00-0.08 drafts a step)"},
+    "adaflash/served_engines_int8": {"what": "the same, int8 (six-mix, 64 tokens, 4 rounds; commit 1f0bbf2)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.98 / 1.01 / 1.02 / 0.97x AR, "
+                                                 "throughput-profiled 0.98 / 1.00 / 1.04 / 0.96x, heuristic 1.00 / 1.02 / "
+                                                 "1.03 / 0.94x, adaflash 0.98 / 1.03 / 1.07 / 0.97x, throughput+lookup "
+                                                 "1.12 / 1.00 / 1.05 / 0.97x; from c = 8 on every variant verifies 0.00-0.01 "
+                                                 "drafts a step"},
     "adaflash/engine_path": {"what": "the engine's path at batch 1 (no drafter; a drafter at fixed:0) against the reference "
                                      "AR loop: `make demo`'s code prompt, 48 tokens, fp32, 2 threads, 40 rounds",
                              "headline": "reference / engine time 0.994x, with a drafter at fixed:0 0.994x",
