@@ -14,9 +14,10 @@ Each is timed twice: warm (its steps back to back) and in place (a plain decode 
 engine runs it: the step's weights have streamed through the caches, so the policy's code and data are fetched afresh,
 and the same work costs several times its warm time).
 
-Then, whole: at the batch sizes up to 8 (1 and 8 by default), the AR engine and each policy's engine held in its check's plain arm (what a request the
-check keeps from drafting costs: the check, the policy hearing the step, the drafter's features captured and kept),
-stepped in turn on the same requests: how much longer than AR's step a plain-arm step runs.
+Then, whole: at the batch sizes up to 8 (1 and 8 by default), the AR engine and each policy's engine held in its
+check's plain arm (what a request the check keeps from drafting costs: the check, the policy hearing the step, the
+drafter's features captured and kept), stepped in turn on the same requests: how much longer than AR's step a plain-arm
+step runs.
 """
 
 from __future__ import annotations
