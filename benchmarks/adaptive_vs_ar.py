@@ -31,7 +31,7 @@ DOMAINS = {"math": "gsm8k", "code": "humaneval", "chat": "mt-bench", "multilingu
 
 def variants(dtype: str) -> dict[str, tuple[Pipeline, str]]:
     dflash = Pipeline.load("smollm2-135m", shipped_drafter("smollm2-135m", "dflash"), dtype, carry_policy_state=True)
-    adaflash = Pipeline.load("smollm2-135m", shipped_drafter("smollm2-135m", "adaflash"), dtype, carry_policy_state=True)
+    adaflash = dflash.with_drafter(shipped_drafter("smollm2-135m", "adaflash"))  # one copy of the target for all
     return {
         "ar": (dflash, "ar"),
         "fixed:0": (dflash.with_length_policy("fixed:0"), "dflash"),

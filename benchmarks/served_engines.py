@@ -43,13 +43,15 @@ VARIANTS = {  # name -> (method, length policy, prompt lookup): the sweep's serv
 
 
 def build(name: str, dtype: str, loaded: dict) -> tuple[Pipeline, object]:
-    """(pipeline, engine) as `serve` builds them for the variant's flags; `loaded` keeps one pipeline per drafter
-    (engines share the models, each has its own caches, policy and checks)."""
+    """(pipeline, engine) as `serve` builds them for the variant's flags; `loaded` keeps one pipeline per drafter, all
+    over one copy of the target (engines share the models, each has its own caches, policy and checks)."""
     method, policy_name, lookup = VARIANTS[name]
     speculative = SpeculativeConfig.of(method, length_policy=policy_name, prompt_lookup=lookup)
     drafter = shipped_drafter(MODEL, speculative.drafter) if speculative.uses_drafter else None
     if drafter not in loaded:
-        loaded[drafter] = Pipeline.load(MODEL, drafter, dtype)
+        base = next(iter(loaded.values()), None)
+        loaded[drafter] = (Pipeline.load(MODEL, drafter, dtype) if base is None
+                           else base if drafter is None else base.with_drafter(drafter))
     pipeline = loaded[drafter]
     # The policy, with its drafting checks, from the config's factory, as `serve` builds them.
     return pipeline, build_engine(EngineConfig(speculative=speculative, max_batch=64, max_len=512),

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from adaflash.cli import main
+from adaflash.models.config import TransformerConfig
+from adaflash.models.drafter import DrafterConfig
+from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
 from adaflash.models.text_codec import TextCodec
 from adaflash.pipeline import Pipeline
 from adaflash.speculative.config import SpeculativeConfig
@@ -127,3 +130,15 @@ def test_a_learning_policy_starts_fresh_per_generation_unless_told_to_carry(pipe
     fresh.generate_ids(prompts[1], "dflash", max_new_tokens=10)
     assert fresh._policy is not first  # a fresh policy for every generation...
     assert fresh._policy.step_cost is first.step_cost  # ...that keeps what the step times taught of this machine
+
+
+def test_with_drafter_puts_another_checkpoint_over_the_same_loaded_target(tiny_chat_checkpoint, tmp_path):
+    cfg = DrafterConfig.for_target(TransformerConfig.from_dir(tiny_chat_checkpoint), mask_token_id=16, num_layers=1,
+                                   block_size=4)
+    path = save_drafter(init_drafter(cfg, seed=5), tmp_path / "drafter")
+    plain = Pipeline.load(tiny_chat_checkpoint, None, "fp32", length_policy="fixed:2")
+    other = plain.with_drafter(path)
+    assert other.target is plain.target and other.proposer is not None and other.length_policy == plain.length_policy
+    ids = plain.encode(prompt="hi")
+    drafted = other.generate_ids(ids, "dflash", max_new_tokens=8)
+    assert drafted.token_ids == plain.generate_ids(ids, "ar", max_new_tokens=8).token_ids
