@@ -87,11 +87,11 @@ NOTES: dict[str, dict[str, str]] = {
                                                  "0.972, adaflash 0.996, throughput+lookup 1.074x AR (multilingual 1.309x; lookups "
                                                  "verified whole 1.334x); fixed:0 (the engine path, never drafting) 0.989x"},
     "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 3 rounds "
-                                             "(int8, 1 thread; commit 1f0bbf2)",
-                                     "headline": "throughput 1.019 (math 1.145, code 0.927), throughput-profiled 1.037, "
-                                                 "heuristic 1.032, adaflash 0.970 (code 0.930, multilingual 0.955), "
-                                                 "throughput+lookup 1.223x AR (multilingual 1.694x; lookups verified whole "
-                                                 "1.589x); fixed:0 0.983x"},
+                                             "(int8, 1 thread; every variant over one copy of the target; commit 696b990)",
+                                     "headline": "throughput 0.991 (math 1.136, code 0.948), throughput-profiled 1.039, "
+                                                 "heuristic 1.006, adaflash 0.976 (fixed:0, never drafting, 0.975), "
+                                                 "throughput+lookup 1.340x AR (multilingual 1.795x; lookups verified whole "
+                                                 "1.679x)"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
                                          "beside the plain decode step, warm and in place (after an engine step), batch "
                                          "1-64; and whole plain-arm engine steps against AR's (fp32; commit 1f0bbf2)",
