@@ -16,10 +16,8 @@ from typing import Any, Sequence
 from adaflash.engine.engine import max_verified
 from adaflash.engine.engine_factory import EngineConfig, EngineModels, build_engine, length_policy_factory
 from adaflash.engine.request import Request
-from adaflash.models.device import placed
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, load_drafter
-from adaflash.models.dtype import resolve_dtype
 from adaflash.models.length_head import load_length_head
 from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
 from adaflash.models.target import TargetModel, load_target_as
@@ -95,15 +93,10 @@ class Pipeline:
         """`device`: where the models run (default: the process's, `--device`; models/device.py)."""
         length_policy = length_policy_of(length_policy)  # a bad spec fails before the (slow) load
         checkpoint = resolve_target(model)
-        device = placed(device)
-        torch_dtype = resolve_dtype(dtype, device.type)
         target = load_target_as(checkpoint, dtype, device)
-        proposer, head = None, None
-        if drafter is not None:
-            proposer = DFlashProposer(load_drafter(drafter, torch_dtype, device, draft_vocab), target)
-            head = load_length_head(drafter, device)
-        return cls(target, load_tokenizer(checkpoint), proposer, model_name=str(model), length_policy=length_policy,
-                   length_head=head, carry_policy_state=carry_policy_state, prompt_lookup=prompt_lookup)
+        pipeline = cls(target, load_tokenizer(checkpoint), None, model_name=str(model), length_policy=length_policy,
+                       carry_policy_state=carry_policy_state, prompt_lookup=prompt_lookup)
+        return pipeline if drafter is None else pipeline.with_drafter(drafter, draft_vocab)
 
     def with_untrained_drafter(self, num_layers: int = 1, block_size: int = 16, seed: int = 0) -> "Pipeline":
         """A randomly initialised drafter: correct (lossless) but accepts almost nothing. For tests and demos."""
@@ -115,9 +108,9 @@ class Pipeline:
                         carry_policy_state=self.carry_policy_state, prompt_lookup=self.prompt_lookup)
 
     def with_drafter(self, drafter: str | Path, draft_vocab: str | None = None) -> "Pipeline":
-        """The same loaded target with another drafter checkpoint (and the length head it carries): one copy of the
-        target's weights under several drafters, as one server holds it. (A second `load` is a second copy, and on
-        these VMs one copy ran 3-6% faster than the other, which an A/B across copies would read as the method's.)"""
+        """The same loaded target with a drafter checkpoint (in the target's dtype, with the length head it carries):
+        one copy of the target's weights under several drafters, as one server holds it. (A second `load` is a second
+        copy, and two copies can run several percent apart, which an A/B across them would read as the method's.)"""
         device = self.target.device
         proposer = DFlashProposer(load_drafter(drafter, self.target.dtype, device, draft_vocab), self.target)
         return Pipeline(self.target, self.tokenizer, proposer, self.model_name, self.length_policy,
