@@ -166,12 +166,14 @@ class DrafterSource:
 
     def hold(self, requests: Sequence[Request]) -> "DrafterSource":
         """A step of the drafting check's plain arm: these requests are this source's, with no drafts, and neither the
-        policy nor the drafter runs (the policy still hears the step's feedback and time)."""
+        policy nor the drafter runs (the policy hears only the step's time)."""
         self._step = self._held
         return self
 
     def feedback(self, requests: Sequence[Request], drafted: Sequence[int], accepted: Sequence[int]) -> None:
         step = self._step
+        if step is self._held:  # the policy decided nothing
+            return
         if self.observer is not None and step.drafting:
             self.observer.on_step(step.hidden_of(step.drafting), [drafted[i] for i in step.drafting],
                                   [accepted[i] for i in step.drafting])

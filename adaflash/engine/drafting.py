@@ -8,12 +8,19 @@ source widened prices neither source's drafts).
 With adaptive lengths each source runs behind its own drafting check (speculative/drafting_check.py): in a step of its
 plain arm the source runs nothing (no lookup; no drafter pass, no policy decision), and the step's committed tokens and
 time go to the arm of every check that decided in it.
+
+A chosen plain stretch is known for its whole length in advance, so its steps run as a plain run: each step only notes
+its time, and the checks' decisions, the steps' records and the policy's calibration are replayed, in order, when the
+run ends (its last step, a change of batch size, or the engine running empty). The replay is what those steps would
+have done one by one, but warm: right after a step's target pass, whose weights have just streamed through the caches,
+the same Python ran cold, and a plain-arm step cost 50-80 us more than an AR step at batch 1 (1-1.5% of an int8 decode
+step), against ~4 us a step replayed (benchmarks/policy_overhead.py).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -31,6 +38,7 @@ class StepDrafts:
     drafts: tuple[Draft, ...]
     sources: tuple[DraftSource | None, ...]
     start: float  # time.perf_counter() when drafting began: the step's cost, policies included, runs from here
+    in_run: bool = False  # a step of a plain run: its bookkeeping waits for the run's end
 
     @property
     def lengths(self) -> list[int]:
@@ -41,6 +49,17 @@ class StepDrafts:
         return any(d.tokens for d in self.drafts)
 
 
+@dataclass
+class _PlainRun:
+    """Steps every source's check has given to its chosen plain stretch, at one batch-size bucket (sizes in
+    (low, high]): each step's decoding requests and seconds, replayed into the checks when the run ends."""
+
+    low: int
+    high: int
+    granted: int  # steps the run may take: the stretch's rest
+    steps: list[tuple[int, float]] = field(default_factory=list)
+
+
 class Drafting:
     """Prompt lookup, then the drafter (either may be absent: without both, every step decodes one token)."""
 
@@ -49,19 +68,28 @@ class Drafting:
         """`checks`: the drafting check's arms (None: every step drafts as the sources decide)."""
         self.lookup, self.drafter, self.checks = lookup, drafter, checks
         self.sources: tuple[DraftSource, ...] = tuple(s for s in (lookup, drafter) if s is not None)
+        self._run: _PlainRun | None = None
 
     def propose(self, requests: Sequence[Request]) -> StepDrafts:
         start = time.perf_counter()
+        run = self._run
+        if run is not None:
+            if run.low < len(requests) <= run.high and len(run.steps) < run.granted:
+                return StepDrafts(tuple(requests), (NO_DRAFT,) * len(requests), (None,) * len(requests), start, True)
+            self.close_run()
         drafts: list[Draft] = [NO_DRAFT] * len(requests)
         sources: list[DraftSource | None] = [None] * len(requests)
         left = list(range(len(requests)))
+        plain = 0  # sources held in their plain arm
         for source in self.sources:
             if not left:
                 break
             asked = [requests[i] for i in left]
             if self.checks is not None and not self.checks.decide(len(requests), source.name):
                 # The source's plain arm: it runs nothing. The drafter (last in the chain) still answers, with no
-                # drafts, so its policy hears the step: the throughput policies' calibration learns the plain step.
+                # drafts, so its policy hears the step's time: the throughput policies' calibration learns the plain
+                # step.
+                plain += 1
                 if source is self.drafter:
                     held = self.drafter.hold(asked)
                     for i in left:
@@ -71,10 +99,21 @@ class Drafting:
                 if draft is not None:
                     drafts[i], sources[i] = draft, source
             left = [i for i in left if sources[i] is None]
+        if plain and plain == len(self.sources):  # every source held: the stretch's rest can run as a plain run
+            ahead = self.checks.plain_ahead()
+            if ahead > 0:
+                high = self.checks.bucket(len(requests))
+                self._run = _PlainRun(high // 2, high, ahead)
         return StepDrafts(tuple(requests), tuple(drafts), tuple(sources), start)
 
     def feedback(self, step: StepDrafts, accepted: Sequence[int]) -> None:
         """`accepted`: per request, how many of its drafts the target kept."""
+        if step.in_run:  # nothing drafted: every request committed one token
+            run = self._run
+            run.steps.append((len(step.requests), time.perf_counter() - step.start))
+            if len(run.steps) == run.granted:
+                self.close_run()
+            return
         lengths = step.lengths
         for source in self.sources:
             mine = [i for i, s in enumerate(step.sources) if s is source]
@@ -87,6 +126,24 @@ class Drafting:
             first.observe_step(lengths, seconds)
         if self.checks is not None:  # the step counts toward the arm of every check that decided in it
             self.checks.record(sum(a + 1 for a in accepted), seconds)
+
+    def close_run(self) -> None:
+        """End the plain run, if one is under way: its steps' decisions, records and (for a held drafter) step times
+        replayed in order, as they would have run one by one. The replay's own time goes to the run's last step, so
+        the plain arm's rate still pays its bookkeeping."""
+        run, self._run = self._run, None
+        if run is None or not run.steps:
+            return
+        start = time.perf_counter()
+        for k, (batch, seconds) in enumerate(run.steps, 1):
+            if k == len(run.steps):
+                seconds += time.perf_counter() - start
+            for source in self.sources:
+                drafts = self.checks.decide(batch, source.name)
+                assert not drafts, "a plain run outlasted its stretch"
+            if self.drafter is not None:
+                self.drafter.hold(()).observe_step([0] * batch, seconds)
+            self.checks.record(batch, seconds)
 
     # ---- the drafter's context (prompt lookup reads the request's own tokens) ----------------------
 

@@ -127,6 +127,7 @@ class Engine:
 
     @policy.setter
     def policy(self, policy: LengthPolicy) -> None:
+        self.drafting.close_run()  # the old policy hears the steps it was held through
         if self.drafting.drafter is not None:
             self.drafting.drafter.policy = _checked(policy)
         else:
@@ -167,6 +168,8 @@ class Engine:
                 held = self.target_cache.lengths[request.slot]
                 self.prefixes.remember(request.slot, (request.prompt_ids + request.output_ids)[:held])
         self.scheduler.release(request)
+        if not self.scheduler.running:  # what the checks learned is whole whenever the engine runs empty
+            self.drafting.close_run()
 
     def _choose_slot(self, request: Request, free_slots: list[int]) -> int:
         return self.prefixes.best_slot(request.prompt_ids, free_slots)
@@ -191,6 +194,7 @@ class Engine:
         if drafter is None or tuple(proposer.capture_layers) != tuple(self.capture) or proposer.block_size != self.max_draft + 1:
             raise ValueError("a hot-swapped drafter must read the same target layers with the same block size")
         policy = _checked(policy) if policy is not None else None
+        self.drafting.close_run()
         draft_cache = proposer.new_cache(self.scheduler.max_batch, self.max_len)
         with torch.inference_mode():
             for r in self.scheduler.running:

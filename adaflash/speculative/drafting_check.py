@@ -93,6 +93,12 @@ class DraftingCheck:
         """The current stretch is the other arm's trial (not the chosen arm's)."""
         return self.arm is not None and self.arm != self.drafting_chosen
 
+    @property
+    def plain_ahead(self) -> int:
+        """Steps after this one certain to be plain: the rest of a chosen plain stretch (a trial ends by time, not
+        by steps)."""
+        return self.left if self.arm is False and not self.drafting_chosen else 0
+
     def record(self, tokens: int, seconds: float, measured: bool = True) -> None:
         """The step just decided committed `tokens` in `seconds`; `measured`: count it toward its arm's rate (else
         only toward the stretch's time)."""
@@ -165,6 +171,10 @@ class DraftingChecks:
         size = self.bucket(batch)
         others_on_trial = any(check.on_trial for (src, s), check in self.by_size.items() if s == size and src != source)
         return self.current.next_step_drafts(may_try=not others_on_trial)
+
+    def plain_ahead(self) -> int:
+        """Steps after this one that every check deciding in it gives to its plain arm (0 where one may not)."""
+        return min((check.plain_ahead for check in self.deciding), default=0)
 
     def record(self, tokens: int, seconds: float) -> None:
         """The step just run committed `tokens` in `seconds`: to the arm of every check that decided in it, measured

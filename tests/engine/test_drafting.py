@@ -144,3 +144,37 @@ def test_each_source_is_judged_by_its_own_check():
         drafting.feedback(step, [2 if source is lookup else 0])
     assert checks.of(1, "lookup").drafting_chosen and not checks.of(1, "drafter").drafting_chosen
     assert drafted_by[lookup] > 150 and drafted_by[drafter] < 40
+
+
+def test_a_chosen_plain_stretch_runs_without_bookkeeping_and_is_replayed_at_its_end():
+    drafter = HeldDrafter({"r0": (5,), "r1": (6,)})
+    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1, stretch=10))  # opens with 10 plain steps
+    drafting = Drafting(None, drafter, checks)
+    step = drafting.propose(_requests(2))  # decided one by one: the check grants the stretch's other 9 steps
+    drafting.feedback(step, [0, 0])
+    check = checks.of(2)
+    assert not step.in_run and check.left == 9 and drafter.observed == [[0, 0]]
+    for k in range(9):
+        step = drafting.propose(_requests(2))
+        assert step.in_run and not step.any and step.sources == (None, None)
+        if k < 8:  # nothing heard until the run's last step
+            drafting.feedback(step, [0, 0])
+            assert check.left == 9 and check.steps == 0 and len(drafter.observed) == 1
+    drafting.feedback(step, [0, 0])
+    assert check.left == 0 and check.since_switch == 9 and check.steps == 9  # as if decided step by step
+    assert drafter.observed == [[0, 0]] * 10 and drafter.held == 10
+    assert drafting.propose(_requests(2)).any  # the drafting arm's trial, decided as before
+
+
+def test_a_new_batch_size_ends_the_plain_run_before_its_step_is_decided():
+    drafter = HeldDrafter({"r0": (5,)})
+    checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1, stretch=10))
+    drafting = Drafting(None, drafter, checks)
+    for _ in range(3):  # one decided step, two in the run
+        drafting.feedback(drafting.propose(_requests(2)), [0, 0])
+    assert checks.of(2).since_switch == 0
+    step = drafting.propose(_requests(3))  # bucket 4: the run ends, replayed into bucket 2's check
+    assert not step.in_run and checks.of(2).since_switch == 2 and checks.of(2).left == 7
+    assert checks.of(4).since_switch == 0 and drafter.observed == [[0, 0]] * 3
+    drafting.feedback(step, [0, 0, 0])
+    assert drafting.propose(_requests(4)).in_run  # batch 4 is in the same bucket as 3: its run goes on

@@ -13,6 +13,7 @@ from adaflash.engine.scheduler import QueueFullError
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
+from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
 from adaflash.speculative.length_policy import CostModel, FixedLength, HeuristicLength, ThroughputLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
@@ -83,6 +84,35 @@ class StepTimesSeen(FixedLength):
     def observe_step(self, lengths, seconds, priced=True) -> None:
         if priced:
             self.steps.append((list(lengths), seconds))
+
+
+class CountedChecks(DraftingChecks):
+    """Drafting checks that count the steps recorded to them."""
+
+    recorded: int = 0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.recorded += 1
+        super().record(tokens, seconds)
+
+
+def test_an_engine_behind_drafting_checks_equals_reference_and_its_checks_hear_every_decode_step(target, proposer):
+    """Short plain stretches run as plain runs (their bookkeeping replayed at each run's end): the outputs stay the
+    target's, and once the engine runs empty its checks and policy have heard every decode step."""
+    expected = {f"r{i}": autoregressive_generate(target, p, n, stop_token_ids=(1,)).token_ids
+                for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))}
+    policy = StepTimesSeen(3)
+    checks = CountedChecks(DraftingCheck(explore=3, first=4, settle=1, stretch=6))
+    engine = Engine(target, proposer, policy, max_batch=2, max_queue=8, max_len=128, drafting_checks=checks)
+    decode_steps = []
+    propose = engine.drafting.propose
+    engine.drafting.propose = lambda requests: decode_steps.append(propose(requests)) or decode_steps[-1]
+    assert _run(engine, {0: _requests()[:2], 3: _requests()[2:4], 9: _requests()[4:]}) == expected
+    in_run = sum(step.in_run for step in decode_steps)
+    assert in_run > 0 and engine.drafting._run is None
+    assert checks.recorded == len(decode_steps)
+    plain = sum(not step.any for step in decode_steps)  # each priced: no drafter work
+    assert len([lengths for lengths, _ in policy.steps if not any(lengths)]) == plain
 
 
 def test_engine_reports_each_decode_steps_draft_lengths_and_wall_time(target, proposer):
