@@ -9,16 +9,19 @@ With adaptive lengths each source runs behind its own drafting check (speculativ
 plain arm the source runs nothing (no lookup; no drafter pass, no policy decision), and the step's committed tokens and
 time go to the arm of every check that decided in it.
 
-A chosen plain stretch is known for its whole length in advance, so its steps run as a plain run: each step only notes
-its time, and the checks' decisions, the steps' records and the policy's calibration are replayed, in order, when the
-run ends (its last step, a change of batch size, or the engine running empty). The replay is what those steps would
-have done one by one, but warm: right after a step's target pass, whose weights have just streamed through the caches,
-the same Python ran cold, and a plain-arm step cost 50-80 us more than an AR step at batch 1 (1-1.5% of an int8 decode
-step), against ~4 us a step replayed (benchmarks/policy_overhead.py).
+Once every source's check has decided its plain arm, the steps that follow run as a plain run while the checks are
+certain to stay plain (the rest of a chosen plain stretch; in a plain trial, until it has run its time): each step only
+notes its time, and the checks' decisions, the drafter policy's calibration and the checks' records are replayed, in
+order, when the run ends (its last step, a new batch-size bucket, the engine running empty, a new policy or drafter).
+The replay is what those steps would have done one by one, but warm: right after a step's target pass, whose weights
+have just streamed through the caches, the same Python ran cold, and a plain-arm step cost 50-80 us more than an AR
+step at batch 1 (1-1.5% of an int8 decode step), against ~4 us a step replayed (benchmarks/policy_overhead.py). An
+engine dropped mid-run (an exception) leaves its run's steps untold: the checks then hold that stretch a little longer.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -27,7 +30,7 @@ import torch
 
 from adaflash.engine.draft_sources import NO_DRAFT, Draft, DrafterSource, DraftSource, PromptLookupSource
 from adaflash.engine.request import Request
-from adaflash.speculative.drafting_check import DraftingChecks
+from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class StepDrafts:
     drafts: tuple[Draft, ...]
     sources: tuple[DraftSource | None, ...]
     start: float  # time.perf_counter() when drafting began: the step's cost, policies included, runs from here
+    held: bool = False  # every source's check decided its plain arm: the steps after it may run as a plain run
     in_run: bool = False  # a step of a plain run: its bookkeeping waits for the run's end
 
     @property
@@ -51,13 +55,21 @@ class StepDrafts:
 
 @dataclass
 class _PlainRun:
-    """Steps every source's check has given to its chosen plain stretch, at one batch-size bucket (sizes in
-    (low, high]): each step's decoding requests and seconds, replayed into the checks when the run ends."""
+    """Plain steps every source's check has given its plain arm, at one batch-size bucket: each step's decoding
+    requests and seconds, replayed into the checks when the run ends. It ends after `most` steps, or, in a plain
+    trial, once it has run `fewest` steps and `budget_s` seconds (`DraftingCheck.plain_steps_ahead`)."""
 
-    low: int
-    high: int
-    granted: int  # steps the run may take: the stretch's rest
+    bucket: int
+    checks: tuple[DraftingCheck, ...]
+    most: int
+    fewest: int = 0
+    budget_s: float = math.inf
     steps: list[tuple[int, float]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def over(self) -> bool:
+        return len(self.steps) >= self.most or (self.seconds >= self.budget_s and len(self.steps) >= self.fewest)
 
 
 class Drafting:
@@ -65,22 +77,23 @@ class Drafting:
 
     def __init__(self, lookup: PromptLookupSource | None, drafter: DrafterSource | None,
                  checks: DraftingChecks | None = None) -> None:
-        """`checks`: the drafting check's arms (None: every step drafts as the sources decide)."""
+        """`checks`: the drafting check's arms (None: every step drafts as the sources decide). One engine at a time
+        may step a set of checks: a plain run holds back what its steps teach them until it ends."""
         self.lookup, self.drafter, self.checks = lookup, drafter, checks
         self.sources: tuple[DraftSource, ...] = tuple(s for s in (lookup, drafter) if s is not None)
         self._run: _PlainRun | None = None
 
     def propose(self, requests: Sequence[Request]) -> StepDrafts:
-        start = time.perf_counter()
-        run = self._run
-        if run is not None:
-            if run.low < len(requests) <= run.high and len(run.steps) < run.granted:
-                return StepDrafts(tuple(requests), (NO_DRAFT,) * len(requests), (None,) * len(requests), start, True)
+        if self._run is not None:
+            if self.checks.bucket(len(requests)) == self._run.bucket:
+                n = len(requests)
+                return StepDrafts(tuple(requests), (NO_DRAFT,) * n, (None,) * n, time.perf_counter(), in_run=True)
             self.close_run()
+        start = time.perf_counter()
         drafts: list[Draft] = [NO_DRAFT] * len(requests)
         sources: list[DraftSource | None] = [None] * len(requests)
         left = list(range(len(requests)))
-        plain = 0  # sources held in their plain arm
+        held = 0  # sources held in their plain arm
         for source in self.sources:
             if not left:
                 break
@@ -89,29 +102,27 @@ class Drafting:
                 # The source's plain arm: it runs nothing. The drafter (last in the chain) still answers, with no
                 # drafts, so its policy hears the step's time: the throughput policies' calibration learns the plain
                 # step.
-                plain += 1
+                held += 1
                 if source is self.drafter:
-                    held = self.drafter.hold(asked)
+                    drafter = self.drafter.hold(asked)
                     for i in left:
-                        sources[i] = held
+                        sources[i] = drafter
                 continue
             for i, draft in zip(left, source.propose(asked)):
                 if draft is not None:
                     drafts[i], sources[i] = draft, source
             left = [i for i in left if sources[i] is None]
-        if plain and plain == len(self.sources):  # every source held: the stretch's rest can run as a plain run
-            ahead = self.checks.plain_ahead()
-            if ahead > 0:
-                high = self.checks.bucket(len(requests))
-                self._run = _PlainRun(high // 2, high, ahead)
-        return StepDrafts(tuple(requests), tuple(drafts), tuple(sources), start)
+        return StepDrafts(tuple(requests), tuple(drafts), tuple(sources), start,
+                          held=bool(self.sources) and held == len(self.sources))
 
     def feedback(self, step: StepDrafts, accepted: Sequence[int]) -> None:
         """`accepted`: per request, how many of its drafts the target kept."""
         if step.in_run:  # nothing drafted: every request committed one token
             run = self._run
-            run.steps.append((len(step.requests), time.perf_counter() - step.start))
-            if len(run.steps) == run.granted:
+            seconds = time.perf_counter() - step.start
+            run.steps.append((len(step.requests), seconds))
+            run.seconds += seconds
+            if run.over:
                 self.close_run()
             return
         lengths = step.lengths
@@ -125,24 +136,36 @@ class Drafting:
         if first is not None and all(s is first for s in step.sources):
             first.observe_step(lengths, seconds)
         if self.checks is not None:  # the step counts toward the arm of every check that decided in it
-            self.checks.record(sum(a + 1 for a in accepted), seconds)
+            deciding = self.checks.record(sum(a + 1 for a in accepted), seconds)
+            if step.held:
+                self._start_run(len(step.requests), deciding)
+
+    def _start_run(self, batch: int, checks: Sequence[DraftingCheck]) -> None:
+        """The steps after a held one run as a plain run, for as long as every check that held it stays plain."""
+        ahead = [check.plain_steps_ahead() for check in checks]
+        _, fewest, budget_s = min(ahead, key=lambda limits: limits[2])  # a trial's time, if one is under way
+        run = _PlainRun(self.checks.bucket(batch), tuple(checks), min(most for most, _, _ in ahead), fewest, budget_s)
+        if not run.over:  # (a trial that has run its time ends at the next decision)
+            self._run = run
 
     def close_run(self) -> None:
-        """End the plain run, if one is under way: its steps' decisions, records and (for a held drafter) step times
-        replayed in order, as they would have run one by one. The replay's own time goes to the run's last step, so
-        the plain arm's rate still pays its bookkeeping."""
+        """End the plain run, if one is under way: its steps' decisions, step times (to a held drafter's policy) and
+        records replayed in order, as they would have run one by one. The replay's own time goes to the record of
+        the run's last step, so the plain arm's rate still pays for its bookkeeping."""
         run, self._run = self._run, None
         if run is None or not run.steps:
             return
+        if any(check.arm is not False or check.left < len(run.steps) for check in run.checks):
+            raise RuntimeError("drafting checks stepped by another engine during a plain run: one engine at a time "
+                               "may step a set of checks")
         start = time.perf_counter()
         for k, (batch, seconds) in enumerate(run.steps, 1):
+            for source in self.sources:
+                self.checks.decide(batch, source.name)
+            if self.drafter is not None:  # (leaves the drafter's step held, as a plain-arm step does)
+                self.drafter.hold(()).observe_step([0] * batch, seconds)
             if k == len(run.steps):
                 seconds += time.perf_counter() - start
-            for source in self.sources:
-                drafts = self.checks.decide(batch, source.name)
-                assert not drafts, "a plain run outlasted its stretch"
-            if self.drafter is not None:
-                self.drafter.hold(()).observe_step([0] * batch, seconds)
             self.checks.record(batch, seconds)
 
     # ---- the drafter's context (prompt lookup reads the request's own tokens) ----------------------

@@ -32,6 +32,7 @@ from that choice and that confidence instead (verifying drafts only costs more a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 
@@ -93,11 +94,16 @@ class DraftingCheck:
         """The current stretch is the other arm's trial (not the chosen arm's)."""
         return self.arm is not None and self.arm != self.drafting_chosen
 
-    @property
-    def plain_ahead(self) -> int:
-        """Steps after this one certain to be plain: the rest of a chosen plain stretch (a trial ends by time, not
-        by steps)."""
-        return self.left if self.arm is False and not self.drafting_chosen else 0
+    def plain_steps_ahead(self) -> tuple[int, int, float]:
+        """After a step of the plain arm is recorded, how long the plain arm certainly lasts: at most `most` more steps,
+        and, in a plain trial, until `fewest` more have run and taken `seconds` (the trial's time, `_explored_enough`);
+        (0, 0, 0.0) in the drafting arm. As (most, fewest, seconds)."""
+        if self.arm is not False:
+            return 0, 0, 0.0
+        if self.on_trial and self.drafting_chosen in self.step_s:
+            return (self.left, self.settle + 3 - self.since_switch,
+                    self.explore * self.step_s[self.drafting_chosen] - self.elapsed)
+        return self.left, 0, math.inf
 
     def record(self, tokens: int, seconds: float, measured: bool = True) -> None:
         """The step just decided committed `tokens` in `seconds`; `measured`: count it toward its arm's rate (else
@@ -172,17 +178,14 @@ class DraftingChecks:
         others_on_trial = any(check.on_trial for (src, s), check in self.by_size.items() if s == size and src != source)
         return self.current.next_step_drafts(may_try=not others_on_trial)
 
-    def plain_ahead(self) -> int:
-        """Steps after this one that every check deciding in it gives to its plain arm (0 where one may not)."""
-        return min((check.plain_ahead for check in self.deciding), default=0)
-
-    def record(self, tokens: int, seconds: float) -> None:
+    def record(self, tokens: int, seconds: float) -> list[DraftingCheck]:
         """The step just run committed `tokens` in `seconds`: to the arm of every check that decided in it, measured
         where no other source was on trial (a drafter trial's slow steps must not count against lookups, nor the
-        reverse)."""
-        for check in self.deciding:
-            check.record(tokens, seconds, measured=not any(o.on_trial for o in self.deciding if o is not check))
-        self.deciding = []
+        reverse). Returns those checks."""
+        deciding, self.deciding = self.deciding, []
+        for check in deciding:
+            check.record(tokens, seconds, measured=not any(o.on_trial for o in deciding if o is not check))
+        return deciding
 
     def _start(self, source: str, size: int) -> dict:
         """A new batch size starts plain, with the confidence of the same source's largest smaller size that has judged

@@ -1,7 +1,8 @@
 """Draft-length policies: how many drafted tokens each running request sends to verification this step.
 
 The engine's drafter source (engine/draft_sources.py) calls `decide` once per step with every decoding request left
-without a prompt-lookup match, `feedback` after verification, and `observe_step` with the step's wall time. Each
+without a prompt-lookup match, `feedback` after verification, and `observe_step` with the step's wall time (a step of
+the drafting check's plain arm gets only `observe_step`: the policy decided nothing in it). Each
 policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`, `block-head`) is what logs and
 metrics show; `build_length_policy` makes one from its spec (`config.py`'s `LengthPolicySpec`, where a spec is
 checked); the engine runs every adaptive one behind the drafting check (`drafting_check.py`: plain stretches wherever

@@ -146,6 +146,66 @@ def test_each_source_is_judged_by_its_own_check():
     assert drafted_by[lookup] > 150 and drafted_by[drafter] < 40
 
 
+class Clock:
+    """A stand-in for the drafting module's clock: the test moves it (a step's target pass), nothing else does."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class TimedDrafter(HeldDrafter):
+    def observe_step(self, lengths, seconds):
+        self.observed.append((list(lengths), seconds))
+
+
+def _side_by_side(drafting: Drafting, lookup, drafter, clock: Clock, steps: int = 600) -> list[tuple]:
+    """Steps with scripted costs: lookups (two drafts, kept in the first 300 steps, then never) pay, then lose; the
+    drafter's (one draft, never kept) cost 3 ms a step; in the first 300 steps a plain step costs 8 ms more (so a plain
+    trial runs out of time before its steps); batch sizes 2, then 3-4, and a lone request every 37th step.
+    Per step: batch size, draft lengths, whether it ran in a plain run, and whether that was a plain trial."""
+    seen = []
+    for k in range(steps):
+        n = 1 if k % 37 == 0 else 2 if k < 300 else 4 - k % 2
+        step = drafting.propose([Request(f"r{i}", [3, 4], 8) for i in range(n)])
+        accepted = [len(d.tokens) if s is lookup and k < 300 else 0 for d, s in zip(step.drafts, step.sources)]
+        trial = step.in_run and drafting.checks.of(n, "lookup").drafting_chosen
+        drafted = any(s is drafter and d.tokens for d, s in zip(step.drafts, step.sources))
+        clock.now += 0.001 * n + 0.0004 * sum(step.lengths) + 0.003 * drafted + 0.008 * (not step.any and k < 300)
+        drafting.feedback(step, accepted)
+        seen.append((n, step.lengths, step.in_run, trial))
+    drafting.close_run()
+    return seen
+
+
+def test_plain_runs_leave_checks_and_calibration_as_deciding_step_by_step_would(monkeypatch):
+    """The same scripted steps with plain runs and without (each step deciding and recording at once): every step
+    drafts the same, and every check and the drafter's policy end up the same, to the bit (the replay itself takes no
+    time on this clock)."""
+    import adaflash.engine.drafting as drafting_module
+
+    ends = []
+    for runs in (True, False):
+        clock = Clock()
+        monkeypatch.setattr(drafting_module, "time", clock)
+        lookup, drafter = Scripted({"r0": (7, 8)}), TimedDrafter({f"r{i}": (5,) for i in range(4)})
+        checks = DraftingChecks(DraftingCheck(explore=8, first=8, longest=64, settle=1))
+        drafting = Drafting(lookup, drafter, checks)
+        if not runs:
+            monkeypatch.setattr(drafting, "_start_run", lambda batch, checks: None)
+        seen = _side_by_side(drafting, lookup, drafter, clock)
+        ends.append((seen, {key: vars(check) for key, check in checks.by_size.items()}, drafter.observed))
+    (with_runs, checks_with, heard_with), (without, checks_without, heard_without) = ends
+    assert [s[:2] for s in with_runs] == [s[:2] for s in without]
+    assert sum(s[2] for s in with_runs) > 200 and sum(s[3] for s in with_runs) > 10  # chosen stretches and trials
+    assert not any(s[2] for s in without)
+    assert checks_with == checks_without and heard_with == heard_without
+    assert checks_with[("lookup", 2)]["drafting_chosen"] and not checks_with[("lookup", 4)]["drafting_chosen"]
+    assert not checks_with[("drafter", 2)]["drafting_chosen"]
+
+
 def test_a_chosen_plain_stretch_runs_without_bookkeeping_and_is_replayed_at_its_end():
     drafter = HeldDrafter({"r0": (5,), "r1": (6,)})
     checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1, stretch=10))  # opens with 10 plain steps

@@ -91,9 +91,9 @@ class CountedChecks(DraftingChecks):
 
     recorded: int = 0
 
-    def record(self, tokens: int, seconds: float) -> None:
+    def record(self, tokens: int, seconds: float) -> list[DraftingCheck]:
         self.recorded += 1
-        super().record(tokens, seconds)
+        return super().record(tokens, seconds)
 
 
 def test_an_engine_behind_drafting_checks_equals_reference_and_its_checks_hear_every_decode_step(target, proposer):
