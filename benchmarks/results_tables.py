@@ -82,26 +82,27 @@ NOTES: dict[str, dict[str, str]] = {
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
                                         "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
     "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain, 4 prompts each, 3 rounds "
-                                             "(fp32, 1 thread; commit 1f0bbf2)",
-                                     "headline": "throughput 0.978 (math 1.009, code 0.951), throughput-profiled 0.978, heuristic "
-                                                 "0.972, adaflash 0.996, throughput+lookup 1.074x AR (multilingual 1.309x; lookups "
-                                                 "verified whole 1.334x); fixed:0 (the engine path, never drafting) 0.989x"},
+                                             "(fp32, 1 thread; every variant over one copy of the target; commit 1d84d10)",
+                                     "headline": "throughput 0.980 (math 1.013, code 0.959), throughput-profiled 0.994, heuristic "
+                                                 "0.986, adaflash 0.981, throughput+lookup 1.063x AR (multilingual 1.454x; lookups "
+                                                 "verified whole 1.430x); fixed:0 (the engine path, never drafting) 0.985x"},
     "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 3 rounds "
-                                             "(int8, 1 thread; every variant over one copy of the target; commit 696b990)",
-                                     "headline": "throughput 0.991 (math 1.136, code 0.948), throughput-profiled 1.039, "
-                                                 "heuristic 1.006, adaflash 0.976 (fixed:0, never drafting, 0.975), "
-                                                 "throughput+lookup 1.340x AR (multilingual 1.795x; lookups verified whole "
-                                                 "1.679x)"},
+                                             "(int8, 1 thread; every variant over one copy of the target; commit 1d84d10)",
+                                     "headline": "throughput 1.015 (math 1.218, code 0.977), throughput-profiled 1.035, "
+                                                 "heuristic 1.019, adaflash 0.967 (fixed:0, never drafting, 0.978), "
+                                                 "throughput+lookup 1.312x AR (multilingual 1.719x; lookups verified whole "
+                                                 "1.670x)"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
                                          "beside the plain decode step, warm and in place (after an engine step), batch "
-                                         "1-64; and whole plain-arm engine steps against AR's (fp32; commit 1f0bbf2)",
-                                 "headline": "in place at batch 1: heuristic 38 µs (0.49%), throughput 95 µs (1.24%), adaflash "
-                                             "85 µs (1.11%), lookup sizing 56 µs; warm 4-15 µs. A plain-arm engine step: "
-                                             "+48 to +63 µs over AR's at batch 1 (0.57-0.76%), within +-0.2% at batch 8"},
-    "adaflash/policy_overhead_int8": {"what": "the same, int8 (commit 1f0bbf2)",
-                                      "headline": "in place at batch 1: heuristic 38 µs (0.94% of a 4.1 ms step), throughput "
-                                                  "112 µs (2.75%), adaflash 83 µs (2.04%); a plain-arm engine step +57 to +78 "
-                                                  "µs over AR's at batch 1 (1.07-1.46%), +40 to +115 µs at batch 8 (0.28-0.81%)"},
+                                         "1-64; and whole plain-arm engine steps (plain runs) against AR's, with the "
+                                         "runs' replay (fp32; commit 1d84d10)",
+                                 "headline": "in place at batch 1: heuristic 32 µs (0.45%), throughput 82 µs (1.17%), adaflash "
+                                             "103 µs (1.48%), lookup sizing 46 µs; warm 4-15 µs. A plain-arm engine step, "
+                                             "replay included: +0.26 to +0.35% of AR's at batch 1, +0.04 to +0.60% at batch 8"},
+    "adaflash/policy_overhead_int8": {"what": "the same, int8 (commit 1d84d10)",
+                                      "headline": "in place at batch 1: heuristic 28 µs (0.63% of a 4.4 ms step), throughput "
+                                                  "75 µs (1.71%), adaflash 60 µs (1.36%); a plain-arm engine step, replay "
+                                                  "included: -0.07 to +0.33% of AR's at batch 1, +0.09 to +0.48% at batch 8"},
     "adaflash/main_table": {"what": "main table: AR, DFlash fixed-16 / fixed-2, throughput, adaflash, adaflash + lookup; "
                                     "served, six-mix, 64 tokens, --dtype int8 (adaflash before its look fix)"},
     "adaflash/look_feedback": {"what": "throughput, adaflash (after its look fix), adaflash + lookup; served, six-mix, int8"},
@@ -121,23 +122,24 @@ NOTES: dict[str, dict[str, str]] = {
                                       "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
     "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32, 5 rounds): AR vs full block, 2 drafts, adaptive, adaptive + "
-                              "prompt lookup (commit 1f0bbf2)",
-                      "headline": "full block 0.35x AR, 2 drafts 0.79x, adaptive 0.99x (0.96-1.01 by domain), adaptive + "
-                                  "lookup 0.97x (multilingual 1.52x; chat / code / math 0.95-0.98x)",
+                              "prompt lookup (commit 1d84d10)",
+                      "headline": "full block 0.34x AR, 2 drafts 0.78x, adaptive 0.97x (0.95-1.04 by domain), adaptive + "
+                                  "lookup 0.98x (multilingual 1.54x; chat / code / math 0.95-1.00x)",
                       "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                       "command": "make demo"},
     "adaflash/served_engines_fp32": {"what": "serve's engines fed waves of c requests in one process, the variants alternating "
-                                             "wave by wave (fp32, six-mix, 64 tokens, 4 rounds; commit 1f0bbf2)",
-                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.99 / 1.00 / 0.98 / 1.00x AR, "
-                                                 "throughput-profiled 0.99 / 0.99 / 0.95 / 0.98x, heuristic 0.99 / 0.99 / "
-                                                 "0.93 / 1.02x, adaflash 1.00 / 1.00 / 0.96 / 1.02x, throughput+lookup "
-                                                 "1.04 / 0.96 / 0.97 / 0.98x (medians of 16 / 8 / 4 / 4 waves; from c = 8 "
-                                                 "on every variant verifies 0.00-0.08 drafts a step)"},
-    "adaflash/served_engines_int8": {"what": "the same, int8 (six-mix, 64 tokens, 4 rounds; commit 1f0bbf2)",
-                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.98 / 1.01 / 1.02 / 0.97x AR, "
-                                                 "throughput-profiled 0.98 / 1.00 / 1.04 / 0.96x, heuristic 1.00 / 1.02 / "
-                                                 "1.03 / 0.94x, adaflash 0.98 / 1.03 / 1.07 / 0.97x, throughput+lookup "
-                                                 "1.12 / 1.00 / 1.05 / 0.97x; from c = 8 on every variant verifies 0.00-0.01 "
+                                             "wave by wave (fp32, six-mix, 64 tokens, 4 rounds; every variant over one copy "
+                                             "of the target; commit 1d84d10)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.99 / 1.02 / 1.01 / 1.00x AR, "
+                                                 "throughput-profiled 1.00 / 0.99 / 1.01 / 0.99x, heuristic 1.00 / 1.01 / "
+                                                 "0.99 / 1.00x, adaflash 0.99 / 1.00 / 1.01 / 0.97x, throughput+lookup "
+                                                 "1.06 / 0.99 / 1.01 / 0.98x (medians of 16 / 8 / 4 / 4 waves; from c = 8 "
+                                                 "on every variant verifies 0.00-0.10 drafts a step)"},
+    "adaflash/served_engines_int8": {"what": "the same, int8 (six-mix, 64 tokens, 4 rounds; commit 1d84d10)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.985 / 1.00 / 0.94 / 1.00x AR, "
+                                                 "throughput-profiled 0.979 / 1.02 / 1.09 / 1.02x, heuristic 0.989 / 1.01 / "
+                                                 "0.98 / 1.10x, adaflash 0.955 / 1.06 / 1.04 / 1.13x, throughput+lookup "
+                                                 "1.19 / 1.04 / 1.09 / 1.13x; from c = 8 on every variant verifies 0.00-0.01 "
                                                  "drafts a step"},
     "adaflash/engine_path": {"what": "the engine's path at batch 1 (no drafter; a drafter at fixed:0) against the reference "
                                      "AR loop: `make demo`'s code prompt, 48 tokens, fp32, 2 threads, 40 rounds",
