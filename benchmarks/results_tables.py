@@ -141,6 +141,11 @@ NOTES: dict[str, dict[str, str]] = {
                                                  "0.98 / 1.10x, adaflash 0.955 / 1.06 / 1.04 / 1.13x, throughput+lookup "
                                                  "1.19 / 1.04 / 1.09 / 1.13x; from c = 8 on every variant verifies 0.00-0.01 "
                                                  "drafts a step"},
+    "adaflash/served_engines_int8_c1": {"what": "served_engines.py at c = 1 alone, int8, run right after the file above "
+                                                "(same code, 1d84d10): how far a c = 1 cell moves between runs",
+                                        "headline": "throughput 0.978, throughput-profiled 0.948, heuristic 0.975, adaflash "
+                                                    "0.984, throughput+lookup 1.144x AR (the run before: 0.985 / 0.979 / "
+                                                    "0.989 / 0.955 / 1.191)"},
     "adaflash/engine_path": {"what": "the engine's path at batch 1 (no drafter; a drafter at fixed:0) against the reference "
                                      "AR loop: `make demo`'s code prompt, 48 tokens, fp32, 2 threads, 40 rounds",
                              "headline": "reference / engine time 0.994x, with a drafter at fixed:0 0.994x",
