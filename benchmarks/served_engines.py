@@ -48,10 +48,12 @@ def build(name: str, dtype: str, loaded: dict) -> tuple[Pipeline, object]:
     method, policy_name, lookup = VARIANTS[name]
     speculative = SpeculativeConfig.of(method, length_policy=policy_name, prompt_lookup=lookup)
     drafter = shipped_drafter(MODEL, speculative.drafter) if speculative.uses_drafter else None
-    if drafter not in loaded:
+    if drafter not in loaded:  # the first pipeline loads the target; the others put their drafter over it
         base = next(iter(loaded.values()), None)
-        loaded[drafter] = (Pipeline.load(MODEL, drafter, dtype) if base is None
-                           else base if drafter is None else base.with_drafter(drafter))
+        if base is None:
+            loaded[drafter] = Pipeline.load(MODEL, drafter, dtype)
+        else:
+            loaded[drafter] = base if drafter is None else base.with_drafter(drafter)
     pipeline = loaded[drafter]
     # The policy, with its drafting checks, from the config's factory, as `serve` builds them.
     return pipeline, build_engine(EngineConfig(speculative=speculative, max_batch=64, max_len=512),
