@@ -26,6 +26,7 @@ class Request:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per target pass (incl. bonus)
     draft_lengths: list[int] = field(default_factory=list)  # drafted tokens verified per target pass
     policy_state: dict = field(default_factory=dict)  # owned by the length policy
+    drafting_records: dict = field(default_factory=dict)  # owned by the drafting checks: per draft source, a RequestRecord
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

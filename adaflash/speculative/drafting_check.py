@@ -70,6 +70,15 @@ class DraftingCheck:
         """Both arms have a measured rate."""
         return len(self.rates) == 2
 
+    @property
+    def hurdle(self) -> float | None:
+        """The tokens a request must commit a step of the drafting arm for drafting to pay: that arm's seconds a step
+        over the plain arm's, in which every request commits one (None until both arms are measured). Exact at batch 1;
+        in a batch, drafting pays where its requests clear it on average."""
+        if len(self.step_s) < 2:
+            return None
+        return self.step_s[True] / self.step_s[False]
+
     def next_step_drafts(self, may_try: bool = True) -> bool:
         """Advance one step; whether it belongs to the drafting arm (else it must draft nothing). `may_try`: the other
         arm's trial may start now (else the chosen stretch runs on a step: another source is on trial)."""
@@ -147,6 +156,37 @@ class DraftingCheck:
 
 
 @dataclass
+class RequestRecord:
+    """How one source's drafting has fared for one request: a check judges the mix of requests at a batch size, but on
+    this machine the drafter pays on some prompts (arithmetic, 1.2x plain decoding at batch 1) and loses on others
+    (chat, 0.92x), and a check that chose drafting on the first kind kept drafting into the second. So each request's
+    drafting steps are judged on their own: every `window` of them, the committed tokens a step since the source was
+    last opened to the request are set against the check's hurdle, and a request below it is closed to the source for
+    `wait` of its steps (4x longer each time it is closed again, up to `longest`), then tried again."""
+
+    window: int = 8
+    wait: int = 16
+    longest: int = 256
+    steps: int = 0  # drafting steps since the source was (re)opened to the request
+    tokens: int = 0  # the tokens they committed
+    closed_until: int = 0  # the request's step count from which the source may draft for it again
+
+    def __post_init__(self) -> None:
+        if not (0 < self.window and 0 < self.wait <= self.longest):
+            raise ValueError(f"need 0 < window, 0 < wait <= longest; got window {self.window}, wait {self.wait}, "
+                             f"longest {self.longest}")
+
+    def record(self, steps_run: int, tokens: int, hurdle: float | None) -> None:
+        """A drafting step of the source committed `tokens` for the request (now `steps_run` steps in)."""
+        self.steps += 1
+        self.tokens += tokens
+        if hurdle is not None and self.steps % self.window == 0 and self.tokens < hurdle * self.steps:
+            self.closed_until = steps_run + self.wait
+            self.wait = min(4 * self.wait, self.longest)
+            self.steps = self.tokens = 0
+
+
+@dataclass
 class DraftingChecks:
     """A `DraftingCheck` per draft source and batch size (rounded up to a power of two), made on first use from
     `template`'s settings; `decide` before a source is asked (whether it may draft this step), `record` after the step,
@@ -154,6 +194,7 @@ class DraftingChecks:
 
     template: DraftingCheck = field(default_factory=DraftingCheck)
     by_size: dict[tuple[str, int], DraftingCheck] = field(default_factory=dict)
+    request_template: RequestRecord = field(default_factory=RequestRecord)  # each request's record per source
 
     def __post_init__(self) -> None:
         self.deciding: list[DraftingCheck] = []  # the checks that decided in the step under way
@@ -186,6 +227,22 @@ class DraftingChecks:
         for check in deciding:
             check.record(tokens, seconds, measured=not any(o.on_trial for o in deciding if o is not check))
         return deciding
+
+    @staticmethod
+    def closed_for(records: dict[str, RequestRecord], steps_run: int, source: str) -> int:
+        """The steps `source` stays closed to a request (0: it may draft for it now; `records`: the request's, per
+        source; `steps_run`: the steps it has run)."""
+        record = records.get(source)
+        return 0 if record is None else max(0, record.closed_until - steps_run)
+
+    def record_request(self, records: dict[str, RequestRecord], steps_run: int, source: str, batch: int,
+                       tokens: int) -> None:
+        """A step of `batch` requests in which `source` drafted for this one (its drafting arm) committed `tokens` for
+        it: judged against the source's check at that batch size."""
+        record = records.get(source)
+        if record is None:
+            record = records[source] = replace(self.request_template)
+        record.record(steps_run, tokens, self.of(batch, source).hurdle)
 
     def _start(self, source: str, size: int) -> dict:
         """A new batch size starts plain, with the confidence of the same source's largest smaller size that has judged

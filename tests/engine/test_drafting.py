@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 from adaflash.engine.draft_sources import NO_DRAFT, Draft
-from adaflash.engine.drafting import Drafting
+from adaflash.engine.drafting import Drafting, StepDrafts
 from adaflash.engine.request import Request
-from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
+from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks, RequestRecord
 
 
 class Scripted:
@@ -164,18 +164,25 @@ class TimedDrafter(HeldDrafter):
 def _side_by_side(drafting: Drafting, lookup, drafter, clock: Clock, steps: int = 600) -> list[tuple]:
     """Steps with scripted costs: lookups (two drafts, kept in the first 300 steps, then never) pay, then lose; the
     drafter's (one draft, never kept) cost 3 ms a step; in the first 300 steps a plain step costs 8 ms more (so a plain
-    trial runs out of time before its steps); batch sizes 2, then 3-4, and a lone request every 37th step.
-    Per step: batch size, draft lengths, whether it ran in a plain run, and whether that was a plain trial."""
+    trial runs out of time before its steps); batch sizes 2, then 3 and 4 by turns of 25 steps, and a lone request
+    every 37th step; the same four requests throughout, each closed to a source its drafts do not pay for.
+    Per step: batch size, draft lengths, whether it ran in a plain run, whether that was a plain trial, and whether the
+    drafter was closed to every request in it."""
     seen = []
+    requests = [Request(f"r{i}", [3, 4], 8) for i in range(4)]  # each judged on its own drafting steps too
     for k in range(steps):
-        n = 1 if k % 37 == 0 else 2 if k < 300 else 4 - k % 2
-        step = drafting.propose([Request(f"r{i}", [3, 4], 8) for i in range(n)])
+        n = 1 if k % 37 == 0 else 2 if k < 300 else 3 + k // 25 % 2
+        step = drafting.propose(requests[:n])
         accepted = [len(d.tokens) if s is lookup and k < 300 else 0 for d, s in zip(step.drafts, step.sources)]
+        for r, a in zip(requests, accepted):
+            r.accept_lengths.append(a + 1)
         trial = step.in_run and drafting.checks.of(n, "lookup").drafting_chosen
         drafted = any(s is drafter and d.tokens for d, s in zip(step.drafts, step.sources))
         clock.now += 0.001 * n + 0.0004 * sum(step.lengths) + 0.003 * drafted + 0.008 * (not step.any and k < 300)
         drafting.feedback(step, accepted)
-        seen.append((n, step.lengths, step.in_run, trial))
+        closed = all(DraftingChecks.closed_for(r.drafting_records, len(r.accept_lengths) - 1, "drafter")
+                     for r in requests[:n])
+        seen.append((n, step.lengths, step.in_run, trial, closed))
     drafting.close_run()
     return seen
 
@@ -191,15 +198,17 @@ def test_plain_runs_leave_checks_and_calibration_as_deciding_step_by_step_would(
         clock = Clock()
         monkeypatch.setattr(drafting_module, "time", clock)
         lookup, drafter = Scripted({"r0": (7, 8)}), TimedDrafter({f"r{i}": (5,) for i in range(4)})
-        checks = DraftingChecks(DraftingCheck(explore=8, first=8, longest=64, settle=1))
+        checks = DraftingChecks(DraftingCheck(explore=8, first=8, longest=64, settle=1),
+                                request_template=RequestRecord(window=2, wait=4, longest=32))
         drafting = Drafting(lookup, drafter, checks)
         if not runs:
-            monkeypatch.setattr(drafting, "_start_run", lambda batch, checks: None)
+            monkeypatch.setattr(drafting, "_start_run", lambda step: None)
         seen = _side_by_side(drafting, lookup, drafter, clock)
         ends.append((seen, {key: vars(check) for key, check in checks.by_size.items()}, drafter.observed))
     (with_runs, checks_with, heard_with), (without, checks_without, heard_without) = ends
     assert [s[:2] for s in with_runs] == [s[:2] for s in without]
-    assert sum(s[2] for s in with_runs) > 200 and sum(s[3] for s in with_runs) > 10  # chosen stretches and trials
+    assert sum(s[2] for s in with_runs) > 200 and sum(s[3] for s in with_runs) > 5  # chosen stretches and trials
+    assert sum(s[2] and s[4] for s in with_runs) > 30  # and runs of requests the drafter was closed to
     assert not any(s[2] for s in without)
     assert checks_with == checks_without and heard_with == heard_without
     assert checks_with[("lookup", 2)]["drafting_chosen"] and not checks_with[("lookup", 4)]["drafting_chosen"]
@@ -210,12 +219,13 @@ def test_a_chosen_plain_stretch_runs_without_bookkeeping_and_is_replayed_at_its_
     drafter = HeldDrafter({"r0": (5,), "r1": (6,)})
     checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1, stretch=10))  # opens with 10 plain steps
     drafting = Drafting(None, drafter, checks)
-    step = drafting.propose(_requests(2))  # decided one by one: the check grants the stretch's other 9 steps
+    requests = _requests(2)
+    step = drafting.propose(requests)  # decided one by one: the check grants the stretch's other 9 steps
     drafting.feedback(step, [0, 0])
     check = checks.of(2)
     assert not step.in_run and check.left == 9 and drafter.observed == [[0, 0]]
     for k in range(9):
-        step = drafting.propose(_requests(2))
+        step = drafting.propose(requests)
         assert step.in_run and not step.any and step.sources == (None, None)
         if k < 8:  # nothing heard until the run's last step
             drafting.feedback(step, [0, 0])
@@ -223,18 +233,53 @@ def test_a_chosen_plain_stretch_runs_without_bookkeeping_and_is_replayed_at_its_
     drafting.feedback(step, [0, 0])
     assert check.left == 0 and check.since_switch == 9 and check.steps == 9  # as if decided step by step
     assert drafter.observed == [[0, 0]] * 10 and drafter.held == 10
-    assert drafting.propose(_requests(2)).any  # the drafting arm's trial, decided as before
+    assert drafting.propose(requests).any  # the drafting arm's trial, decided as before
 
 
-def test_a_new_batch_size_ends_the_plain_run_before_its_step_is_decided():
+def test_new_requests_end_the_plain_run_before_their_step_is_decided():
     drafter = HeldDrafter({"r0": (5,)})
     checks = DraftingChecks(DraftingCheck(explore=4, first=8, settle=1, stretch=10))
     drafting = Drafting(None, drafter, checks)
+    requests = _requests(4)
     for _ in range(3):  # one decided step, two in the run
-        drafting.feedback(drafting.propose(_requests(2)), [0, 0])
+        drafting.feedback(drafting.propose(requests[:2]), [0, 0])
     assert checks.of(2).since_switch == 0
-    step = drafting.propose(_requests(3))  # bucket 4: the run ends, replayed into bucket 2's check
+    step = drafting.propose(requests[:3])  # bucket 4: the run ends, replayed into bucket 2's check
     assert not step.in_run and checks.of(2).since_switch == 2 and checks.of(2).left == 7
     assert checks.of(4).since_switch == 0 and drafter.observed == [[0, 0]] * 3
     drafting.feedback(step, [0, 0, 0])
-    assert drafting.propose(_requests(4)).in_run  # batch 4 is in the same bucket as 3: its run goes on
+    step = drafting.propose(requests[:3])
+    assert step.in_run  # the same requests: their run goes on
+    drafting.feedback(step, [0, 0, 0])
+    step = drafting.propose(requests[1:4])  # another set of requests at the same batch size: decided afresh
+    assert not step.in_run and checks.of(4).since_switch == 2
+
+
+def _engine_step(drafting: Drafting, requests: list[Request], kept: dict[str, int]) -> StepDrafts:
+    """One step as the engine runs it: each request keeps `kept[id]` of its drafts and commits one token more."""
+    step = drafting.propose(requests)
+    accepted = [min(kept[r.request_id], len(d.tokens)) for r, d in zip(requests, step.drafts)]
+    for r, a in zip(requests, accepted):
+        r.accept_lengths.append(a + 1)
+    drafting.feedback(step, accepted)
+    return step
+
+
+def test_a_request_whose_drafts_do_not_pay_is_closed_to_the_drafter_and_tried_again_ever_more_rarely():
+    """The check keeps drafting (it pays for `good`); `bad`, whose drafts never land, is judged on its own drafting
+    steps against the check's hurdle, and closed: its steps then run as a plain run that no check hears."""
+    drafter = HeldDrafter({"good": (5, 6), "bad": (5, 6)})
+    checks = DraftingChecks(DraftingCheck(settle=1, drafting_chosen=True, stretch=10 ** 6, longest=10 ** 6),
+                            request_template=RequestRecord(window=8, wait=16))
+    drafting = Drafting(None, drafter, checks)
+    checks.of(1).step_s.update({True: 0.0015, False: 0.001})  # a drafting step must commit 1.5 tokens to pay
+    good, bad = Request("good", [3, 4], 400), Request("bad", [3, 4], 400)
+    steps = [_engine_step(drafting, [bad], {"bad": 0}) for _ in range(120)]
+    assert [s.any for s in steps] == [True] * 8 + [False] * 16 + [True] * 8 + [False] * 64 + [True] * 8 + [False] * 16
+    assert [s.in_run for s in steps[8:24]] == [False] + [True] * 15  # the closed steps: one held, then a plain run
+    assert checks.of(1).since_switch == 8 * 3 - 1  # the check decided only the drafting steps
+    assert sum(len(asked) for asked in drafter.asked) == 24 and drafter.held == 0
+    for _ in range(50):  # another request, whose drafts all land, drafts every step
+        assert _engine_step(drafting, [good], {"good": 2}).lengths == [2]
+    both = [_engine_step(drafting, [good, bad], {"good": 2, "bad": 0}) for _ in range(4)]
+    assert [s.lengths for s in both] == [[2, 0]] * 4 and all(s.sources == (drafter, None) for s in both)

@@ -13,7 +13,7 @@ from adaflash.engine.scheduler import QueueFullError
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
-from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
+from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks, RequestRecord
 from adaflash.speculative.length_policy import CostModel, FixedLength, HeuristicLength, ThroughputLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
@@ -97,22 +97,34 @@ class CountedChecks(DraftingChecks):
 
 
 def test_an_engine_behind_drafting_checks_equals_reference_and_its_checks_hear_every_decode_step(target, proposer):
-    """Short plain stretches run as plain runs (their bookkeeping replayed at each run's end): the outputs stay the
-    target's, and once the engine runs empty its checks and policy have heard every decode step."""
+    """Short plain stretches run as plain runs (their bookkeeping replayed at each run's end), and requests whose drafts
+    do not pay are closed to the drafter: the outputs stay the target's, and once the engine runs empty its checks
+    and policy have heard every decode step."""
     expected = {f"r{i}": autoregressive_generate(target, p, n, stop_token_ids=(1,)).token_ids
                 for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))}
     policy = StepTimesSeen(3)
-    checks = CountedChecks(DraftingCheck(explore=3, first=4, settle=1, stretch=6))
+    checks = CountedChecks(DraftingCheck(explore=3, first=4, settle=1, stretch=6),
+                           request_template=RequestRecord(window=2, wait=3))
     engine = Engine(target, proposer, policy, max_batch=2, max_queue=8, max_len=128, drafting_checks=checks)
-    decode_steps = []
+    decode_steps, closed = [], []  # closed: per step, to how many of its requests the drafter was closed
     propose = engine.drafting.propose
-    engine.drafting.propose = lambda requests: decode_steps.append(propose(requests)) or decode_steps[-1]
+
+    def proposing(requests):
+        closed.append(sum(checks.closed_for(r.drafting_records, len(r.accept_lengths), "drafter") > 0 for r in requests))
+        decode_steps.append(propose(requests))
+        return decode_steps[-1]
+
+    engine.drafting.propose = proposing
     assert _run(engine, {0: _requests()[:2], 3: _requests()[2:4], 9: _requests()[4:]}) == expected
     in_run = sum(step.in_run for step in decode_steps)
     assert in_run > 0 and engine.drafting._run is None
+    assert any(step.held and not step.decided for step in decode_steps)  # the drafter closed to every request
     assert checks.recorded == len(decode_steps)
-    plain = sum(not step.any for step in decode_steps)  # each priced: no drafter work
-    assert len([lengths for lengths, _ in policy.steps if not any(lengths)]) == plain
+    # The policy hears every plain step (each priced: no drafter work) but those with requests closed to the drafter
+    # (all of them: the drafter answered for none; some, in its drafting arm: it answered for the others only).
+    plain = [(step, c) for step, c in zip(decode_steps, closed) if not step.any]
+    heard = len([lengths for lengths, _ in policy.steps if not any(lengths)])
+    assert sum(c == 0 for _, c in plain) <= heard <= sum(c < len(step.requests) for step, c in plain)
 
 
 def test_engine_reports_each_decode_steps_draft_lengths_and_wall_time(target, proposer):

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
+from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks, RequestRecord
 
 
 def _steps(check: DraftingCheck, n: int, rate: dict[bool, float], tokens: int = 2) -> list[bool]:
@@ -149,3 +149,52 @@ def test_a_template_with_an_opening_stretch_holds_its_arm_that_long_at_every_bat
 def test_impossible_stretches_are_refused(bad):
     with pytest.raises(ValueError, match="settle < explore"):
         DraftingCheck(**bad)
+
+
+def test_the_hurdle_is_the_drafting_arms_step_time_over_the_plain_arms_once_both_are_measured():
+    check = DraftingCheck(explore=3, first=8, settle=1)
+    _steps(check, 5, {True: 100.0, False: 100.0}, tokens=1)  # the plain opening: 10 ms a step
+    assert check.hurdle is None
+    _steps(check, 4, {True: 75.0, False: 100.0}, tokens=3)  # drafting: 3 tokens in 40 ms
+    assert check.hurdle == pytest.approx(4.0)  # a drafting step must commit 4 tokens a request to pay
+
+
+def test_a_request_below_the_hurdle_is_closed_for_ever_longer_waits_and_one_above_it_stays_open():
+    record = RequestRecord(window=4, wait=3, longest=20)
+    steps_run, closed = 0, []
+    for _ in range(40):  # one token a drafting step against a hurdle of 1.5
+        if DraftingChecks.closed_for({"drafter": record}, steps_run, "drafter"):
+            closed.append(steps_run)
+        else:
+            record.record(steps_run + 1, 1, 1.5)
+        steps_run += 1
+    # judged every 4 drafting steps: closed 3, then 12, then 20 (the longest) steps
+    assert closed == [*range(4, 7), *range(11, 23), *range(27, 40)]
+    good = RequestRecord(window=4)
+    for k in range(1, 41):
+        good.record(k, 2, 1.5)
+    assert good.closed_until == 0
+    unjudged = RequestRecord(window=4)
+    for k in range(1, 41):
+        unjudged.record(k, 1, None)  # no hurdle yet: nothing to judge by
+    assert unjudged.closed_until == 0
+
+
+def test_a_requests_record_is_judged_by_its_sources_check_at_its_batch_size():
+    checks = DraftingChecks(request_template=RequestRecord(window=2, wait=5))
+    checks.of(1, "drafter").step_s.update({True: 0.03, False: 0.01})  # drafting steps: 3x the plain ones
+    checks.of(2, "drafter").step_s.update({True: 0.01, False: 0.01})
+    records: dict = {}
+    for k in (1, 2):
+        checks.record_request(records, k, "drafter", 2, 2)  # two tokens a step clear batch 2's hurdle ...
+    assert checks.closed_for(records, 2, "drafter") == 0
+    for k in (3, 4):
+        checks.record_request(records, k, "drafter", 1, 2)  # ... not batch 1's (3): closed for 5 steps
+    assert checks.closed_for(records, 4, "drafter") == 5 and checks.closed_for(records, 9, "drafter") == 0
+    assert checks.closed_for(records, 4, "lookup") == 0  # each source its own record
+
+
+@pytest.mark.parametrize("bad", [dict(window=0), dict(wait=0), dict(wait=300, longest=256)])
+def test_impossible_request_records_are_refused(bad):
+    with pytest.raises(ValueError, match="0 < window"):
+        RequestRecord(**bad)
