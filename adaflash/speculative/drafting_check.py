@@ -28,6 +28,10 @@ batch may draft where one request does not. A batch size opens with a short plai
 yardstick its first drafting trial is timed against; a template given a first stretch and arm opens with those, as a
 benchmark holding one arm does); where the largest smaller batch size that has judged both arms chose plain, it starts
 from that choice and that confidence instead (verifying drafts only costs more as the batch grows).
+
+In the drafting arm each request is judged too (`RequestRecord`): its drafting steps' committed tokens a step against
+the check's hurdle (the drafting arm's seconds a step over the plain arm's); a request below it is closed to the source
+for a while and not asked, so a batch size's choice of drafting does not carry onto the prompts where drafting loses.
 """
 
 from __future__ import annotations
@@ -162,7 +166,8 @@ class RequestRecord:
     (chat, 0.92x), and a check that chose drafting on the first kind kept drafting into the second. So each request's
     drafting steps are judged on their own: every `window` of them, the committed tokens a step since the source was
     last opened to the request are set against the check's hurdle, and a request below it is closed to the source for
-    `wait` of its steps (4x longer each time it is closed again, up to `longest`), then tried again."""
+    `wait` of its steps (4x longer each time it is closed again, up to `longest`), then tried again. One whose drafts
+    all missed is closed after half a window already: a short request pays for every drafting step that loses."""
 
     window: int = 8
     wait: int = 16
@@ -180,7 +185,10 @@ class RequestRecord:
         """A drafting step of the source committed `tokens` for the request (now `steps_run` steps in)."""
         self.steps += 1
         self.tokens += tokens
-        if hurdle is not None and self.steps % self.window == 0 and self.tokens < hurdle * self.steps:
+        if hurdle is None:
+            return
+        if (self.steps % self.window == 0 and self.tokens < hurdle * self.steps
+                or self.steps == self.window // 2 and self.tokens == self.steps and hurdle > 1):
             self.closed_until = steps_run + self.wait
             self.wait = min(4 * self.wait, self.longest)
             self.steps = self.tokens = 0

@@ -159,25 +159,30 @@ def test_the_hurdle_is_the_drafting_arms_step_time_over_the_plain_arms_once_both
     assert check.hurdle == pytest.approx(4.0)  # a drafting step must commit 4 tokens a request to pay
 
 
-def test_a_request_below_the_hurdle_is_closed_for_ever_longer_waits_and_one_above_it_stays_open():
-    record = RequestRecord(window=4, wait=3, longest=20)
-    steps_run, closed = 0, []
-    for _ in range(40):  # one token a drafting step against a hurdle of 1.5
+def _closed_steps(record: RequestRecord, tokens, hurdle: float, steps: int = 40) -> list[int]:
+    """The steps (of `steps`) in which the source was closed to a request whose drafting steps commit tokens[k]."""
+    steps_run, drafted, closed = 0, 0, []
+    for _ in range(steps):
         if DraftingChecks.closed_for({"drafter": record}, steps_run, "drafter"):
             closed.append(steps_run)
         else:
-            record.record(steps_run + 1, 1, 1.5)
+            record.record(steps_run + 1, tokens[drafted % len(tokens)], hurdle)
+            drafted += 1
         steps_run += 1
-    # judged every 4 drafting steps: closed 3, then 12, then 20 (the longest) steps
+    return closed
+
+
+def test_a_request_below_the_hurdle_is_closed_for_ever_longer_waits_and_one_above_it_stays_open():
+    # 1.5 tokens a drafting step against a hurdle of 1.8: judged every 4 drafting steps, closed 3, then 12, then 20
+    # (the longest) steps
+    closed = _closed_steps(RequestRecord(window=4, wait=3, longest=20), (1, 2), 1.8)
     assert closed == [*range(4, 7), *range(11, 23), *range(27, 40)]
-    good = RequestRecord(window=4)
-    for k in range(1, 41):
-        good.record(k, 2, 1.5)
-    assert good.closed_until == 0
-    unjudged = RequestRecord(window=4)
-    for k in range(1, 41):
-        unjudged.record(k, 1, None)  # no hurdle yet: nothing to judge by
-    assert unjudged.closed_until == 0
+    # every draft missed: closed after half a window already
+    assert _closed_steps(RequestRecord(window=4, wait=3, longest=20), (1,), 1.8) == [
+        *range(2, 5), *range(7, 19), *range(21, 40)]
+    assert _closed_steps(RequestRecord(window=4), (2,), 1.8) == []  # it pays: never closed
+    assert _closed_steps(RequestRecord(window=4), (1,), None) == []  # no hurdle yet: nothing to judge by
+    assert _closed_steps(RequestRecord(window=4), (1,), 1.0) == []  # drafting costs nothing: nothing to lose
 
 
 def test_a_requests_record_is_judged_by_its_sources_check_at_its_batch_size():
