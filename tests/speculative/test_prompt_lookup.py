@@ -38,6 +38,33 @@ def test_limits_and_misses():
     assert PromptLookup(4).propose([7]) == []
 
 
+def _searched_with_tensors(lookup: PromptLookup, tokens: list[int], want: int) -> list[int]:
+    """The same choice written with tensor ops over every window (the first way it was written)."""
+    if len(tokens) < lookup.min_ngram + 1:
+        return []
+    seq = torch.tensor(tokens)
+    for n in range(min(lookup.max_ngram, len(tokens) - 1), lookup.min_ngram - 1, -1):
+        starts = (seq[:-1].unfold(0, n, 1) == seq[-n:]).all(1).nonzero().flatten()
+        if len(starts):
+            full = starts[starts + n + want <= len(tokens)]
+            start = int(full[-1] if len(full) else starts[0]) + n
+            return tokens[start : start + want]
+    return []
+
+
+@pytest.mark.parametrize("alphabet", [(0, 1, 2), (0, 1, 256, 65536, 1 << 24, (1 << 24) + 1), tuple(range(40000, 40006))])
+def test_the_byte_search_proposes_what_a_search_over_every_window_does(alphabet):
+    """Random sequences over small alphabets (many matches); ids whose bytes also match across token boundaries (1,
+    256, 65536, 2^24: a byte search must skip those)."""
+    gen = torch.Generator().manual_seed(len(alphabet))
+    for _ in range(400):
+        length = int(torch.randint(1, 40, (1,), generator=gen))
+        tokens = [alphabet[int(i)] for i in torch.randint(0, len(alphabet), (length,), generator=gen)]
+        lookup = PromptLookup(int(torch.randint(1, 9, (1,), generator=gen)), max_ngram=3, min_ngram=1 + length % 2)
+        limit = int(torch.randint(1, 10, (1,), generator=gen))
+        assert lookup.propose(tokens, limit) == _searched_with_tensors(lookup, tokens, min(lookup.num_tokens, limit))
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="num_tokens"):
         PromptLookup(0)
