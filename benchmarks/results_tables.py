@@ -82,27 +82,28 @@ NOTES: dict[str, dict[str, str]] = {
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
                                         "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
     "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain, 4 prompts each, 3 rounds "
-                                             "(fp32, 1 thread; every variant over one copy of the target; commit 1d84d10)",
-                                     "headline": "throughput 0.980 (math 1.013, code 0.959), throughput-profiled 0.994, heuristic "
-                                                 "0.986, adaflash 0.981, throughput+lookup 1.063x AR (multilingual 1.454x; lookups "
-                                                 "verified whole 1.430x); fixed:0 (the engine path, never drafting) 0.985x"},
+                                             "(fp32, 1 thread; every variant over one copy of the target; commit ead7299)",
+                                     "headline": "throughput 0.989, throughput-profiled 0.992, heuristic 0.997, adaflash 0.992 "
+                                                 "(every domain cell 0.980-1.032), throughput+lookup 1.056x AR (multilingual "
+                                                 "1.407x; lookups verified whole 1.382x); fixed:0 (the engine path, never "
+                                                 "drafting) 0.994x"},
     "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 3 rounds "
-                                             "(int8, 1 thread; every variant over one copy of the target; commit 1d84d10)",
-                                     "headline": "throughput 1.015 (math 1.218, code 0.977), throughput-profiled 1.035, "
-                                                 "heuristic 1.019, adaflash 0.967 (fixed:0, never drafting, 0.978), "
-                                                 "throughput+lookup 1.312x AR (multilingual 1.719x; lookups verified whole "
-                                                 "1.670x)"},
+                                             "(int8, 1 thread; every variant over one copy of the target; commit ead7299)",
+                                     "headline": "throughput 1.047 (math 1.254), throughput-profiled 1.022, heuristic 1.015, "
+                                                 "adaflash 0.993, throughput+lookup 1.271x AR (multilingual 1.764x; lookups "
+                                                 "verified whole 1.700x); 14 of 20 policy-domain cells >= 0.98, the rest "
+                                                 "0.971-0.979; fixed:0 (the engine path, never drafting) 0.984x"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
                                          "beside the plain decode step, warm and in place (after an engine step), batch "
                                          "1-64; and whole plain-arm engine steps (plain runs) against AR's, with the "
-                                         "runs' replay (fp32; commit 1d84d10)",
-                                 "headline": "in place at batch 1: heuristic 32 µs (0.45%), throughput 82 µs (1.17%), adaflash "
-                                             "103 µs (1.48%), lookup sizing 46 µs; warm 4-15 µs. A plain-arm engine step, "
-                                             "replay included: +0.26 to +0.35% of AR's at batch 1, +0.04 to +0.60% at batch 8"},
-    "adaflash/policy_overhead_int8": {"what": "the same, int8 (commit 1d84d10)",
-                                      "headline": "in place at batch 1: heuristic 28 µs (0.63% of a 4.4 ms step), throughput "
-                                                  "75 µs (1.71%), adaflash 60 µs (1.36%); a plain-arm engine step, replay "
-                                                  "included: -0.07 to +0.33% of AR's at batch 1, +0.09 to +0.48% at batch 8"},
+                                         "runs' replay (fp32; commit e029a5f)",
+                                 "headline": "in place at batch 1: heuristic 29 µs (0.39%), throughput 69 µs (0.93%), adaflash "
+                                             "73 µs (0.98%), lookup sizing 45 µs; warm 4-15 µs. A plain-arm engine step, "
+                                             "replay included: +0.02 to +0.10% of AR's at batch 1, +0.30 to +0.42% at batch 8"},
+    "adaflash/policy_overhead_int8": {"what": "the same, int8 (commit e029a5f)",
+                                      "headline": "in place at batch 1: heuristic 23 µs (0.67% of a 3.4 ms step), throughput "
+                                                  "64 µs (1.89%), adaflash 52 µs (1.54%); a plain-arm engine step, replay "
+                                                  "included: +0.19 to +0.59% of AR's at batch 1, +0.24 to +0.61% at batch 8"},
     "adaflash/main_table": {"what": "main table: AR, DFlash fixed-16 / fixed-2, throughput, adaflash, adaflash + lookup; "
                                     "served, six-mix, 64 tokens, --dtype int8 (adaflash before its look fix)"},
     "adaflash/look_feedback": {"what": "throughput, adaflash (after its look fix), adaflash + lookup; served, six-mix, int8"},
@@ -121,31 +122,27 @@ NOTES: dict[str, dict[str, str]] = {
                                       "headline": "gsm8k 0.86-0.87x AR before, 0.87-0.92x after; chat 0.82-0.89x before, 0.85-0.88x after",
                                       "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
-    "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32, 5 rounds): AR vs full block, 2 drafts, adaptive, adaptive + "
-                              "prompt lookup (commit 1d84d10)",
-                      "headline": "full block 0.34x AR, 2 drafts 0.78x, adaptive 0.97x (0.95-1.04 by domain), adaptive + "
-                                  "lookup 0.98x (multilingual 1.54x; chat / code / math 0.95-1.00x)",
+    "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32, 5 rounds), three runs in a row: AR vs full block, 2 "
+                              "drafts, adaptive, adaptive + prompt lookup (commit ead7299)",
+                      "headline": "full block 0.34x AR, 2 drafts 0.76-0.78x, adaptive 0.97-0.98x, adaptive + lookup "
+                                  "0.97-0.99x (multilingual 0.98 / 1.51 / 1.64x: in the first run no lookup was verified on "
+                                  "that prompt)",
                       "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                       "command": "make demo"},
     "adaflash/served_engines_fp32": {"what": "serve's engines fed waves of c requests in one process, the variants alternating "
                                              "wave by wave (fp32, six-mix, 64 tokens, 4 rounds; every variant over one copy "
-                                             "of the target; commit 1d84d10)",
-                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.99 / 1.02 / 1.01 / 1.00x AR, "
-                                                 "throughput-profiled 1.00 / 0.99 / 1.01 / 0.99x, heuristic 1.00 / 1.01 / "
-                                                 "0.99 / 1.00x, adaflash 0.99 / 1.00 / 1.01 / 0.97x, throughput+lookup "
-                                                 "1.06 / 0.99 / 1.01 / 0.98x (medians of 16 / 8 / 4 / 4 waves; from c = 8 "
-                                                 "on every variant verifies 0.00-0.10 drafts a step)"},
-    "adaflash/served_engines_int8": {"what": "the same, int8 (six-mix, 64 tokens, 4 rounds; commit 1d84d10)",
-                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.985 / 1.00 / 0.94 / 1.00x AR, "
-                                                 "throughput-profiled 0.979 / 1.02 / 1.09 / 1.02x, heuristic 0.989 / 1.01 / "
-                                                 "0.98 / 1.10x, adaflash 0.955 / 1.06 / 1.04 / 1.13x, throughput+lookup "
-                                                 "1.19 / 1.04 / 1.09 / 1.13x; from c = 8 on every variant verifies 0.00-0.01 "
-                                                 "drafts a step"},
-    "adaflash/served_engines_int8_c1": {"what": "served_engines.py at c = 1 alone, int8, run right after the file above "
-                                                "(same code, 1d84d10): how far a c = 1 cell moves between runs",
-                                        "headline": "throughput 0.978, throughput-profiled 0.948, heuristic 0.975, adaflash "
-                                                    "0.984, throughput+lookup 1.144x AR (the run before: 0.985 / 0.979 / "
-                                                    "0.989 / 0.955 / 1.191)"},
+                                             "of the target; commit e029a5f)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.98 / 1.00 / 1.00 / 1.02x AR, "
+                                                 "throughput-profiled 1.00 / 1.00 / 1.01 / 1.00x, heuristic 1.00 / 1.00 / "
+                                                 "0.99 / 1.00x, adaflash 1.00 / 1.01 / 0.99 / 0.99x, throughput+lookup "
+                                                 "1.06 / 1.00 / 1.00 / 0.99x (medians of 16 / 8 / 4 / 4 waves; every cell "
+                                                 ">= 0.98)"},
+    "adaflash/served_engines_int8": {"what": "the same, int8 (six-mix, 64 tokens, 4 rounds; commit ead7299)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.98 / 1.01 / 0.99 / 0.97x AR, "
+                                                 "throughput-profiled 0.95 / 1.00 / 1.00 / 0.97x, heuristic 0.99 / 1.01 / "
+                                                 "1.01 / 0.98x, adaflash 0.99 / 1.02 / 1.01 / 0.93x, throughput+lookup "
+                                                 "1.16 / 1.03 / 1.00 / 0.97x; from c = 8 on every variant verifies 0.00-0.07 "
+                                                 "drafts a step (the c = 64 waves span 0.82-1.01x)"},
     "adaflash/engine_path": {"what": "the engine's path at batch 1 (no drafter; a drafter at fixed:0) against the reference "
                                      "AR loop: `make demo`'s code prompt, 48 tokens, fp32, 2 threads, 40 rounds",
                              "headline": "reference / engine time 0.994x, with a drafter at fixed:0 0.994x",
