@@ -47,7 +47,7 @@ class StepDrafts:
     decided: tuple[str, ...] = ()  # the sources whose check decided this step
     trying: tuple[DraftSource, ...] = ()  # of those, the ones in their drafting arm (each request's record hears them)
     held: bool = False  # no source ran: the steps after it may run as a plain run
-    closed_after: float = math.inf  # held: the steps after this one that a source closed to every request left stays so
+    closed_after: float = math.inf  # held: steps after this one during which a source closed to every request stays so
     in_run: bool = False  # a step of a plain run: its bookkeeping waits for the run's end
 
     @property

@@ -205,6 +205,8 @@ class Engine:
                 draft_cache.reset(r.slot)
                 proposer.add_context(draft_cache, out.hidden, RaggedBatch.build([r.slot], [0], [len(committed)]))
         drafter.take_over(proposer, draft_cache, policy)  # the rebuilt context holds every committed position
+        for r in self.scheduler.running:  # how the old drafter fared says nothing of the new one
+            r.drafting_records.pop(drafter.name, None)
         if self.recorder is not None:  # outcomes of the old drafter's hidden states stay in their own shard
             self.recorder.flush()
             self.recorder.drafter_version = version

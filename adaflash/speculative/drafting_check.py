@@ -166,8 +166,10 @@ class RequestRecord:
     (chat, 0.92x), and a check that chose drafting on the first kind kept drafting into the second. So each request's
     drafting steps are judged on their own: every `window` of them, the committed tokens a step since the source was
     last opened to the request are set against the check's hurdle, and a request below it is closed to the source for
-    `wait` of its steps (4x longer each time it is closed again, up to `longest`), then tried again. One whose drafts
-    all missed is closed after half a window already: a short request pays for every drafting step that loses."""
+    `wait` of its steps (4x longer each time it is closed again, up to `longest`), then tried again. One whose drafting
+    steps all committed one token (every draft missed, or its policy drafted none, a step that still cost the policy's
+    work) is closed after half a window already: a short request pays for every drafting step that loses. The steps
+    add up over batch sizes, each judgement against the hurdle of the batch size it falls in."""
 
     window: int = 8
     wait: int = 16
@@ -187,6 +189,7 @@ class RequestRecord:
         self.tokens += tokens
         if hurdle is None:
             return
+        # (a hurdle at or below 1: drafting costs nothing over a plain step, so nothing is lost by trying on)
         if (self.steps % self.window == 0 and self.tokens < hurdle * self.steps
                 or self.steps == self.window // 2 and self.tokens == self.steps and hurdle > 1):
             self.closed_until = steps_run + self.wait
@@ -198,7 +201,9 @@ class RequestRecord:
 class DraftingChecks:
     """A `DraftingCheck` per draft source and batch size (rounded up to a power of two), made on first use from
     `template`'s settings; `decide` before a source is asked (whether it may draft this step), `record` after the step,
-    as the engine's drafting does. A step's tokens and time go to every check that decided in it."""
+    as the engine's drafting does. A step's tokens and time go to every check that decided in it. Each request's
+    record per source (`RequestRecord`, from `request_template`): `closed_for` before the source is asked for it,
+    `record_request` after a step in which the source drafted for it."""
 
     template: DraftingCheck = field(default_factory=DraftingCheck)
     by_size: dict[tuple[str, int], DraftingCheck] = field(default_factory=dict)
@@ -207,6 +212,8 @@ class DraftingChecks:
     def __post_init__(self) -> None:
         self.deciding: list[DraftingCheck] = []  # the checks that decided in the step under way
         self.current: DraftingCheck | None = None  # the check that decided last
+        self.steps = 0  # steps recorded
+        self.decided_at: dict[tuple[str, int], int] = {}  # (source, size) -> the step its check last decided in
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -224,7 +231,11 @@ class DraftingChecks:
         self.current = self.of(batch, source)
         self.deciding.append(self.current)
         size = self.bucket(batch)
-        others_on_trial = any(check.on_trial for (src, s), check in self.by_size.items() if s == size and src != source)
+        self.decided_at[(source, size)] = self.steps
+        # A trial waits for another only while that one runs: a source closed to every request decides nothing, and
+        # its check, left mid-trial, must not hold the other source's trials back for as long as the closure lasts.
+        others_on_trial = any(check.on_trial and self.decided_at.get((src, s), -2) >= self.steps - 1
+                              for (src, s), check in self.by_size.items() if s == size and src != source)
         return self.current.next_step_drafts(may_try=not others_on_trial)
 
     def record(self, tokens: int, seconds: float) -> list[DraftingCheck]:
@@ -232,6 +243,7 @@ class DraftingChecks:
         where no other source was on trial (a drafter trial's slow steps must not count against lookups, nor the
         reverse). Returns those checks."""
         deciding, self.deciding = self.deciding, []
+        self.steps += 1
         for check in deciding:
             check.record(tokens, seconds, measured=not any(o.on_trial for o in deciding if o is not check))
         return deciding

@@ -21,6 +21,9 @@ from adaflash.models.kernels.attention import MAX_QUERIES
 # lookup acceptance (the engine's `LookupLength`), or all of them (transformers' and vLLM's behaviour).
 LOOKUP_LENGTHS = ("throughput", "all")
 
+_ID_TYPE = "q"  # token ids as 8-byte integers in the searched string (any id a vocabulary has)
+_ID_BYTES = array(_ID_TYPE).itemsize
+
 
 @dataclass(frozen=True)
 class PromptLookup:
@@ -48,16 +51,16 @@ class PromptLookup:
         length = len(tokens)
         if want < 1 or length < self.min_ngram + 1:
             return []
-        # The tokens as one string of 4-byte ids, searched by bytes.rfind / find in C: a search with tensor ops took
-        # ~65 us a step (1-2% of a decode step, every step of a request that asks), this one a few.
-        text = array("i", tokens).tobytes()
+        # The tokens as one string of fixed-width ids, searched by bytes.rfind / find in C: a search with tensor ops
+        # took ~65 us a step (1-2% of a decode step, every step of a request that asks), this one a few.
+        text = array(_ID_TYPE, tokens).tobytes()
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            suffix = text[4 * (length - n):]
-            start = _last_at_token(text, suffix, 4 * max(0, length - want))  # followed by `want` tokens
+            suffix = text[_ID_BYTES * (length - n):]
+            start = _last_at_token(text, suffix, _ID_BYTES * max(0, length - want))  # followed by `want` tokens
             if start < 0:
-                start = _first_at_token(text, suffix, 4 * (length - 1))  # followed by at least one
+                start = _first_at_token(text, suffix, _ID_BYTES * (length - 1))  # followed by at least one
             if start >= 0:
-                start = start // 4 + n
+                start = start // _ID_BYTES + n
                 return list(tokens[start : start + want])
         return []
 
@@ -66,7 +69,7 @@ def _last_at_token(text: bytes, pattern: bytes, end: int) -> int:
     """The byte offset of the last occurrence of `pattern` within text[:end] that starts on a token, or -1."""
     while True:
         i = text.rfind(pattern, 0, end)
-        if i < 0 or i % 4 == 0:
+        if i < 0 or i % _ID_BYTES == 0:
             return i
         end = i + len(pattern) - 1  # every occurrence starting before i
 
@@ -74,7 +77,7 @@ def _last_at_token(text: bytes, pattern: bytes, end: int) -> int:
 def _first_at_token(text: bytes, pattern: bytes, end: int) -> int:
     """The byte offset of the first occurrence of `pattern` within text[:end] that starts on a token, or -1."""
     i = text.find(pattern, 0, end)
-    while i >= 0 and i % 4:
+    while i >= 0 and i % _ID_BYTES:
         i = text.find(pattern, i + 1, end)
     return i
 

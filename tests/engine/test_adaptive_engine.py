@@ -13,6 +13,7 @@ from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, latest_version, publish_version, save_drafter
 from adaflash.models.length_head import BlockLengthHead, LengthHeadConfig, PositionAcceptanceHead, save_length_head
 from adaflash.models.target import load_target
+from adaflash.speculative.drafting_check import RequestRecord
 from adaflash.speculative.length_policy import BlockHeadLength, LearnedThroughputLength, build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
@@ -125,8 +126,11 @@ def test_swapped_drafter_context_equals_a_fresh_one(target):
         engine.add_request(_requests()[2])
         for _ in range(3):
             engine.step()
+    swapped.scheduler.running[0].drafting_records["drafter"] = RequestRecord(closed_until=10 ** 6)
+    swapped.scheduler.running[0].drafting_records["lookup"] = lookup = RequestRecord(closed_until=10 ** 6)
     swapped.swap_proposer(_proposer(target, 7))
     r_fresh, r_swapped = fresh.scheduler.running[0], swapped.scheduler.running[0]
+    assert r_swapped.drafting_records == {"lookup": lookup}  # how the old drafter fared is forgotten, lookups' kept
     assert r_fresh.output_ids == r_swapped.output_ids and len(prompt) > 0
     fresh.feed_context([0])  # the fresh engine's drafter context is fed lazily, before its next draft
     a = fresh.proposer.draft_hidden(fresh.draft_cache, [0], [r_fresh.output_ids[-1]])

@@ -251,7 +251,7 @@ def test_new_requests_end_the_plain_run_before_their_step_is_decided():
     for _ in range(3):  # one decided step, two in the run
         drafting.feedback(drafting.propose(requests[:2]), [0, 0])
     assert checks.of(2).since_switch == 0
-    step = drafting.propose(requests[:3])  # bucket 4: the run ends, replayed into bucket 2's check
+    step = drafting.propose(requests[:3])  # new requests (bucket 4): the run ends, replayed into bucket 2's check
     assert not step.in_run and checks.of(2).since_switch == 2 and checks.of(2).left == 7
     assert checks.of(4).since_switch == 0 and drafter.observed == [[0, 0]] * 3
     drafting.feedback(step, [0, 0, 0])

@@ -203,3 +203,18 @@ def test_a_requests_record_is_judged_by_its_sources_check_at_its_batch_size():
 def test_impossible_request_records_are_refused(bad):
     with pytest.raises(ValueError, match="0 < window"):
         RequestRecord(**bad)
+
+
+def test_a_trial_whose_source_stops_deciding_holds_no_other_trial_back():
+    """A source closed to every request decides nothing; its check, left mid-trial, stops holding the other source's
+    trial back after a step."""
+    checks = DraftingChecks(DraftingCheck(explore=3, first=5, settle=1))
+    arms = []
+    for k in range(8):
+        step = [checks.decide(1, "lookup")] if k <= 5 else []  # the lookup decides until its trial has begun
+        step.append(checks.decide(1, "drafter"))
+        checks.record(1, 0.01)
+        arms.append(step)
+    assert arms[:5] == [[False, False]] * 5  # both open plain
+    assert arms[5] == [True, False]  # the lookup's trial; the drafter's waits
+    assert arms[6:] == [[False], [True]]  # one step later the closed lookup holds it back no more
