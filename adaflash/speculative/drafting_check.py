@@ -238,15 +238,14 @@ class DraftingChecks:
                               for (src, s), check in self.by_size.items() if s == size and src != source)
         return self.current.next_step_drafts(may_try=not others_on_trial)
 
-    def record(self, tokens: int, seconds: float) -> list[DraftingCheck]:
+    def record(self, tokens: int, seconds: float) -> None:
         """The step just run committed `tokens` in `seconds`: to the arm of every check that decided in it, measured
         where no other source was on trial (a drafter trial's slow steps must not count against lookups, nor the
-        reverse). Returns those checks."""
+        reverse)."""
         deciding, self.deciding = self.deciding, []
         self.steps += 1
         for check in deciding:
             check.record(tokens, seconds, measured=not any(o.on_trial for o in deciding if o is not check))
-        return deciding
 
     @staticmethod
     def closed_for(records: dict[str, RequestRecord], steps_run: int, source: str) -> int:
