@@ -78,18 +78,33 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) over [rows, V] (int64 [rows]); our kernel where it runs (torch's costs ~40 us a
-    49152-wide row here, paid for every greedy token decoded or verified), the same indices."""
-    lib = _fused_library(logits)
-    if lib is not None and logits.dim() == 2 and logits.shape[0] and logits.shape[1]:
-        from adaflash.models.kernels.packed import profiled
+    49152-wide row here, paid for every greedy token decoded or verified), the same indices.
 
-        logits = logits.contiguous()
-        out = torch.empty(logits.shape[0], dtype=torch.long)
-        with profiled("adaflash::argmax_rows"):
-            lib.adaflash_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
-                                     torch.get_num_threads())
-        return out
+    Lean on purpose: it runs right after a target pass, when the weights have just streamed through the caches and
+    every Python step runs cold; the checks of `_fused_library` (the environment read among them) cost ~60 us a call
+    there, ~1% of a decode step (2-core EPYC). The indices are torch's either way, so ADAFLASH_KERNELS is not read."""
+    if logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 2 and not logits.requires_grad:
+        lib = _argmax_library()
+        rows, width = logits.shape
+        if lib is not None and rows and width:
+            logits = logits.contiguous()
+            out = torch.empty(rows, dtype=torch.long)
+            if torch.autograd.profiler._is_profiler_enabled:  # (a no-op context still costs its calls, cold)
+                from adaflash.models.kernels.packed import profiled
+
+                with profiled("adaflash::argmax_rows"):
+                    lib.adaflash_argmax_rows(logits.data_ptr(), rows, width, out.data_ptr(), torch.get_num_threads())
+            else:
+                lib.adaflash_argmax_rows(logits.data_ptr(), rows, width, out.data_ptr(), torch.get_num_threads())
+            return out
     return logits.argmax(-1)
+
+
+@lru_cache(maxsize=1)
+def _argmax_library():
+    from adaflash.models.kernels import packed  # here, not at the top: kernels/selection.py imports this module
+
+    return packed.library()
 
 
 def _kernel_library():
