@@ -82,17 +82,17 @@ NOTES: dict[str, dict[str, str]] = {
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
                                         "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
     "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain, 4 prompts each, 3 rounds "
-                                             "(fp32, 1 thread; every variant over one copy of the target; commit ead7299)",
-                                     "headline": "throughput 0.989, throughput-profiled 0.992, heuristic 0.997, adaflash 0.992 "
-                                                 "(every domain cell 0.980-1.032), throughput+lookup 1.056x AR (multilingual "
-                                                 "1.407x; lookups verified whole 1.382x); fixed:0 (the engine path, never "
-                                                 "drafting) 0.994x"},
+                                             "(fp32, 1 thread; every variant over one copy of the target; commit d1f2ef4)",
+                                     "headline": "throughput 0.982, throughput-profiled 0.990, heuristic 0.992, adaflash 0.993 "
+                                                 "(17 of 20 domain cells >= 0.98, the rest 0.975-0.978), throughput+lookup "
+                                                 "1.064x AR (multilingual 1.442x; lookups verified whole 1.394x); fixed:0 (the "
+                                                 "engine path, never drafting) 0.994x"},
     "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 3 rounds "
-                                             "(int8, 1 thread; every variant over one copy of the target; commit ead7299)",
-                                     "headline": "throughput 1.047 (math 1.254), throughput-profiled 1.022, heuristic 1.015, "
-                                                 "adaflash 0.993, throughput+lookup 1.271x AR (multilingual 1.764x; lookups "
-                                                 "verified whole 1.700x); 14 of 20 policy-domain cells >= 0.98, the rest "
-                                                 "0.971-0.979; fixed:0 (the engine path, never drafting) 0.984x"},
+                                             "(int8, 1 thread; every variant over one copy of the target; commit d1f2ef4)",
+                                     "headline": "throughput 1.007 (math 1.207), throughput-profiled 1.005, heuristic 1.013, "
+                                                 "adaflash 0.987, throughput+lookup 1.269x AR (multilingual 1.645x; lookups "
+                                                 "verified whole 1.628x); 15 of 20 policy-domain cells >= 0.98, the rest "
+                                                 "0.965-0.979 (code in four); fixed:0 (the engine path, never drafting) 0.984x"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
                                          "beside the plain decode step, warm and in place (after an engine step), batch "
                                          "1-64; and whole plain-arm engine steps (plain runs) against AR's, with the "
@@ -100,10 +100,10 @@ NOTES: dict[str, dict[str, str]] = {
                                  "headline": "in place at batch 1: heuristic 29 µs (0.39%), throughput 69 µs (0.93%), adaflash "
                                              "73 µs (0.98%), lookup sizing 45 µs; warm 4-15 µs. A plain-arm engine step, "
                                              "replay included: +0.02 to +0.10% of AR's at batch 1, +0.30 to +0.42% at batch 8"},
-    "adaflash/policy_overhead_int8": {"what": "the same, int8 (commit e029a5f)",
-                                      "headline": "in place at batch 1: heuristic 23 µs (0.67% of a 3.4 ms step), throughput "
-                                                  "64 µs (1.89%), adaflash 52 µs (1.54%); a plain-arm engine step, replay "
-                                                  "included: +0.19 to +0.59% of AR's at batch 1, +0.24 to +0.61% at batch 8"},
+    "adaflash/policy_overhead_int8": {"what": "the same, int8 (commit d1f2ef4)",
+                                      "headline": "in place at batch 1: heuristic 24 µs (0.68% of a 3.5 ms step), throughput "
+                                                  "70 µs (2.03%), adaflash 58 µs (1.66%); a plain-arm engine step, replay "
+                                                  "included: -0.12 to +0.75% of AR's at batch 1, +0.40 to +0.69% at batch 8"},
     "adaflash/main_table": {"what": "main table: AR, DFlash fixed-16 / fixed-2, throughput, adaflash, adaflash + lookup; "
                                     "served, six-mix, 64 tokens, --dtype int8 (adaflash before its look fix)"},
     "adaflash/look_feedback": {"what": "throughput, adaflash (after its look fix), adaflash + lookup; served, six-mix, int8"},
@@ -123,26 +123,25 @@ NOTES: dict[str, dict[str, str]] = {
                                       "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
     "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32, 5 rounds), three runs in a row: AR vs full block, 2 "
-                              "drafts, adaptive, adaptive + prompt lookup (commit ead7299)",
-                      "headline": "full block 0.34x AR, 2 drafts 0.76-0.78x, adaptive 0.97-0.98x, adaptive + lookup "
-                                  "0.97-0.99x (multilingual 0.98 / 1.51 / 1.64x: in the first run no lookup was verified on "
-                                  "that prompt)",
+                              "drafts, adaptive, adaptive + prompt lookup (commit d1f2ef4)",
+                      "headline": "full block 0.33x AR, 2 drafts 0.77-0.78x, adaptive 0.97-0.98x, adaptive + lookup "
+                                  "0.98-0.99x (multilingual 1.49-1.50x)",
                       "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                       "command": "make demo"},
     "adaflash/served_engines_fp32": {"what": "serve's engines fed waves of c requests in one process, the variants alternating "
                                              "wave by wave (fp32, six-mix, 64 tokens, 4 rounds; every variant over one copy "
-                                             "of the target; commit e029a5f)",
-                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.98 / 1.00 / 1.00 / 1.02x AR, "
-                                                 "throughput-profiled 1.00 / 1.00 / 1.01 / 1.00x, heuristic 1.00 / 1.00 / "
-                                                 "0.99 / 1.00x, adaflash 1.00 / 1.01 / 0.99 / 0.99x, throughput+lookup "
-                                                 "1.06 / 1.00 / 1.00 / 0.99x (medians of 16 / 8 / 4 / 4 waves; every cell "
-                                                 ">= 0.98)"},
-    "adaflash/served_engines_int8": {"what": "the same, int8 (six-mix, 64 tokens, 4 rounds; commit ead7299)",
-                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.98 / 1.01 / 0.99 / 0.97x AR, "
-                                                 "throughput-profiled 0.95 / 1.00 / 1.00 / 0.97x, heuristic 0.99 / 1.01 / "
-                                                 "1.01 / 0.98x, adaflash 0.99 / 1.02 / 1.01 / 0.93x, throughput+lookup "
-                                                 "1.16 / 1.03 / 1.00 / 0.97x; from c = 8 on every variant verifies 0.00-0.07 "
-                                                 "drafts a step (the c = 64 waves span 0.82-1.01x)"},
+                                             "of the target; commit d1f2ef4)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 0.988 / 1.001 / 0.999 / 0.970x AR, "
+                                                 "throughput-profiled 0.995 / 1.007 / 1.000 / 0.989x, heuristic 0.997 / "
+                                                 "1.004 / 0.998 / 0.989x, adaflash 0.997 / 1.000 / 1.005 / 1.007x, "
+                                                 "throughput+lookup 1.064 / 0.990 / 0.987 / 1.014x (medians of 16 / 8 / 4 / "
+                                                 "4 waves; 19 of 20 cells >= 0.98, throughput at c = 64 verifying no draft)"},
+    "adaflash/served_engines_int8": {"what": "the same, int8 (six-mix, 64 tokens, 4 rounds; commit d1f2ef4)",
+                                     "headline": "c = 1 / 8 / 32 / 64: throughput 1.036 / 0.995 / 0.976 / 1.020x AR, "
+                                                 "throughput-profiled 1.022 / 0.977 / 0.978 / 1.047x, heuristic 1.023 / "
+                                                 "0.991 / 1.009 / 1.002x, adaflash 1.001 / 0.995 / 1.003 / 1.002x, "
+                                                 "throughput+lookup 1.323 / 1.008 / 0.998 / 1.025x; from c = 8 on every "
+                                                 "variant verifies 0.00-0.02 drafts a step"},
     "adaflash/engine_path": {"what": "the engine's path at batch 1 (no drafter; a drafter at fixed:0) against the reference "
                                      "AR loop: `make demo`'s code prompt, 48 tokens, fp32, 2 threads, 40 rounds",
                              "headline": "reference / engine time 0.994x, with a drafter at fixed:0 0.994x",
