@@ -166,9 +166,9 @@ class RequestRecord:
     (chat, 0.92x), and a check that chose drafting on the first kind kept drafting into the second. So each request's
     drafting steps are judged on their own: every `window` of them, the committed tokens a step since the source was
     last opened to the request are set against the check's hurdle, and a request below it is closed to the source for
-    `wait` of its steps (4x longer each time it is closed again, up to `longest`), then tried again. One whose drafting
-    steps all committed one token (every draft missed, or its policy drafted none, a step that still cost the policy's
-    work) is closed after half a window already: a short request pays for every drafting step that loses. The steps
+    `wait` of its steps (4x longer each time it is closed again, up to `longest`), then tried again. One that has not
+    come halfway to the hurdle after half a window (every draft missed, say, or its policy drafted none, a step that
+    still cost the policy's work) is closed then already: a short request pays for every drafting step that loses. The steps
     add up over batch sizes, each judgement against the hurdle of the batch size it falls in."""
 
     window: int = 8
@@ -189,9 +189,10 @@ class RequestRecord:
         self.tokens += tokens
         if hurdle is None:
             return
-        # (a hurdle at or below 1: drafting costs nothing over a plain step, so nothing is lost by trying on)
+        # (a hurdle at or below 1: drafting costs nothing over a plain step, so nothing is lost by trying on; halfway
+        # to it, (1 + hurdle) / 2, is then at or below the one token every step commits)
         if (self.steps % self.window == 0 and self.tokens < hurdle * self.steps
-                or self.steps == self.window // 2 and self.tokens == self.steps and hurdle > 1):
+                or self.steps == self.window // 2 and self.tokens < self.steps * (1 + hurdle) / 2):
             self.closed_until = steps_run + self.wait
             self.wait = min(4 * self.wait, self.longest)
             self.steps = self.tokens = 0

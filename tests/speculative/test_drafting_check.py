@@ -180,6 +180,10 @@ def test_a_request_below_the_hurdle_is_closed_for_ever_longer_waits_and_one_abov
     # every draft missed: closed after half a window already
     assert _closed_steps(RequestRecord(window=4, wait=3, longest=20), (1,), 1.8) == [
         *range(2, 5), *range(7, 19), *range(21, 40)]
+    # not halfway to the hurdle (1.33 tokens a step against 1.4) after half a window: closed then; halfway (1.67), judged
+    # at the window's end
+    assert _closed_steps(RequestRecord(window=6, wait=3, longest=3), (2, 1, 1), 1.8)[:3] == [3, 4, 5]
+    assert _closed_steps(RequestRecord(window=6, wait=3, longest=3), (2, 2, 1), 1.8)[:3] == [6, 7, 8]
     assert _closed_steps(RequestRecord(window=4), (2,), 1.8) == []  # it pays: never closed
     assert _closed_steps(RequestRecord(window=4), (1,), None) == []  # no hurdle yet: nothing to judge by
     assert _closed_steps(RequestRecord(window=4), (1,), 1.0) == []  # drafting costs nothing: nothing to lose
