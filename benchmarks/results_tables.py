@@ -82,17 +82,17 @@ NOTES: dict[str, dict[str, str]] = {
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
                                         "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
     "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain, 4 prompts each, 3 rounds "
-                                             "(fp32, 1 thread; every variant over one copy of the target; commit d1f2ef4)",
-                                     "headline": "throughput 0.982, throughput-profiled 0.990, heuristic 0.992, adaflash 0.993 "
-                                                 "(17 of 20 domain cells >= 0.98, the rest 0.975-0.978), throughput+lookup "
-                                                 "1.064x AR (multilingual 1.442x; lookups verified whole 1.394x); fixed:0 (the "
-                                                 "engine path, never drafting) 0.994x"},
+                                             "(fp32, 1 thread; every variant over one copy of the target; commit 29d3641)",
+                                     "headline": "throughput 0.988, throughput-profiled 0.987, heuristic 0.992, adaflash 0.991 "
+                                                 "(every domain cell >= 0.982), throughput+lookup 1.067x AR (multilingual "
+                                                 "1.428x; lookups verified whole 1.367x); fixed:0 (the engine path, never "
+                                                 "drafting) 0.994x"},
     "adaflash/adaptive_vs_ar_int8": {"what": "every adaptive policy against our AR at batch 1, per domain, 6 prompts each, 3 rounds "
-                                             "(int8, 1 thread; every variant over one copy of the target; commit d1f2ef4)",
-                                     "headline": "throughput 1.007 (math 1.207), throughput-profiled 1.005, heuristic 1.013, "
-                                                 "adaflash 0.987, throughput+lookup 1.269x AR (multilingual 1.645x; lookups "
-                                                 "verified whole 1.628x); 15 of 20 policy-domain cells >= 0.98, the rest "
-                                                 "0.965-0.979 (code in four); fixed:0 (the engine path, never drafting) 0.984x"},
+                                             "(int8, 1 thread; every variant over one copy of the target; commit 29d3641)",
+                                     "headline": "throughput 1.009 (math 1.275), throughput-profiled 1.016, heuristic 1.012, "
+                                                 "adaflash 0.989, throughput+lookup 1.271x AR (multilingual 1.759x; lookups "
+                                                 "verified whole 1.654x); 17 of 20 policy-domain cells >= 0.98, the rest "
+                                                 "0.968-0.980; fixed:0 (the engine path, never drafting) 0.987x"},
     "adaflash/policy_overhead": {"what": "a length policy's own work per engine step (check, decide, feedback, calibration) "
                                          "beside the plain decode step, warm and in place (after an engine step), batch "
                                          "1-64; and whole plain-arm engine steps (plain runs) against AR's, with the "
@@ -123,9 +123,9 @@ NOTES: dict[str, dict[str, str]] = {
                                       "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
     "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32, 5 rounds), three runs in a row: AR vs full block, 2 "
-                              "drafts, adaptive, adaptive + prompt lookup (commit d1f2ef4)",
-                      "headline": "full block 0.33x AR, 2 drafts 0.77-0.78x, adaptive 0.97-0.98x, adaptive + lookup "
-                                  "0.98-0.99x (multilingual 1.49-1.50x)",
+                              "drafts, adaptive, adaptive + prompt lookup (commit 29d3641)",
+                      "headline": "full block 0.32-0.33x AR, 2 drafts 0.78-0.79x, adaptive 0.97-0.98x, adaptive + lookup "
+                                  "0.98-0.99x (multilingual 1.47-1.51x)",
                       "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
                       "command": "make demo"},
     "adaflash/served_engines_fp32": {"what": "serve's engines fed waves of c requests in one process, the variants alternating "
