@@ -168,8 +168,8 @@ class RequestRecord:
     last opened to the request are set against the check's hurdle, and a request below it is closed to the source for
     `wait` of its steps (4x longer each time it is closed again, up to `longest`), then tried again. One that has not
     come halfway to the hurdle after half a window (every draft missed, say, or its policy drafted none, a step that
-    still cost the policy's work) is closed then already: a short request pays for every drafting step that loses. The steps
-    add up over batch sizes, each judgement against the hurdle of the batch size it falls in."""
+    still cost the policy's work) is closed then already: a short request pays for every drafting step that loses.
+    The steps add up over batch sizes, each judgement against the hurdle of the batch size it falls in."""
 
     window: int = 8
     wait: int = 16
