@@ -93,7 +93,8 @@ class TargetModel(nn.Module):
         if not fast_linears_available(self.lm_head):
             return False
         quantized = quantized or {}
-        choice = KernelChoice(int8_activations)
+        # exact: the target's numbers never depend on how the timing fell (selection.py)
+        choice = KernelChoice(int8_activations, exact=True)
         self.int8_activations = int8_activations
         for i, layer in enumerate(self.layers):
             layer.fast = {name: FastLinear(getattr(layer, name), getattr(layer, f"{name}_bias", None), choice,

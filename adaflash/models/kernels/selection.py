@@ -9,6 +9,12 @@ model, the thread count and the kernel source, so a different machine or --threa
 per shape). ADAFLASH_KERNELS=stock, =packed or =quantized forces one kernel for every bucket without timing
 (quantized: where the weight has blocks, else packed).
 
+`exact` (the target's choice): timing picks only among kernels that give the same bits - the packed fp32 kernel and
+the quantized one, which is bitwise it - at every row count, past the buckets too. torch's kernel sums in another
+order, so a target that took it at some row counts would compute a verification's rows differently from a decode
+step's, and which counts took it would depend on how the timing fell in the process that measured (greedy output
+depending on the run). Drafters choose freely: their numbers shape drafts, never what verification keeps.
+
 `int8_activations` (the target's `--dtype int8`) is another numeric definition, not a kernel choice: a weight with
 Q4_1 / Q8_0 blocks runs the int8-activation kernel at every row count, prefill included (one model for every pass);
 weights without such blocks choose as above.
@@ -118,10 +124,12 @@ def _pick(by_bytes: list[str], ms: dict[str, float]) -> str:
 
 
 class KernelChoice:
-    """Per (n, k) shape, the kernel for each row bucket."""
+    """Per (n, k) shape, the kernel for each row bucket. `exact`: only kernels with the packed kernel's bits, at every
+    row count (a target's numbers never depend on timing; see the module's docstring)."""
 
-    def __init__(self, int8_activations: bool = False) -> None:
+    def __init__(self, int8_activations: bool = False, exact: bool = False) -> None:
         self.int8_activations = int8_activations
+        self.exact = exact
         self.mode = os.environ.get("ADAFLASH_KERNELS", "auto")
         if self.mode not in ("auto", STOCK, PACKED, QUANTIZED):
             raise ValueError(f"ADAFLASH_KERNELS must be auto, stock, packed or quantized, got {self.mode!r}")
@@ -146,7 +154,8 @@ class KernelChoice:
         # Fewest bytes first: a kernel within NEAR_TIE of the fastest wins over one streaming more bytes (timings on a
         # shared machine wobble by ~10%, and a real step shares the memory bus with the other cores).
         # (torch's last among equals: ours give a row the same result at every row count)
-        by_bytes = sorted([STOCK, *kernels], key=lambda name: (_bytes(kernels.get(name), weight), name == STOCK))
+        candidates = list(kernels) if self.exact else [STOCK, *kernels]
+        by_bytes = sorted(candidates, key=lambda name: (_bytes(kernels.get(name), weight), name == STOCK))
         return tuple(_pick(by_bytes, times[str(r)]) for r in ROW_BUCKETS)
 
     def _save(self, key: str, times: dict) -> None:
@@ -160,7 +169,8 @@ class KernelChoice:
 
 
 class FastLinear:
-    """One weight's linear: at each row bucket, the kernel that measured fastest (torch's past the buckets).
+    """One weight's linear: at each row bucket, the kernel that measured fastest; past the buckets torch's, or for an
+    exact choice the largest bucket's (the same bits at every row count).
 
     `quantized`: the weight's own GGUF blocks (gguf_blocks.py), for the quantized kernel. Kernels no bucket chose
     are dropped (their packed copy freed).
@@ -170,6 +180,7 @@ class FastLinear:
                  quantized: QuantizedWeight | None = None) -> None:
         self.weight, self.bias = weight, bias
         self._all_rows = None  # the int8 kernel, which runs every row count
+        self._past_buckets = None  # what runs past the largest bucket (None: torch's)
         if choice.int8_activations and quantized is not None and quantized.fmt in packed.INT8_FORMATS:
             self._all_rows = packed.Int8Linear(quantized.blocks, quantized.fmt, weight.shape[1], bias)
             self.choices = (f"{quantized.fmt}xint8",) * len(ROW_BUCKETS)
@@ -184,14 +195,16 @@ class FastLinear:
             kernels[quantized.fmt] = packed.QuantizedLinear(quantized.blocks, quantized.fmt, weight.shape[1], bias)
         self.choices = choice.buckets(weight, kernels)  # kernel name per bucket, for the record
         self._bucket_kernels = tuple(kernels.get(name) for name in self.choices)  # None: torch's
+        if choice.exact:
+            self._past_buckets = self._bucket_kernels[-1]
         self._packed_from = self._source()
 
     def _kernel_at(self, rows: int):
-        """The kernel chosen for `rows` rows' bucket; None (torch's) past the largest bucket."""
+        """The kernel chosen for `rows` rows' bucket; past the largest bucket, `_past_buckets` (None: torch's)."""
         if self._all_rows is not None:
             return self._all_rows
         bucket = bisect.bisect_left(ROW_BUCKETS, rows)
-        return self._bucket_kernels[bucket] if bucket < len(ROW_BUCKETS) else None
+        return self._bucket_kernels[bucket] if bucket < len(ROW_BUCKETS) else self._past_buckets
 
     def streamed_bytes(self, rows: int) -> int:
         """Weight bytes a call on `rows` rows reads: the packed copy of the kernel that runs there, else torch's."""

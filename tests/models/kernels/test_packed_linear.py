@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from gguf import GGMLQuantizationType, quants
 
+from adaflash.models.gguf_blocks import QuantizedWeight
 from adaflash.models.kernels import packed, selection
 
 pytestmark = pytest.mark.skipif(packed.library() is None, reason="packed kernel unavailable (no AVX2/FMA or compiler)")
@@ -89,6 +90,34 @@ def test_fast_linear_runs_the_chosen_kernel_only_in_its_buckets(monkeypatch):
     assert fast.choices == ("packed",) * len(selection.ROW_BUCKETS)
     assert torch.equal(fast(x[:7]), packed.PackedLinear(w)(x[:7]))  # in a bucket: the packed kernel
     assert torch.equal(fast(x), selection.stock_linear(x, w))  # past the largest bucket: torch's
+
+
+def test_an_exact_choice_gives_a_row_the_same_bits_whatever_the_timing_said(tmp_path, monkeypatch):
+    """The target's choice (exact=True): with a cached timing in which torch's kernel is fastest at every bucket, a
+    free choice takes torch's - whose rows differ in bits from ours - while the exact one keeps ours at every row
+    count, past the buckets too: a row computed alone (a decode step), in 16 (a verification) or in 300 (a prefill or a
+    wide batch) has the same bits however the timing fell."""
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
+    monkeypatch.setenv("ADAFLASH_KERNELS", "auto")
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(64, 576, generator=g), torch.randn(300, 576, generator=g)
+    raw = torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0))
+    deq = torch.from_numpy(quants.dequantize(raw.numpy(), GGMLQuantizationType.Q8_0).copy())
+    selection.KernelChoice().buckets(deq, {selection.PACKED: packed.PackedLinear(deq)})  # writes the cache entry
+    (cache,) = (tmp_path / "kernels").glob("choices-*.json")
+    saved = json.loads(cache.read_text())
+    for times in saved["shapes"]["64x576"].values():
+        times.update(stock=0.001, packed=1.0, Q8_0=1.0)
+    cache.write_text(json.dumps(saved))
+    free = selection.FastLinear(deq, None, selection.KernelChoice(), QuantizedWeight("Q8_0", raw))
+    exact = selection.FastLinear(deq, None, selection.KernelChoice(exact=True), QuantizedWeight("Q8_0", raw))
+    assert free.choices == ("stock",) * len(selection.ROW_BUCKETS)
+    assert "stock" not in exact.choices
+    whole = exact(x)
+    for rows in (1, 16, 256, 300):
+        assert torch.equal(exact(x[:rows]), whole[:rows]), rows
+    assert not torch.equal(free(x), whole)  # torch's sums in another order: the bits the exact choice avoids
+    assert torch.equal(free(x[:1]), selection.stock_linear(x[:1], deq))
 
 
 def _gguf_blocks(fmt: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
