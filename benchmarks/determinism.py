@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([dtype, variant, len(per_run), sum(bool(x["vs_ar"]) for x in per_run),
                          sum(len(x["vs_ar"]) for x in per_run), sum(bool(x["vs_first_run"]) for x in per_run),
                          statistics.median(x["draft_tokens"] for x in per_run),
-                         statistics.median(x["tokens_per_pass"] for x in per_run)])
+                         round(statistics.median(x["tokens_per_pass"] for x in per_run), 3)])
     md = [f"# Greedy output across fresh processes ({report['machine']['cpu']}, int8 path "
           f"{report['machine']['int8_isa']}, {args.threads} threads)", "",
           f"`{report['command']}` - {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens; each run its own "

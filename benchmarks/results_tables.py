@@ -267,7 +267,13 @@ def _context(d: dict) -> str:
 def _headline(d: dict) -> str:
     if isinstance(d, dict) and "cells" in d and "servers" in d:
         return _sweep(d)
-    shapes = [("step_s", lambda d: "ms a step at batch 1 / 8 / 32 / 64 by drafts k: " + "; ".join(
+    shapes = [("fresh_process", lambda d: "; ".join(
+                  f"{dtype}: {sum(bool(r['vs_ar']) for v in x['variants'].values() for r in v)} of "
+                  f"{sum(len(v) for v in x['variants'].values())} fresh-process runs ({len(x['variants'])} variants) "
+                  "differ from AR" for dtype, x in d["fresh_process"].items())
+               + ("; served: " + ", ".join(f"{dt} {sum(bool(r) for rs in s.values() for r in rs)} rounds differ"
+                                          for dt, s in d["served"].items()) if d.get("served") else "")),
+              ("step_s", lambda d: "ms a step at batch 1 / 8 / 32 / 64 by drafts k: " + "; ".join(
                   f"k={k} " + " / ".join(_f(1e3 * d["step_s"][b][k], 0) for b in ("1", "8", "32", "64"))
                   for k in d["step_s"]["1"]) + (f"; schedule {d['schedule']}" if "schedule" in d else "")),
               ("by_dtype", _runtime_speed), ("engine_tokens_per_s", lambda d: f"batch {d['batch']}: "

@@ -179,7 +179,12 @@ def _save_checkpoint(out_dir: Path, drafter: DFlashDrafter, optimizer, step: int
 
 def _load_checkpoint(out_dir: Path, optimizer_factory,
                      device: torch.device) -> tuple[DFlashDrafter, torch.optim.Optimizer, int] | None:
-    ckpt = out_dir / "checkpoint"
+    ckpt, old = out_dir / "checkpoint", out_dir / "checkpoint.old"
+    if not (ckpt / "trainer_state.pt").is_file() and (old / "trainer_state.pt").is_file():
+        # A kill between _save_checkpoint's two renames: the previous checkpoint is whole under its old name. Put it
+        # back first, so the next save's clean-up of checkpoint.old cannot delete the only one.
+        shutil.rmtree(ckpt, ignore_errors=True)
+        old.rename(ckpt)
     if not (ckpt / "trainer_state.pt").is_file():
         return None
     drafter = load_drafter(ckpt, dtype=torch.float32, device=device).train()
