@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                                   args.runs, args.max_new_tokens, work, args.threads)
         served = served_runs(prompts, list(SERVED_VARIANTS), args.dtypes, args.max_new_tokens, work) if args.served else None
     report = {
-        "machine": {"cpu": cpu_model(), "int8_isa": packed.int8_isa(), "threads": args.threads,
+        "machine": {"cpu": cpu_model(), "int8_isa": packed.int8_isa(), "int8_isa_supported": packed.int8_isa_supported(),
+                    "threads": args.threads,
                     "torch": torch.__version__, "python": platform.python_version()},
         "command": "python benchmarks/determinism.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "runs": args.runs,

@@ -70,14 +70,14 @@ def test_every_instruction_set_gives_the_same_bits(fmt, k):
     raw, _ = _gguf_blocks(fmt, 96, k, seed=7)
     x = torch.randn(150, k, generator=torch.Generator().manual_seed(3))
     kernel = packed.Int8Linear(raw, fmt, k)
-    best = packed.int8_isa()
+    best, default = packed.int8_isa_supported(), packed.int8_isa()
     paths = packed.INT8_ISAS[: packed.INT8_ISAS.index(best) + 1]
     for rows in (1, 2, 5, 8, 16, 17, 40, 150):
         results = {}
         for isa in paths:
             with packed.int8_isa_limit(isa):
                 results[isa] = kernel(x[:rows])
-        assert packed.int8_isa() == best
+        assert packed.int8_isa() == default  # each limit restores the process's own path
         for isa in paths[1:]:
             assert torch.equal(results[isa], results["avx2"]), (isa, rows)
 
@@ -94,6 +94,21 @@ def test_int8_runs_every_row_count_where_blocks_exist_and_nothing_else_changes()
     assert "xint8" not in bf16.choices[0]  # no int8 kernel for BF16 blocks: chosen as fp32 would be
     with pytest.raises(ValueError, match="no kernel for 'BF16'"):
         packed.Int8Linear(raw, "BF16", 64)
+
+
+def test_amx_runs_only_where_asked(monkeypatch):
+    """A process runs AMX only with ADAFLASH_INT8_AMX=1 (packed._int8_default_limit says why); VNNI is its best
+    otherwise, and the CPU's own best is still reported."""
+    supported = packed.int8_isa_supported()
+    assert packed.int8_isa() == ("avx2" if supported == "avx2" else "avx512-vnni")
+    monkeypatch.setenv("ADAFLASH_INT8_AMX", "1")
+    with packed.int8_isa_limit("amx"):
+        pass  # the limit's exit restores the default, which now allows AMX
+    assert packed.int8_isa() == supported
+    monkeypatch.delenv("ADAFLASH_INT8_AMX")
+    with packed.int8_isa_limit("amx"):
+        pass
+    assert packed.int8_isa() == ("avx2" if supported == "avx2" else "avx512-vnni")
 
 
 @pytest.mark.parametrize("threads", [2, 3])
