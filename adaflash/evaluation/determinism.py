@@ -67,10 +67,10 @@ def prepare_cache(cache: Path, state: str, seed: int, source: Path | None = None
         raise ValueError(f"cache state must be one of {CACHE_STATES}, got {state!r}")
     source = user_cache_root() if source is None else source
     (cache / "kernels").mkdir(parents=True, exist_ok=True)
-    if not (cache / "targets").exists() and (source / "targets").is_dir():
+    if not (cache / "targets").is_symlink() and (source / "targets").is_dir():
         (cache / "targets").symlink_to((source / "targets").resolve(), target_is_directory=True)
     for lib in (source / "kernels").glob("*.so"):
-        if not (cache / "kernels" / lib.name).exists():
+        if not (cache / "kernels" / lib.name).is_symlink():
             (cache / "kernels" / lib.name).symlink_to(lib.resolve())
     measured = [*(cache / "kernels").glob("choices-*.json"), *(cache / "cost_models").glob("*.json")]
     if state == "absent":
@@ -176,7 +176,7 @@ async def _complete_all(url: str, prompts: Sequence[list[dict]], max_tokens: int
 
 
 def served_runs(prompts: Sequence[list[dict]], variants: Sequence[str], dtypes: Sequence[str], max_tokens: int,
-                work: Path, port: int = 8470, rounds: int = 2, log=print) -> dict:
+                work: Path, port: int = 8470, rounds: int = 2, threads: int | None = None, log=print) -> dict:
     """Per dtype: the AR server's texts (every prompt at once, `rounds` times), then each variant's server the same
     way; {dtype: {variant: [prompts differing from AR, per round]}} (and AR's own rounds against its first)."""
     from adaflash.evaluation.serve_sweep import launched_server
@@ -191,7 +191,7 @@ def served_runs(prompts: Sequence[list[dict]], variants: Sequence[str], dtypes: 
             texts: dict[str, list[list[str]]] = {}
             for name, args in {"ar": ("--method", "ar"), **{v: SERVED_VARIANTS[v] for v in variants}}.items():
                 with launched_server(name.replace(" ", ""), [*args, "--dtype", dtype], port, len(prompts),
-                                     work / "logs") as url:
+                                     work / "logs", threads) as url:
                     texts[name] = [asyncio.run(_complete_all(url, prompts, max_tokens)) for _ in range(rounds)]
             want = texts["ar"][0]
             report[dtype] = {name: [[i for i, (a, b) in enumerate(zip(want, r)) if a != b] for r in rs]

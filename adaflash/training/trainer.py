@@ -182,9 +182,12 @@ def _load_checkpoint(out_dir: Path, optimizer_factory,
     ckpt, old = out_dir / "checkpoint", out_dir / "checkpoint.old"
     if not (ckpt / "trainer_state.pt").is_file() and (old / "trainer_state.pt").is_file():
         # A kill between _save_checkpoint's two renames: the previous checkpoint is whole under its old name. Put it
-        # back first, so the next save's clean-up of checkpoint.old cannot delete the only one.
-        shutil.rmtree(ckpt, ignore_errors=True)
-        old.rename(ckpt)
+        # back first, so the next save's clean-up of checkpoint.old cannot delete the only one. (Under torchrun every
+        # rank gets here: the rename is atomic, and a rank that loses the race finds the checkpoint in place.)
+        try:
+            old.rename(ckpt)
+        except OSError:
+            pass
     if not (ckpt / "trainer_state.pt").is_file():
         return None
     drafter = load_drafter(ckpt, dtype=torch.float32, device=device).train()

@@ -328,14 +328,12 @@ def int8_isa() -> str | None:
 
 def int8_isa_supported() -> str | None:
     """The best int8 path the CPU has, AMX included whether or not this process runs it (None without the library)."""
-    lib = library()
-    if lib is None:
+    if library() is None:
         return None
-    lib.adaflash_int8_limit_isa(len(INT8_ISAS) - 1)
-    try:
-        return INT8_ISAS[lib.adaflash_int8_isa()]
-    finally:
-        lib.adaflash_int8_limit_isa(_int8_default_limit())
+    flags = _cpu_flags()  # read from the CPU's flags: the library's limit is process state other threads run under
+    if not {"avx512_vnni", "avx512vl", "avx512bw"} <= flags:
+        return "avx2"
+    return "amx" if {"amx_tile", "amx_int8"} <= flags else "avx512-vnni"
 
 
 @contextlib.contextmanager

@@ -99,9 +99,11 @@ def test_int8_runs_every_row_count_where_blocks_exist_and_nothing_else_changes()
 def test_amx_runs_only_where_asked(monkeypatch):
     """A process runs AMX only with ADAFLASH_INT8_AMX=1 (packed._int8_default_limit says why); VNNI is its best
     otherwise, and the CPU's own best is still reported."""
+    assert packed._int8_default_limit() == packed.INT8_ISAS.index("avx512-vnni")
     supported = packed.int8_isa_supported()
     assert packed.int8_isa() == ("avx2" if supported == "avx2" else "avx512-vnni")
     monkeypatch.setenv("ADAFLASH_INT8_AMX", "1")
+    assert packed._int8_default_limit() == packed.INT8_ISAS.index("amx")
     with packed.int8_isa_limit("amx"):
         pass  # the limit's exit restores the default, which now allows AMX
     assert packed.int8_isa() == supported
