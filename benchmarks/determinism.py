@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     md = [f"# Greedy output across fresh processes ({report['machine']['cpu']}, int8 path "
           f"{report['machine']['int8_isa']}, {args.threads} threads)", "",
           f"`{report['command']}` - {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens; each run its "
-          "own "
-          "process, the cache's cost models and kernel choices present / absent / stale in turn.", "",
+          "own process, the cache's cost models and kernel choices present / absent / stale in turn.", "",
           markdown_table(["dtype", "variant", "runs", "runs differing from AR", "prompts differing (all runs)",
                           "runs differing from run 0", "drafts a run (median)", "tokens a pass (median)"], rows,
                          "llrrrrrr")]

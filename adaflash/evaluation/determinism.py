@@ -20,10 +20,8 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -46,26 +44,14 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    variant: str
-    dtype: str
-    cache_state: str
-    index: int
-
-
-def user_cache_root() -> Path:
-    from adaflash.models.registry import cache_root
-
-    return cache_root()
-
-
 def prepare_cache(cache: Path, state: str, seed: int, source: Path | None = None) -> None:
     """Put `cache` (a private ADAFLASH_CACHE) in `state` for the next process: the measured files (cost models, kernel
     choices) kept, removed or scaled at random; the converted targets and the kernel library linked from `source`."""
     if state not in CACHE_STATES:
         raise ValueError(f"cache state must be one of {CACHE_STATES}, got {state!r}")
-    source = user_cache_root() if source is None else source
+    from adaflash.models.registry import cache_root
+
+    source = cache_root() if source is None else source
     (cache / "kernels").mkdir(parents=True, exist_ok=True)
     if not (cache / "targets").is_symlink() and (source / "targets").is_dir():
         (cache / "targets").symlink_to((source / "targets").resolve(), target_is_directory=True)
@@ -157,12 +143,8 @@ def fresh_process_runs(prompts_file: Path, variants: Sequence[str], dtypes: Sequ
     return report
 
 
-SERVED_VARIANTS: dict[str, tuple[str, ...]] = {
-    "throughput": ("--method", "dflash", "--length-policy", "throughput"),
-    "adaflash": ("--method", "adaflash"),
-    "heuristic": ("--method", "dflash", "--length-policy", "heuristic"),
-    "throughput + lookup": ("--method", "dflash", "--length-policy", "throughput", "--prompt-lookup", "8"),
-}
+# The policies served (`adaflash serve` takes the same flags; the reference loop and AR-only lookup are not servers).
+SERVED_VARIANTS = {v: VARIANTS[v] for v in ("throughput", "adaflash", "heuristic", "throughput + lookup")}
 
 
 async def _complete_all(url: str, prompts: Sequence[list[dict]], max_tokens: int) -> list[str]:
@@ -204,7 +186,3 @@ def served_runs(prompts: Sequence[list[dict]], variants: Sequence[str], dtypes: 
             else:
                 os.environ["ADAFLASH_CACHE"] = before
     return report
-
-
-def clean(work: Path) -> None:
-    shutil.rmtree(work, ignore_errors=True)

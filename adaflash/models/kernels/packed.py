@@ -309,12 +309,10 @@ INT8_ISAS = ("avx2", "avx512-vnni", "amx")  # the int8 kernel's paths, by adafla
 
 
 def _int8_default_limit() -> int:
-    """The best int8 path a process runs: AMX only where ADAFLASH_INT8_AMX=1 asks for it. On a 2-core AMX Xeon VM
-    greedy `--dtype int8` output under timing-driven draft lengths differed between processes (the issue "Greedy
-    output must not depend on the run"), where every other path gives 0 differences in 180 fresh-process runs
-    (docs/results/runtime/determinism_int8.md); AMX, whose Q8_0 passes of 8+ rows are the one path that machine ran and
-    this one cannot, stays off until `benchmarks/determinism.py` shows it clean on an AMX machine. The unit tests
-    still compare its bits with the other paths wherever the CPU has it."""
+    """The best int8 path a process runs: AMX only where ADAFLASH_INT8_AMX=1 asks for it. It is the one path whose
+    fresh-process determinism under timing-driven draft lengths is unverified (docs/runtime.md says why), so it stays
+    off until `benchmarks/determinism.py` runs clean with it on an AMX machine. The unit tests still compare its bits
+    with the other paths wherever the CPU has it."""
     return INT8_ISAS.index("amx" if os.environ.get("ADAFLASH_INT8_AMX") == "1" else "avx512-vnni")
 
 
