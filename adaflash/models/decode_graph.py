@@ -6,6 +6,10 @@ device buffers the replay reads, and attention reads the slot's whole cache unde
 (`StaticDecodeAttention`), so nothing depends on the host-side cache length. A graph is captured once per (cache, slot)
 on the first step that can use it. On a CPU the same static step runs eagerly: what the tests compare with the ragged
 path, so the code a graph captures is the code the CPU checks.
+
+The cache owns its graphs (`KVCache.decode_graphs`) and a graph holds no reference back to the cache (the cache is an
+argument of each call): in a reference cycle, the cache, its graph and the graph's memory pool would outlive `del`
+until the cyclic collector happened to run, so `empty_cache()` after a generation would free none of it.
 """
 
 from __future__ import annotations
@@ -48,12 +52,13 @@ class StaticDecodeAttention:
 
 
 class DecodeGraph:
-    """The static decode step of `slot` in `cache`: called with a token id and its position, returns the logits [1, V]
-    (fp32), the K/V written at the position. The target's `forward` routes a one-token, one-sequence step here."""
+    """The static decode step of `slot` in a cache: called with the cache, a token id and its position, returns the
+    logits [1, V] (fp32), the K/V written at the position. The target's `forward` routes a one-token, one-sequence step
+    here. Captured against one cache's tensors: only ever called with that cache (the one holding it)."""
 
     def __init__(self, target, cache: KVCache, slot: int) -> None:
         device, cfg = target.device, target.config
-        self.target, self.cache = target, cache
+        self.target = target  # no reference to `cache`: it holds this graph (see the module's docstring)
         self.token = torch.zeros(1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.attention = StaticDecodeAttention(slot, self.position, cache.max_len)
@@ -62,31 +67,40 @@ class DecodeGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
-    def _step(self) -> torch.Tensor:
+    def _step(self, cache: KVCache) -> torch.Tensor:
         target, cfg = self.target, self.target.config
         h = target.embed(self.token)
-        h, _ = target._layer_loop(h, self.attention, self.cache, self.cos[self.position], self.sin[self.position], set())
+        h, _ = target._layer_loop(h, self.attention, cache, self.cos[self.position], self.sin[self.position], set())
         return target.logits(rms_norm(h, target.final_norm, cfg.rms_norm_eps))
 
-    def __call__(self, token_ids: torch.Tensor, position: int) -> torch.Tensor:
-        self.token.copy_(token_ids.reshape(1), non_blocking=True)
-        self.position.fill_(position)
-        if not graphs_enabled(self.token.device):
-            return self._step()
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
-        return self.logits.clone()  # the graph's own buffer is overwritten by the next replay
+    def __call__(self, cache: KVCache, token_ids: torch.Tensor, position: int) -> torch.Tensor:
+        device = self.token.device
+        if not graphs_enabled(device):
+            self.token.copy_(token_ids.reshape(1))
+            self.position.fill_(position)
+            return self._step(cache)
+        # The tensors' device made current: replay launches on the current device's stream, and the caller's thread
+        # may have another current device (`--device cuda:N`, a server's worker thread starts on cuda:0).
+        with torch.cuda.device(device):
+            self.token.copy_(token_ids.reshape(1), non_blocking=True)
+            self.position.fill_(position)
+            if self.graph is None:
+                self._capture(cache, device)
+            self.graph.replay()
+            return self.logits.clone()  # the graph's own buffer is overwritten by the next replay
 
-    def _capture(self) -> None:
-        """Warm up on a side stream (allocations, lazy inits), then record one step; each run rewrites the same K/V."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+    def _capture(self, cache: KVCache, device: torch.device) -> None:
+        """Warm up on a side stream (allocations, lazy inits), then record one step on that stream; each run rewrites
+        the same K/V. The stream is made on the tensors' device and named to `torch.cuda.graph`: its default capture
+        stream is one per process, made on whichever device was current at its first use, and a capture on a stream
+        of another device than its kernels' records none of them (replays then return stale logits)."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step()
-        torch.cuda.current_stream().wait_stream(side)
+                self._step(cache)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self._step()
+        with torch.cuda.graph(graph, stream=side):
+            self.logits = self._step(cache)
         self.graph = graph

@@ -35,7 +35,8 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.lengths = [0] * num_slots
-        self.decode_graphs: dict[int, object] = {}  # slot -> its captured decode step (models/decode_graph.py)
+        # slot -> its captured decode step (models/decode_graph.py), which holds no reference back to this cache
+        self.decode_graphs: dict[int, object] = {}
 
     @property
     def num_slots(self) -> int:

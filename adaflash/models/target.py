@@ -186,7 +186,7 @@ class TargetModel(nn.Module):
             graph = cache.decode_graphs.get(slot)
             if graph is None:
                 graph = cache.decode_graphs[slot] = DecodeGraph(self, cache, slot)
-            logits = graph(token_ids, batch.starts[0])
+            logits = graph(cache, token_ids, batch.starts[0])
             cache.lengths[slot] = batch.starts[0] + 1
             return ForwardOutput(logits=logits, hidden=None)
         # int8: every pass, prefills too, on the ragged kernel (one model at every split: exact prefix reuse).
