@@ -414,11 +414,14 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = rope_cos_sin(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta, ctx.dtype, first=0,
                                         device=device)
         blk_cos, blk_sin = rope_cos_sin(block_pos.cpu(), cfg.head_dim, cfg.rope_theta, ctx.dtype, device=device)
-        # [A*B, L + A*B] mask: context before the block's anchor, plus the block itself.
+        # [1, 1, A*B, L + A*B] mask: context before the block's anchor, plus the block itself. SDPA gets 4-D
+        # [batch, heads, q, k] tensors: 3-D ones fall back to the math kernel on CUDA, whose bf16 score tensor alone
+        # is heads x A*B x (L + A*B) (~10 GB a layer at Qwen3-8B's training shapes); a boolean mask is one the
+        # memory-efficient kernel takes.
         sees_ctx = torch.arange(seq_len, device=device)[None, :] < anchors.to(device).repeat_interleave(b)[:, None]
         block_id = torch.arange(a, device=device).repeat_interleave(b)
         sees_block = block_id[:, None] == block_id[None, :]
-        mask = torch.cat([sees_ctx, sees_block], dim=1)[None]
+        mask = torch.cat([sees_ctx, sees_block], dim=1)[None, None]
         h = block_embeds.reshape(a * b, d)
         rep = cfg.num_heads // cfg.num_kv_heads
         for layer in self.layers:
@@ -430,8 +433,8 @@ class DFlashDrafter(nn.Module):
             v = torch.cat([v_ctx, v_blk]).transpose(0, 1)
             q = attn.queries(x, blk_cos, blk_sin).transpose(0, 1)  # [heads, A*B, head_dim]
             out = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), attn_mask=mask
-            )
-            h = h + attn.o_proj(out.transpose(0, 1).reshape(a * b, -1))
+                q[None], k.repeat_interleave(rep, 0)[None], v.repeat_interleave(rep, 0)[None], attn_mask=mask
+            )  # [1, heads, A*B, head_dim]
+            h = h + attn.o_proj(out[0].transpose(0, 1).reshape(a * b, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h).view(a, b, d)

@@ -212,6 +212,26 @@ def test_training_forward_equals_cached_inference():
     assert drafter.fc.weight.grad is not None and drafter.layers[0].self_attn.q_proj.weight.grad is not None
 
 
+def test_training_attention_is_4d_and_equals_the_3d_formulation(monkeypatch):
+    """The training pass calls SDPA with [batch, heads, q, k] tensors and a mask broadcast over batch and heads (what
+    CUDA's memory-efficient kernel takes; 3-D falls back to the math kernel), and gets what the former 3-D call got."""
+    from adaflash.models import drafter as drafter_module
+
+    sdpa, calls = F.scaled_dot_product_attention, []
+
+    def checked(q, k, v, attn_mask=None, **kw):
+        assert q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == 1 and attn_mask.shape[:2] == (1, 1)
+        out = sdpa(q, k, v, attn_mask=attn_mask, **kw)
+        torch.testing.assert_close(out[0], sdpa(q[0], k[0], v[0], attn_mask=attn_mask[0], **kw), atol=1e-6, rtol=1e-6)
+        calls.append(q.shape)
+        return out
+
+    monkeypatch.setattr(drafter_module.F, "scaled_dot_product_attention", checked)
+    drafter = _drafter(num_layers=2, block=4)
+    drafter.forward_train(torch.randn(14, 128), torch.randn(3, 4, 64), torch.tensor([3, 7, 10])).sum().backward()
+    assert len(calls) == 2 and calls[0] == (1, 4, 12, 16)
+
+
 def test_a_deepened_drafter_first_drafts_as_the_one_it_grew_from():
     """Appended layers start as the identity on the residual stream; the trained layers are kept as they were."""
     shallow = _drafter(num_layers=2, block=4, seed=3)
