@@ -78,8 +78,10 @@ def long_context_trajectories(pipeline, benchmark: str, levels: Sequence[int], l
 def score_levels(target, drafter_dir: str, trajectories: dict[str, dict[int, list[Trajectory]]],
                  anchors: int | None) -> dict[str, list[dict]]:
     """Per benchmark, one row per context level: prompt length, full-block accept length, the head's cut."""
-    drafter = load_drafter(drafter_dir, dtype=torch.float32)
-    head = load_length_head(drafter_dir)
+    # both where the target runs (a GPU): score_blocks feeds the drafter the target's features there, and head_cut
+    # moves the host-side outcomes to the head
+    drafter = load_drafter(drafter_dir, dtype=torch.float32, device=target.device)
+    head = load_length_head(drafter_dir, target.device)
     out: dict[str, list[dict]] = {}
     for name, by_level in trajectories.items():
         rows = []

@@ -30,7 +30,8 @@ def block_rate_table(head, scores, rates=RATES) -> list[dict]:
     """Accept and verify length when the block head's length (scaled by each rate) is verified."""
     o = scores.outcomes
     with torch.no_grad():
-        ratio = head(o.hidden.float())
+        # the head where it was loaded (a GPU), the outcomes on the host
+        ratio = head(o.hidden.float().to(next(head.parameters()).device)).cpu()
     rows = []
     for rate in rates:
         cut = (torch.round(ratio * o.block_size * rate).clamp(1, o.block_size) - 1).long()
@@ -74,7 +75,7 @@ def markdown(report: dict, limit: int) -> str:
 def _cmd(args: argparse.Namespace) -> int:
     from adaflash.evaluation.drafter_eval import target_trajectories
     from adaflash.evaluation.offline import provenance
-    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.drafter_checkpoint import load_drafter, load_drafter_config
     from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead, load_length_head
     from adaflash.pipeline import Pipeline
     from adaflash.plots import pyplot
@@ -83,6 +84,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
     base = TrainConfig.from_file(args.config)
     pipeline = Pipeline.load(base.model, None, "fp32")
+    device = pipeline.target.device  # every drafter and head scored beside the target (a GPU's features stay there)
     trajectories = target_trajectories(pipeline, "gsm8k", args.limit, args.max_new_tokens, Path(args.cache_dir))
     runs = Path(args.runs_dir)
     teachers = None  # target passes shared by every run (same data, same target)
@@ -98,21 +100,24 @@ def _cmd(args: argparse.Namespace) -> int:
             # Named by the whole setting: the defaults' run is shared by the three rows that contain it.
             cfg = dataclasses.replace(cfg, out_dir=str(runs / f"alpha{cfg.alpha}-tau{cfg.tau}-gamma{cfg.gamma}"))
             if teachers is None:
-                teachers = TeacherCache(pipeline.target, load_drafter(base.init_from).config.target_layer_ids)
+                teachers = TeacherCache(pipeline.target, load_drafter_config(base.init_from).target_layer_ids)
             drafter = train(cfg, progress=False, teachers=teachers)
-            accept = score_blocks(pipeline.target, load_drafter(drafter, dtype=torch.float32), trajectories).accept_length
+            accept = score_blocks(pipeline.target, load_drafter(drafter, dtype=torch.float32, device=device),
+                                  trajectories).accept_length
             rows.append({"value": value, "gsm8k_accept_len": accept})
             print(f"{param}={value}: gsm8k accept length {accept:.3f}", flush=True)
         report["distillation"][param] = rows
-    start = score_blocks(pipeline.target, load_drafter(base.init_from, dtype=torch.float32), trajectories).accept_length
+    start = score_blocks(pipeline.target, load_drafter(base.init_from, dtype=torch.float32, device=device),
+                         trajectories).accept_length
     report["start_drafter_gsm8k_accept_len"] = start
 
     def head_and_scores(drafter_dir: str, kind: type, what: str):
         """A drafter dir's length head (of the kind asked for) and its drafter's full blocks on the gsm8k anchors."""
-        head = load_length_head(drafter_dir)
+        head = load_length_head(drafter_dir, device)
         if not isinstance(head, kind):
             raise ValueError(f"{drafter_dir} carries no {what} length head")
-        return head, score_blocks(pipeline.target, load_drafter(drafter_dir, dtype=torch.float32), trajectories)
+        return head, score_blocks(pipeline.target, load_drafter(drafter_dir, dtype=torch.float32, device=device),
+                                  trajectories)
 
     if args.block_head:
         report["rate"] = block_rate_table(*head_and_scores(args.block_head, BlockLengthHead, "block"))

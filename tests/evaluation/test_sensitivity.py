@@ -8,15 +8,20 @@ import torch
 
 from adaflash.cli import main
 from adaflash.evaluation import sensitivity
+from adaflash.models import drafter_checkpoint, length_head
 from adaflash.formats.trajectories import Trajectory, append_trajectories
 from adaflash.models.config import TransformerConfig
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
 from adaflash.models.length_head import BlockLengthHead, LengthHeadConfig, PositionAcceptanceHead, save_length_head
+from tests.evaluation.test_context_length import device_spy
 
 
 def test_sensitivity_runs_each_setting(tiny_chat_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(sensitivity, "GRID", {"alpha": (0.5,), "gamma": (3.0,)})
+    devices: list = []  # every drafter and head it scores loads on the target's device, named
+    device_spy(monkeypatch, drafter_checkpoint, "load_drafter", devices)
+    device_spy(monkeypatch, length_head, "load_length_head", devices)
     dcfg = DrafterConfig.for_target(TransformerConfig.from_dir(tiny_chat_checkpoint), mask_token_id=16, num_layers=1, block_size=8)
     start = save_drafter(init_drafter(dcfg, seed=3), tmp_path / "start")
     save_length_head(BlockLengthHead(LengthHeadConfig("block", dcfg.hidden_size, 8, head_dim=8)), start)
@@ -41,3 +46,4 @@ def test_sensitivity_runs_each_setting(tiny_chat_checkpoint, tmp_path, monkeypat
     assert all(1.0 <= r["accept_len"] <= r["verify_len"] <= 8 for r in cuts)
     assert cuts[0]["verify_len"] >= cuts[-1]["verify_len"]  # a higher threshold never verifies more
     assert out.with_suffix(".png").stat().st_size > 0
+    assert set(devices) == {torch.device("cpu")}  # the runs, the start drafter, both heads and their drafters
