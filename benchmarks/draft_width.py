@@ -20,6 +20,7 @@ import torch
 from adaflash.cli_args import configure_process
 from adaflash.data import load_prompts
 from adaflash.evaluation.offline import command_line, cpu_label, provenance
+from adaflash.models.device import synchronize
 from adaflash.report import markdown_table, write_report
 
 DOMAINS = {"math": "gsm8k", "code": "humaneval", "chat": "sharegpt-chat", "multilingual": "mgsm"}
@@ -36,8 +37,10 @@ def _draft_pass_ms(proposer, width: int, context: int = 256, repeats: int = 15) 
     proposer.add_context(cache, features, RaggedBatch.build([0], [0], [context]))
     times = []
     for _ in range(repeats + 1):
+        synchronize(target.device)  # the clock read after the GPU's queued work, not at its launch
         start = time.perf_counter()
         proposer.draft_tokens(proposer.draft_hidden(cache, [0], [100], width), [width - 1], [SamplingParams()], [None])
+        synchronize(target.device)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times[1:])
 

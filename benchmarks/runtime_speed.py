@@ -29,6 +29,7 @@ from tqdm import tqdm
 from adaflash.cli_args import configure_process
 from adaflash.evaluation.demo import DEMO_PROMPTS
 from adaflash.evaluation.offline import cpu_label, environment
+from adaflash.models.device import synchronize
 from adaflash.models.dtype import DTYPES, cpu_has_native_bf16
 from adaflash.models.kernels.selection import cpu_model
 from adaflash.models.kv_cache import RaggedBatch
@@ -70,8 +71,10 @@ def forward_cost_ms(model, context: int, query_lens=(1, 2, 4, 8, 16), repeats: i
     for q in query_lens:
         times = []
         for _ in range(repeats + 1):
+            synchronize(model.device)  # the clock read after the GPU's queued work, not at its launch
             t = time.perf_counter()
             model(torch.arange(q) + 100, RaggedBatch.build([0], [context], [q]), cache)
+            synchronize(model.device)
             times.append(time.perf_counter() - t)
             cache.rollback(0, context)
         out[q] = 1000 * statistics.median(times[1:])
@@ -169,12 +172,14 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
                         bar.update(1)
                     for variant, out in outputs.items():
                         same_as_chosen[variant].append(out == outputs["chosen"])
+                    synchronize(hf.device)
                     t = time.perf_counter()
                     with torch.inference_mode():
                         out = hf.generate(
-                            torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                            do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                            torch.tensor([ids], device=hf.device), max_new_tokens=max_new_tokens,
+                            min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id,
                         )
+                    synchronize(hf.device)
                     hf_tps.append(max_new_tokens / (time.perf_counter() - t))
                     hf_ids = out[0, len(ids):].tolist()
                     # min_new_tokens masks transformers' EOS, so compare up to the first EOS ours chose.

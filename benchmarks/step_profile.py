@@ -26,6 +26,7 @@ from adaflash.data import load_prompts
 from adaflash.engine.engine_factory import EngineConfig, build_engine
 from adaflash.engine.request import Request
 from adaflash.evaluation.offline import command_line, cpu_label, machine_info, provenance
+from adaflash.models.device import synchronize
 from adaflash.report import markdown_table, write_report
 from adaflash.speculative.config import SpeculativeConfig
 from adaflash.speculative.cost_model import CalibratedCost
@@ -34,17 +35,21 @@ PARTS = ("context_feed", "draft_pass", "draft_head", "target_pass")
 
 
 class PartTimers:
-    """Wall time per named part, accumulated over one step at a time (`take` returns and clears it)."""
+    """Wall time per named part, accumulated over one step at a time (`take` returns and clears it). The clock is read
+    after `device`'s queued work (a GPU's kernels run after their launch returns: the time would be another part's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.ms: dict[str, float] = {}
+        self.device = device
 
     def timed(self, fn, part: str):
         def wrapper(*args, **kwargs):
+            synchronize(self.device)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                synchronize(self.device)
                 self.ms[part] = self.ms.get(part, 0.0) + 1e3 * (time.perf_counter() - start)
         return wrapper
 
@@ -73,7 +78,8 @@ def instrumented(engine, timers: PartTimers):
 
 def profile_generation(engine, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> tuple[list[dict], list[int]]:
     """Generate one request; per decode step: wall ms, each part's ms and the tokens it committed."""
-    timers = PartTimers()
+    device = engine.target.device
+    timers = PartTimers(device)
     request = Request("profile", list(prompt_ids), max_new_tokens, stop_token_ids=stop_ids)
     engine.add_request(request)
     steps = []
@@ -81,8 +87,10 @@ def profile_generation(engine, prompt_ids: list[int], max_new_tokens: int, stop_
         first = True
         while engine.has_work():
             before = len(request.output_ids)
+            synchronize(device)
             start = time.perf_counter()
             engine.step()
+            synchronize(device)
             wall = 1e3 * (time.perf_counter() - start)
             parts = timers.take()
             if not first:  # the first step is the prefill

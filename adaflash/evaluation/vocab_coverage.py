@@ -20,6 +20,7 @@ import torch
 
 from adaflash.cli_args import command_group
 from adaflash.evaluation.offline import command_line, cpu_label, provenance
+from adaflash.models.device import synchronize
 from adaflash.models.draft_vocab import DraftVocab
 from adaflash.models.drafter import DrafterConfig
 from adaflash.models.drafter_checkpoint import init_drafter
@@ -64,8 +65,10 @@ def draft_step_ms(target, sizes: list[int], batch: int, context: int = 256, repe
         proposer.add_context(cache, features, RaggedBatch.build(list(range(batch)), [0] * batch, [context] * batch))
         times = []
         for _ in range(repeats + 1):
+            synchronize(target.device)  # the clock read after the GPU's queued work, not at its launch
             start = time.perf_counter()
             proposer.propose(cache, list(range(batch)), [1] * batch, [15] * batch, [SamplingParams()] * batch, [None] * batch)
+            synchronize(target.device)
             times.append((time.perf_counter() - start) * 1e3)
         results[str(size or "full")] = statistics.median(times[1:])
     return results
