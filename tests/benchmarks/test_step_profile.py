@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from adaflash.engine.engine import Engine
@@ -11,6 +14,7 @@ from adaflash.models.target import load_target
 from adaflash.speculative.length_policy import FixedLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
+from benchmarks import step_profile
 from benchmarks.step_profile import PARTS, instrumented, PartTimers, profile_generation, summarize, to_markdown
 
 
@@ -42,21 +46,29 @@ def test_parts_are_timed_and_tokens_are_the_targets(tiny_checkpoints):
     assert "| fixed:2 |" in md and "needs" in md and "fixed:2: the profile x 1.100, +2.50 ms per drafting request" in md
 
 
-def test_timers_accumulate_per_step():
+def test_timers_accumulate_per_step(monkeypatch):
+    """An injected clock (each call of the timed function takes 0.25 virtual s): the sum per part, exactly."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(step_profile, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    def work(x):
+        clock.now += 0.25
+        return x + 1
+
     timers = PartTimers()
-    f = timers.timed(lambda x: x + 1, "p")
+    f = timers.timed(work, "p")
     assert f(1) == 2 and f(2) == 3
-    taken = timers.take()
-    assert set(taken) == {"p"} and taken["p"] >= 0 and timers.take() == {}
+    assert timers.take() == {"p": 500.0} and timers.take() == {}
+    clock.now += 7.0  # time outside a timed call is no part's
+    assert f(3) == 4 and timers.take() == {"p": 250.0}
 
 
 def test_instrumented_restores_on_error(tiny_checkpoints):
+    """The error raised inside passes through unchanged (the timers swallow nothing) and the methods are restored."""
     target = load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
     engine = Engine(target, None, max_batch=1, max_len=16)
-    try:
+    with pytest.raises(RuntimeError, match="^boom$"):
         with instrumented(engine, PartTimers()):
             assert "forward" in vars(target)
             raise RuntimeError("boom")
-    except RuntimeError:
-        pass
     assert "forward" not in vars(target) and "feed_context" not in vars(engine)

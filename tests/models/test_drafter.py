@@ -208,8 +208,20 @@ def test_training_forward_equals_cached_inference():
         drafter.extend_context(cache, feats[:anchor], RaggedBatch.build([0], [0], [anchor]))
         infer = drafter.draft_hidden(cache, blocks[j : j + 1], [0])[0]
         torch.testing.assert_close(train[j], infer, atol=1e-5, rtol=1e-5)
-    train.sum().backward()  # differentiable end to end
-    assert drafter.fc.weight.grad is not None and drafter.layers[0].self_attn.q_proj.weight.grad is not None
+    # Differentiable end to end, with the dense re-derivation's gradients: each block's weighted loss, summed, back
+    # through every weight and both inputs (weighted, so every output's gradient counts apart).
+    weights = torch.randn(train.shape, generator=torch.Generator().manual_seed(1))
+    feats.requires_grad_(), blocks.requires_grad_()
+    (drafter.forward_train(feats, blocks, anchors) * weights).sum().backward()
+    ours = {"feats": feats.grad, "blocks": blocks.grad, **{n: p.grad for n, p in drafter.named_parameters()}}
+    drafter.zero_grad(set_to_none=True)
+    feats.grad = blocks.grad = None
+    sum((_dense_reference(drafter, feats[:anchor], blocks[j]) * weights[j]).sum()
+        for j, anchor in enumerate(anchors.tolist())).backward()
+    ref = {"feats": feats.grad, "blocks": blocks.grad, **{n: p.grad for n, p in drafter.named_parameters()}}
+    assert set(ours) == set(ref) and all(g is not None and g.abs().sum() > 0 for g in ours.values())
+    for name, g in ours.items():
+        torch.testing.assert_close(g, ref[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_training_attention_is_4d_and_equals_the_3d_formulation(monkeypatch):

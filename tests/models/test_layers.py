@@ -34,7 +34,11 @@ def test_rope_table_serves_training_passes():
     """Made outside inference mode, so a training pass can use a table first filled by an inference pass."""
     with torch.inference_mode():
         rope_cos_sin(torch.arange(8), 16, 10000.0, torch.float32)
-    x = torch.randn(8, 2, 16, requires_grad=True)
-    cos, sin = rope_cos_sin(torch.arange(8), 16, 10000.0, torch.float32)
-    (x * cos + x * sin).sum().backward()
-    assert x.grad is not None
+    want_cos, want_sin = _rope_formula(torch.arange(8), 16, 10000.0, torch.float32)
+    for first in (None, 0):  # a gather of the table's rows, and views of them (what forward_train takes)
+        x = torch.randn(8, 2, 16, requires_grad=True)
+        cos, sin = rope_cos_sin(torch.arange(8), 16, 10000.0, torch.float32, first=first)
+        assert not cos.is_inference() and not sin.is_inference()
+        (x * cos + x * sin).sum().backward()
+        # d/dx of sum(x * cos + x * sin) is cos + sin: the formula's values at these positions, for every head.
+        torch.testing.assert_close(x.grad, (want_cos + want_sin).expand(8, 2, 16), atol=1e-6, rtol=1e-6)

@@ -52,9 +52,19 @@ def test_argmax_rows_is_torchs_argmax(rows, cols):
 
 
 def test_rms_norm_keeps_torchs_kernel_under_autograd():
-    x, w = torch.randn(2, 16, requires_grad=True), torch.randn(16, requires_grad=True)
-    rms_norm(x, w, 1e-6).sum().backward()
-    assert x.grad is not None and w.grad is not None
+    """Under autograd our kernel (no backward) must step aside: the gradients of x and w are those of the formula
+    x / sqrt(mean(x^2) + eps) * w written out from plain ops."""
+    g = torch.Generator().manual_seed(0)
+    x0, w0, weights = torch.randn(2, 16, generator=g) * 3, torch.randn(16, generator=g), torch.randn(2, 16, generator=g)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with torch.profiler.profile() as prof:
+        (rms_norm(x, w, 1e-6) * weights).sum().backward()  # weighted: every output's gradient counts apart
+    assert not any(e.name == "adaflash::rms_norm" for e in prof.events())
+    rx, rw = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    (rx * torch.rsqrt(rx.pow(2).mean(-1, keepdim=True) + 1e-6) * rw * weights).sum().backward()
+    assert x.grad.abs().sum() > 0 and w.grad.abs().sum() > 0
+    torch.testing.assert_close(x.grad, rx.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, rw.grad, atol=1e-5, rtol=1e-5)
 
 
 @torch.inference_mode()

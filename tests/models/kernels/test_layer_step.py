@@ -22,9 +22,18 @@ def test_silu_mul_matches_torch(rows, inter):
 
 
 def test_silu_mul_keeps_torchs_kernel_under_autograd():
-    gate_up = torch.randn(2, 16, requires_grad=True)
-    silu_mul(gate_up).sum().backward()
-    assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
+    """Under autograd our kernel (no backward) must step aside: the gradient is that of silu(gate) * up written out
+    from plain ops, for both halves (a detached half would give zeros there)."""
+    gate_up = torch.randn(2, 16, generator=torch.Generator().manual_seed(0)) * 3
+    ours, ref = gate_up.clone().requires_grad_(), gate_up.clone().requires_grad_()
+    weights = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))  # not .sum(): every output weighs apart
+    with torch.profiler.profile() as prof:
+        (silu_mul(ours) * weights).sum().backward()
+    assert not any(e.name == "adaflash::silu_mul" for e in prof.events())
+    gate, up = ref[:, :8], ref[:, 8:]
+    (gate * torch.sigmoid(gate) * up * weights).sum().backward()
+    assert ours.grad[:, :8].abs().min() > 0 and ours.grad[:, 8:].abs().min() > 0
+    torch.testing.assert_close(ours.grad, ref.grad, atol=1e-6, rtol=1e-5)
 
 
 def _spy_on_the_step(monkeypatch, method: str = "forward") -> list[bool | str]:
