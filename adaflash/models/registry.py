@@ -9,10 +9,12 @@ own (a bf16 run rounds them at load).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -121,22 +123,39 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def _exclusive(lock_file: Path):
+    """Hold an exclusive lock on `lock_file` (made if missing) for the block; released when the process dies too."""
+    with lock_file.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _converted(gguf: Path, out_dir: Path) -> Path:
+    """`out_dir`, converted from `gguf` unless it is there already. Under torchrun every rank asks at once: one converts
+    under the lock while the others wait on it, then find the conversion in place (without it, each rank converted
+    and one's rmtree / rename met another's)."""
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out_dir.parent / f".{out_dir.name}.lock"):
+        if not (out_dir / "model.safetensors").is_file():
+            _convert_gguf(gguf, out_dir)
+    return out_dir
+
+
 def resolve_target(name_or_path: str = DEFAULT_TARGET) -> Path:
     """Return a local checkpoint directory for a registry name or a path."""
     if name_or_path in EMBEDDED_TARGETS:
         target = EMBEDDED_TARGETS[name_or_path]
-        out_dir = cache_root() / "targets" / f"{target.name}-fp32"  # -fp32: earlier caches held bf16-rounded weights
-        if not (out_dir / "model.safetensors").is_file():
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(_gguf_path(target), out_dir)
-        return out_dir
+        # -fp32: earlier caches held bf16-rounded weights
+        return _converted(_gguf_path(target), cache_root() / "targets" / f"{target.name}-fp32")
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":  # a GGUF Llama checkpoint: converted once, as the embedded ones
-        out_dir = cache_root() / "targets" / f"{path.stem}-fp32"
-        if not (out_dir / "model.safetensors").is_file():
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(path, out_dir)
-        return out_dir
+        return _converted(path, cache_root() / "targets" / f"{path.stem}-fp32")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face checkpoint directory")
