@@ -63,6 +63,29 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def free_memory(device: torch.device | str) -> int | None:
+    """Bytes a new allocation on `device` can take now (None where it cannot be told): on CUDA the device's free
+    memory plus what torch's allocator holds unused; on the CPU the kernel's MemAvailable (psutil's where installed)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        import psutil
+    except ImportError:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+    return int(psutil.virtual_memory().available)
+
+
 def describe(device: torch.device | str) -> str:
     """The processor a result ran on, for reports and cache keys: the GPU's name, or the CPU's model."""
     device = torch.device(device)

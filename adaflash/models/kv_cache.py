@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from adaflash.models.device import free_memory
 from adaflash.models.kernels import attention as attention_kernel
 from adaflash.models.kernels import packed
 
@@ -31,6 +32,7 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        check_fits(shape, dtype, device)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
@@ -50,6 +52,21 @@ class KVCache:
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
+
+
+def check_fits(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+    """Refuse a cache (K and V of `shape`) larger than the device's free memory, naming the sizes: the allocation
+    would otherwise fail deep in torch, or the OOM killer end the process (`--max-batch 64 --max-len 40960` for
+    Qwen3-8B asks ~360 GiB)."""
+    layers, slots, kv_heads, max_len, head_dim = shape
+    needed = 2 * layers * slots * kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
+    free = free_memory(device)
+    if free is not None and needed > free:
+        gib = 2 ** 30
+        raise ValueError(
+            f"the KV cache needs {needed / gib:.2f} GiB ({needed} bytes: K and V of max_batch {slots} x max_len "
+            f"{max_len} x {layers} layers x {kv_heads} KV heads x head_dim {head_dim}, {str(dtype).removeprefix('torch.')}) "
+            f"but {device} has {free / gib:.2f} GiB ({free} bytes) free: lower --max-batch or --max-len")
 
 
 @dataclass(frozen=True)

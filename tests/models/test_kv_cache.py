@@ -22,6 +22,43 @@ def test_rollback_only_moves_the_length():
     assert cache.lengths[1] == 0 and cache.num_slots == SLOTS
 
 
+def test_a_cache_larger_than_free_memory_is_refused_naming_its_sizes(monkeypatch):
+    """Qwen3-8B's cache at --max-batch 64 --max-len 40960 (bf16, ~360 GiB) against a device with 80 GiB free: refused
+    before any allocation, with the sizes; one that fits is made."""
+    from adaflash.models import kv_cache
+
+    asked = []
+    monkeypatch.setattr(kv_cache, "free_memory", lambda device: asked.append(torch.device(device)) or 80 * 2**30)
+    with pytest.raises(ValueError) as err:
+        KVCache(36, 64, 40960, 8, 128, torch.bfloat16, "cpu")
+    message = str(err.value)
+    for part in ("360.00 GiB", str(2 * 36 * 64 * 8 * 40960 * 128 * 2), "max_batch 64", "max_len 40960", "36 layers",
+                 "80.00 GiB", str(80 * 2**30), "--max-batch"):
+        assert part in message, (part, message)
+    assert asked == [torch.device("cpu")]
+    assert KVCache(LAYERS, SLOTS, MAX_LEN, KV_HEADS, DIM, torch.float32).k.shape == (LAYERS, SLOTS, KV_HEADS, MAX_LEN, DIM)
+
+
+def test_free_memory_reads_the_cpus_available_memory(monkeypatch):
+    """psutil's figure where installed, else /proc/meminfo's MemAvailable; both positive here."""
+    import builtins
+
+    from adaflash.models.device import free_memory
+
+    with_psutil = free_memory("cpu")
+    real_import = builtins.__import__
+
+    def no_psutil(name, *args, **kwargs):
+        if name == "psutil":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_psutil)
+    from_proc = free_memory("cpu")
+    assert with_psutil > 0 and from_proc > 0
+    assert abs(with_psutil - from_proc) < 0.5 * max(with_psutil, from_proc)  # two reads of one moving figure
+
+
 def test_ragged_batch_positions_ends_and_last_tokens():
     batch = RaggedBatch.build([2, 0], [5, 0], [3, 2])
     assert batch.positions.tolist() == [5, 6, 7, 0, 1] and batch.ends == (8, 2) and batch.num_tokens == 5
