@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,14 +60,18 @@ class ScriptedProposer:
     """A stand-in drafter that proposes a known continuation with seeded corruptions.
 
     It exercises every accept length (0..k) of the speculative loop, which a random drafter never does.
-    In sampling mode its distribution is a mixture of a point mass on the scripted token and uniform.
+    `script`: one token sequence (prompt + continuation), or several - one per request of a batch: each draft follows
+    the sequence whose token at the anchor's position is the anchor. In sampling mode its distribution is a mixture of
+    a point mass on the scripted token and uniform.
     """
 
-    def __init__(self, script: list[int], vocab: int, corrupt_prob: float = 0.3, block_size: int = 8, seed: int = 0):
+    def __init__(self, script, vocab: int, corrupt_prob: float = 0.3, block_size: int = 8, seed: int = 0):
         from adaflash.models.kv_cache import KVCache
 
         self._cache_type = KVCache
-        self.script, self.vocab, self.corrupt_prob = list(script), vocab, corrupt_prob
+        several = bool(script) and isinstance(script[0], (list, tuple))
+        self.scripts = [list(s) for s in script] if several else [list(script)]
+        self.vocab, self.corrupt_prob = vocab, corrupt_prob
         self.block_size = block_size
         self.capture_layers = (0,)
         self.rng = torch.Generator().manual_seed(seed)
@@ -78,8 +83,11 @@ class ScriptedProposer:
         for slot, end in zip(batch.slots, batch.ends):
             cache.lengths[slot] = end
 
-    def _scripted(self, pos: int) -> int:
-        tok = self.script[pos] if pos < len(self.script) else 0
+    def _script_at(self, pos: int, anchor: int) -> list[int]:
+        return next((s for s in self.scripts if pos < len(s) and s[pos] == anchor), self.scripts[0])
+
+    def _scripted(self, script: list[int], pos: int) -> int:
+        tok = script[pos] if pos < len(script) else 0
         if torch.rand(1, generator=self.rng).item() < self.corrupt_prob:
             tok = int(torch.randint(self.vocab, (1,), generator=self.rng))
         return tok
@@ -89,9 +97,10 @@ class ScriptedProposer:
         from adaflash.speculative.sampling import sample_tokens
 
         tokens, probs = [], []
-        for slot, k, params, gen in zip(slots, num_draft, sampling, generators):
-            anchor_pos = cache.lengths[slot]
-            wanted = torch.tensor([self._scripted(anchor_pos + 1 + i) for i in range(k)], dtype=torch.long)
+        for slot, anchor, k, params, gen in zip(slots, anchors, num_draft, sampling, generators):
+            anchor_pos = int(cache.lengths[slot])
+            script = self._script_at(anchor_pos, int(anchor))
+            wanted = torch.tensor([self._scripted(script, anchor_pos + 1 + i) for i in range(k)], dtype=torch.long)
             if params.greedy:
                 tokens.append(wanted)
                 probs.append(None)
@@ -101,6 +110,85 @@ class ScriptedProposer:
                 tokens.append(sample_tokens(q, gen))
                 probs.append(q)
         return Drafts(tokens=torch.cat(tokens), probs=tuple(probs), num_draft=tuple(num_draft))
+
+
+def scripted_dflash(target, scripts, corrupt_prob: float = 0.3, block_size: int = 8, seed: int = 0):
+    """A real DFlash proposer (a random one-layer drafter: its context, its block hidden states for a learned length
+    head, its costs) whose drafts come from `ScriptedProposer(scripts)`: mostly right, so the engine's lossless tests
+    see many tokens accepted per pass, with every policy and head in the loop."""
+    from adaflash.models.drafter import DrafterConfig
+    from adaflash.models.drafter_checkpoint import init_drafter
+    from adaflash.speculative.proposer import DFlashProposer
+
+    script = ScriptedProposer(scripts, target.config.vocab_size, corrupt_prob, block_size, seed)
+
+    class ScriptedDFlash(DFlashProposer):
+        looked: list = []  # (hidden row, slot's cache, slot, anchor) of the blocks the last look ran
+
+        def propose(self, cache, slots, anchors, num_draft, sampling, generators):
+            self._check_lengths(num_draft)
+            return script.propose(cache, slots, anchors, num_draft, sampling, generators)
+
+        def draft_hidden(self, cache, slots, anchors, width=None):
+            hidden = super().draft_hidden(cache, slots, anchors, width)
+            self.looked = [(row, cache, slot, anchor) for row, slot, anchor in zip(hidden, slots, anchors)]
+            return hidden
+
+        def draft_tokens(self, hidden, num_draft, sampling, generators):
+            # Drafting from a learned head's look: each block is known by its hidden states (contexts differ).
+            self._check_lengths(num_draft)
+            rows = [next(seen for seen in self.looked if torch.equal(seen[0], row)) for row in hidden]
+            cache = rows[0][1] if rows else None
+            return script.propose(cache, [r[2] for r in rows], [r[3] for r in rows], num_draft, sampling, generators)
+
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=block_size)
+    return ScriptedDFlash(init_drafter(cfg, seed=seed), target)
+
+
+class PassClock:
+    """An injected clock for the engine: virtual seconds that advance only with the target's passes (`base_s`, plus
+    `token_s` a token in the pass), so a policy or drafting check that reads a step's cost decides the same way in
+    every run, on any machine, however busy. `with clock.driving(target):` times that target's passes."""
+
+    def __init__(self, base_s: float = 0.01, token_s: float = 0.0005) -> None:
+        self.base_s, self.token_s, self.now = base_s, token_s, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    @contextmanager
+    def driving(self, target):
+        forward = target.forward
+
+        def timed(token_ids, *args, **kwargs):
+            self.now += self.base_s + self.token_s * token_ids.numel()
+            return forward(token_ids, *args, **kwargs)
+
+        target.forward = timed
+        try:
+            yield self
+        finally:
+            del target.forward
+
+
+def drafting_happened(requests) -> None:
+    """Assert that the drafter's work was verified: some drafts verified and some pass committed more than one token
+    (a lossless test that passes while every policy drafts nothing proves nothing)."""
+    drafted = sum(k for r in requests for k in r.draft_lengths)
+    longest = max((a for r in requests for a in r.accept_lengths), default=0)
+    assert drafted > 0 and longest > 1, f"nothing drafted or accepted: {drafted} drafts, longest pass {longest}"
+
+
+def decode_batches(engine) -> list[int]:
+    """Spy on `engine`: the list returned fills with the number of requests of each decode step (proposed for)."""
+    sizes, propose = [], engine.drafting.propose
+
+    def spied(requests):
+        sizes.append(len(requests))
+        return propose(requests)
+
+    engine.drafting.propose = spied
+    return sizes
 
 
 def exact_joint(target, prompt: list[int], params, length: int) -> dict[tuple[int, ...], float]:

@@ -25,7 +25,8 @@ from adaflash.speculative.length_policy import build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 from adaflash.speculative.sampling import SamplingParams
-from tests.helpers import TINY_VOCAB, exact_joint, law_pvalue, sampled_counts
+from tests.helpers import (TINY_VOCAB, decode_batches, drafting_happened, exact_joint, law_pvalue, sampled_counts,
+                           scripted_dflash)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 PROMPTS = ([3, 17, 29, 5, 60], [7, 7, 41], [11, 90, 23, 52, 8, 19, 33], [64])
@@ -84,23 +85,30 @@ def test_speculative_greedy_is_lossless(tiny_checkpoints, device, draft_length):
     # A draft vocabulary around the target's own continuation, so some drafts are accepted.
     reference = [autoregressive_generate(target, p, 30).token_ids for p in PROMPTS]
     proposer = _proposer(target, vocab=sorted({t for r in reference for t in r})[:12] + [6, 8, 9])
+    passes = []
     for prompt, expected in zip(PROMPTS, reference):
         result = speculative_generate(target, proposer, prompt, 30, draft_length=draft_length)
         assert result.token_ids == expected
+        passes += result.stats.accept_lengths
+    assert max(passes) > 1  # drafts were accepted, not only corrected
 
 
 @pytest.mark.parametrize("policy", ["fixed:3", "heuristic"])
 def test_engine_batch_equals_reference(tiny_checkpoints, device, policy):
+    """Four requests verified in one pass, drafted by a mostly-right drafter: each is the target's greedy output."""
     target = load_target(tiny_checkpoints["qwen3-tied"], dtype=torch.float32, device=device)
-    proposer = _proposer(target, seed=1)
-    engine = Engine(target, proposer, build_length_policy(policy), max_batch=3, max_queue=8, max_len=64)
+    expected = [autoregressive_generate(target, list(p), 20).token_ids for p in PROMPTS]
+    proposer = scripted_dflash(target, [list(p) + e for p, e in zip(PROMPTS, expected)], seed=1)
+    engine = Engine(target, proposer, build_length_policy(policy), max_batch=4, max_queue=8, max_len=64)
+    batches = decode_batches(engine)
     requests = [Request(f"r{i}", list(p), 20) for i, p in enumerate(PROMPTS)]
     for r in requests:
         engine.add_request(r)
     while engine.has_work():
         engine.step()
-    for r, p in zip(requests, PROMPTS):
-        assert r.output_ids == autoregressive_generate(target, list(p), 20).token_ids
+    assert [r.output_ids for r in requests] == expected
+    assert max(batches) == 4
+    drafting_happened(requests)
 
 
 def test_engine_returns_host_features_and_logprobs(tiny_checkpoints, device):

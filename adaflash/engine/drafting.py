@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -43,7 +43,7 @@ class StepDrafts:
     requests: tuple[Request, ...]
     drafts: tuple[Draft, ...]
     sources: tuple[DraftSource | None, ...]
-    start: float  # time.perf_counter() when drafting began: the step's cost, policies included, runs from here
+    start: float  # the engine's clock when drafting began: the step's cost, policies included, runs from here
     decided: tuple[str, ...] = ()  # the sources whose check decided this step
     trying: tuple[DraftSource, ...] = ()  # of those, the ones in their drafting arm (each request's record hears them)
     held: bool = False  # no source ran: the steps after it may run as a plain run
@@ -89,10 +89,11 @@ class Drafting:
     """Prompt lookup, then the drafter (either may be absent: without both, every step decodes one token)."""
 
     def __init__(self, lookup: PromptLookupSource | None, drafter: DrafterSource | None,
-                 checks: DraftingChecks | None = None) -> None:
+                 checks: DraftingChecks | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         """`checks`: the drafting check's arms (None: every step drafts as the sources decide). One engine at a time
-        may step a set of checks: a plain run holds back what its steps teach them until it ends."""
-        self.lookup, self.drafter, self.checks = lookup, drafter, checks
+        may step a set of checks: a plain run holds back what its steps teach them until it ends. `clock`: seconds, as
+        the checks and the policies are to see a step's cost (wall time; tests and simulations inject their own)."""
+        self.lookup, self.drafter, self.checks, self.clock = lookup, drafter, checks, clock
         self.sources: tuple[DraftSource, ...] = tuple(s for s in (lookup, drafter) if s is not None)
         self._run: _PlainRun | None = None
 
@@ -100,9 +101,9 @@ class Drafting:
         if self._run is not None:
             if self._run.holds(requests):
                 n = len(requests)
-                return StepDrafts(tuple(requests), (NO_DRAFT,) * n, (None,) * n, time.perf_counter(), in_run=True)
+                return StepDrafts(tuple(requests), (NO_DRAFT,) * n, (None,) * n, self.clock(), in_run=True)
             self.close_run()
-        start = time.perf_counter()
+        start = self.clock()
         drafts: list[Draft] = [NO_DRAFT] * len(requests)
         sources: list[DraftSource | None] = [None] * len(requests)
         left = list(range(len(requests)))
@@ -143,7 +144,7 @@ class Drafting:
         """`accepted`: per request, how many of its drafts the target kept."""
         if step.in_run:  # nothing drafted: every request committed one token
             run = self._run
-            seconds = time.perf_counter() - step.start
+            seconds = self.clock() - step.start
             run.steps.append(seconds)
             run.seconds += seconds
             if run.over:
@@ -155,7 +156,7 @@ class Drafting:
             if mine:
                 source.feedback([step.requests[i] for i in mine], [lengths[i] for i in mine],
                                 [accepted[i] for i in mine])
-        seconds = time.perf_counter() - step.start  # the policies' feedback included: part of a step's cost
+        seconds = self.clock() - step.start  # the policies' feedback included: part of a step's cost
         first = step.sources[0]
         if first is not None and all(s is first for s in step.sources):
             first.observe_step(lengths, seconds)
@@ -198,14 +199,14 @@ class Drafting:
                                "may step a set of checks")
         drafter_held = self.drafter is not None and self.drafter.name in run.sources
         batch = len(run.members)
-        start = time.perf_counter()
+        start = self.clock()
         for k, seconds in enumerate(run.steps, 1):
             for name in run.sources:
                 self.checks.decide(batch, name)
             if drafter_held:  # (leaves the drafter's step held, as a plain-arm step does)
                 self.drafter.hold(()).observe_step([0] * batch, seconds)
             if k == len(run.steps):
-                seconds += time.perf_counter() - start
+                seconds += self.clock() - start
             self.checks.record(batch, seconds)
 
     # ---- the drafter's context (prompt lookup reads the request's own tokens) ----------------------

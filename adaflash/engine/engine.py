@@ -11,7 +11,8 @@ The scheduler (slots, queue) knows nothing of drafting; the draft sources nothin
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import torch
 
@@ -47,6 +48,7 @@ class Engine:
         lookup_cost: CostModel | CalibratedCost | None = None,
         max_prefill_tokens: int = 2048,
         drafting_checks: DraftingChecks | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """`capture_layers`: target layers whose features a plain (drafter-less) engine returns to requests that
         ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers.
@@ -56,7 +58,8 @@ class Engine:
         most prompt tokens one prefill pass takes (admitted prompts go in passes of up to that many; a longer prompt
         alone): a 64-prompt pass ran ~0.8x the tokens a second of 450-1800-token passes (its intermediates outgrow the
         caches and glibc's reused heap, and are faulted in afresh; docs/results/serving/prefill_pass_size.txt).
-        `drafting_checks`: the drafting check the draft sources run behind (adaptive lengths; None: they always ask)."""
+        `drafting_checks`: the drafting check the draft sources run behind (adaptive lengths; None: they always ask).
+        `clock`: what the drafting checks and the length policies read a step's cost from (wall time by default)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
@@ -80,7 +83,7 @@ class Engine:
         drafter = None
         if proposer is not None:  # the recorder observes the drafter's outcomes
             drafter = DrafterSource(proposer, policy, proposer.new_cache(max_batch, max_len), recorder)
-        self.drafting = Drafting(lookup, drafter, drafting_checks)
+        self.drafting = Drafting(lookup, drafter, drafting_checks, clock)
         self._policy_without_drafter = policy if drafter is None else None  # decides nothing; its name is shown
         # A new request reuses the prompt prefix its slot's cache already holds, where that is exact (prefix_reuse.py).
         self.prefixes = SlotPrefixes(max_batch) if target.rows_independent else None

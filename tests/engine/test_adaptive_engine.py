@@ -17,7 +17,9 @@ from adaflash.speculative.drafting_check import RequestRecord
 from adaflash.speculative.length_policy import BlockHeadLength, LearnedThroughputLength, build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
-from tests.engine.test_engine import BUDGETS, COST, PROMPTS, _requests, _run
+from tests.engine.test_engine import (ARRIVALS, BUDGETS, COST, FLAT_COST, MORE_PROMPTS, PROMPTS, _more_requests,
+                                      _requests, _run, expected_more)
+from tests.helpers import PassClock, decode_batches, drafting_happened, scripted_dflash
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +50,26 @@ def expected(target):
             for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))}
 
 
+@pytest.mark.parametrize("max_batch", [2, 8])
 @pytest.mark.parametrize("kind", ["position", "block"])
-def test_learned_length_policies_are_lossless(target, expected, kind):
+def test_learned_length_policies_are_lossless(target, expected_more, kind, max_batch):
+    """A learned head reading a real drafter's block hidden states decides each request's drafts (drafts scripted to be
+    mostly right, so they are accepted): eight requests, two or eight slots, each the target's own greedy output."""
     head = _head(target, kind, seed=3)
-    policy = LearnedThroughputLength(COST, head) if kind == "position" else BlockHeadLength(head)
-    engine = Engine(target, _proposer(target, 2), policy, max_batch=2, max_queue=8, max_len=128)
-    reqs = _requests()
-    assert _run(engine, {0: reqs[:2], 3: reqs[2:4], 9: reqs[4:]}) == expected
-    assert sorted(engine.scheduler.free_slots) == [0, 1]
+    if kind == "position":  # a random head doubts every draft: lean it toward drafting (its input still moves it)
+        with torch.no_grad():
+            head.fc2.bias.add_(4.0)
+    policy = LearnedThroughputLength(FLAT_COST, head) if kind == "position" else BlockHeadLength(head)
+    scripts = [p + expected_more[f"r{i}"] for i, p in enumerate(MORE_PROMPTS)]
+    clock = PassClock(base_s=0.01, token_s=3e-5)
+    engine = Engine(target, scripted_dflash(target, scripts), policy, max_batch=max_batch, max_queue=8, max_len=128,
+                    clock=clock)
+    batches = decode_batches(engine)
+    reqs = _more_requests()
+    with clock.driving(target):
+        assert _run(engine, {step: reqs[part] for step, part in ARRIVALS.items()}) == expected_more
+    assert sorted(engine.scheduler.free_slots) == list(range(max_batch)) and max(batches) == max_batch
+    drafting_happened(reqs)
 
 
 def test_learned_policy_follows_the_head(target):

@@ -149,12 +149,12 @@ def test_each_source_is_judged_by_its_own_check():
 
 
 class Clock:
-    """A stand-in for the drafting module's clock: the test moves it (a step's target pass), nothing else does."""
+    """The drafting's injected clock: the test moves it (a step's target pass), nothing else does."""
 
     def __init__(self) -> None:
         self.now = 0.0
 
-    def perf_counter(self) -> float:
+    def __call__(self) -> float:
         return self.now
 
 
@@ -195,16 +195,13 @@ def test_plain_runs_leave_checks_and_calibration_as_deciding_step_by_step_would(
     drafts the same, and every check and the drafter's policy end up the same, to the bit (the replay itself takes no
     time on this clock). Without requests closed to a source, plain trials run out of time within runs; with them,
     runs of requests the sources are closed to."""
-    import adaflash.engine.drafting as drafting_module
-
     ends = []
     for runs in (True, False):
         clock = Clock()
-        monkeypatch.setattr(drafting_module, "time", clock)
         lookup, drafter = Scripted({"r0": (7, 8)}), TimedDrafter({f"r{i}": (5,) for i in range(4)})
         checks = DraftingChecks(DraftingCheck(explore=8, first=8, longest=64, settle=1),
                                 request_template=RequestRecord(window=window, wait=2, longest=8))
-        drafting = Drafting(lookup, drafter, checks)
+        drafting = Drafting(lookup, drafter, checks, clock)
         if not runs:
             monkeypatch.setattr(drafting, "_start_run", lambda step: None)
         seen = _side_by_side(drafting, lookup, drafter, clock)

@@ -18,10 +18,13 @@ from adaflash.speculative.length_policy import CostModel, FixedLength, Heuristic
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
 from adaflash.speculative.sampling import SamplingParams
-from tests.helpers import TINY_VOCAB, exact_joint, law_pvalue
+from tests.helpers import (TINY_VOCAB, PassClock, decode_batches, drafting_happened, exact_joint, law_pvalue,
+                           scripted_dflash)
 
-# Verify cost grows with total tokens past a knee, like a real machine under load.
+# Verify cost grows with total tokens past a knee, like a CPU under load.
 COST = CostModel(total_tokens=(1, 8, 32, 128), verify_s=(0.01, 0.011, 0.03, 0.12), draft_s=0.002)
+# A GPU's: nearly flat up to a hundred tokens, so drafting pays even with eight requests decoding.
+FLAT_COST = CostModel(total_tokens=(1, 8, 32, 128), verify_s=(0.01, 0.0101, 0.0105, 0.014), draft_s=0.001)
 
 
 
@@ -60,19 +63,61 @@ def proposer(target):
     return DFlashProposer(init_drafter(cfg, seed=2), target)
 
 
-@pytest.mark.parametrize(
-    "policy", [FixedLength(7), FixedLength(3), FixedLength(0), HeuristicLength(initial=2), ThroughputLength(COST)],
-    ids=lambda p: p.name,
-)
-def test_greedy_engine_equals_reference_with_staggered_arrivals(target, proposer, policy):
-    expected = {f"r{i}": autoregressive_generate(target, p, n, stop_token_ids=(1,)).token_ids for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))}
-    reqs = _requests()
-    # Two slots for five requests: the queue, admission and slot reuse are exercised too.
-    engine = Engine(target, proposer, policy, max_batch=2, max_queue=8, max_len=128)
-    got = _run(engine, {0: reqs[:2], 3: reqs[2:4], 9: reqs[4:]})
-    assert got == expected
+# Eight requests: staggered arrivals, and a batch of up to eight decoding at once.
+MORE_PROMPTS = PROMPTS + [[50, 51, 52], [23, 9, 40, 2], [60]]
+MORE_BUDGETS = [40, 34, 66, 44, 50, 36, 52, 42]
+ARRIVALS = {0: slice(0, 3), 1: slice(3, 6), 2: slice(6, 8)}
+
+
+@pytest.fixture(scope="module")
+def expected_more(target):
+    return {f"r{i}": autoregressive_generate(target, p, n, stop_token_ids=(1,)).token_ids
+            for i, (p, n) in enumerate(zip(MORE_PROMPTS, MORE_BUDGETS))}
+
+
+def _more_requests(sampling=SamplingParams(), seed_base=0):
+    return [Request(f"r{i}", p, n, sampling=sampling, stop_token_ids=(1,), seed=seed_base + i)
+            for i, (p, n) in enumerate(zip(MORE_PROMPTS, MORE_BUDGETS))]
+
+
+def _policies():
+    """(policy, drafting checks) makers: every length policy, and the adaptive regime (throughput behind checks)."""
+    return {
+        "fixed:7": lambda: (FixedLength(7), None),
+        "fixed:3": lambda: (FixedLength(3), None),
+        "fixed:0": lambda: (FixedLength(0), None),
+        "heuristic": lambda: (HeuristicLength(initial=2), None),
+        "throughput": lambda: (ThroughputLength(COST), None),
+        "throughput+checks": lambda: (ThroughputLength(FLAT_COST), DraftingChecks(DraftingCheck(explore=4, first=4,
+                                                                                                settle=1))),
+    }
+
+
+
+@pytest.mark.parametrize("max_batch", [2, 8])
+@pytest.mark.parametrize("policy_name", list(_policies()))
+def test_greedy_engine_equals_reference_with_staggered_arrivals(target, expected_more, policy_name, max_batch):
+    """A mostly-right drafter (many tokens accepted a pass) under every policy, eight requests arriving in three
+    waves, two or eight slots (the queue, admission and slot reuse; up to eight requests verified in one pass): every
+    request is the target's own greedy output, and drafting really happened. Policies that read a step's cost read
+    the target's passes on an injected clock, so what they decide does not depend on this machine's load."""
+    policy, checks = _policies()[policy_name]()
+    scripts = [p + expected_more[f"r{i}"] for i, p in enumerate(MORE_PROMPTS)]
+    clock = PassClock(base_s=0.01, token_s=3e-5)
+    engine = Engine(target, scripted_dflash(target, scripts), policy, max_batch=max_batch, max_queue=8, max_len=128,
+                    drafting_checks=checks, clock=clock)
+    batches = decode_batches(engine)
+    reqs = _more_requests()
+    with clock.driving(target):
+        got = _run(engine, {step: reqs[part] for step, part in ARRIVALS.items()})
+    assert got == expected_more
     assert all(r.finish_reason in ("stop", "length") for r in reqs)
-    assert sorted(engine.scheduler.free_slots) == [0, 1]  # every slot released
+    assert sorted(engine.scheduler.free_slots) == list(range(max_batch))  # every slot released
+    assert max(batches) == max_batch
+    if policy_name == "fixed:0":
+        assert not any(k for r in reqs for k in r.draft_lengths)
+    else:
+        drafting_happened(reqs)
 
 
 @dataclass
@@ -234,19 +279,25 @@ def test_admitted_prompts_prefill_in_passes_of_at_most_max_prefill_tokens(target
         Engine(target, None, max_prefill_tokens=0)
 
 
-def test_sampling_engine_preserves_the_target_law(target, proposer):
-    """Many seeded sampling requests batched together: the law of their first 3 tokens equals the target's."""
+def test_sampling_engine_preserves_the_target_law(target):
+    """Many seeded sampling requests batched together, drafted by a drafter leaning on the likeliest continuation (so
+    drafts are accepted and rejected, and residuals sampled): the law of their first 3 tokens equals the target's."""
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt = [3, 14, 15, 92, 65, 35]
     exact = exact_joint(target, prompt, params, 3)
+    likely = max(exact, key=exact.get)
     n = 900
-    engine = Engine(target, proposer, FixedLength(2), max_batch=16, max_queue=n, max_len=64)
+    engine = Engine(target, scripted_dflash(target, [prompt + list(likely)]), FixedLength(2), max_batch=16,
+                    max_queue=n, max_len=64)
+    batches = decode_batches(engine)
     reqs = [Request(f"s{i}", prompt, 3, sampling=params, seed=i) for i in range(n)]
     got = _run(engine, {0: reqs}, max_steps=10_000)
     counts = dict.fromkeys(exact, 0)
     for toks in got.values():
         counts[tuple(toks)] += 1
     assert law_pvalue(counts, exact) > 1e-3
+    drafting_happened(reqs)
+    assert max(batches) == 16 and any(a == 1 for r in reqs for a in r.accept_lengths)  # rejections too
 
 
 def test_abort_queue_bound_and_context_limit(target, proposer):
