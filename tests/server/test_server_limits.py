@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
@@ -45,10 +44,8 @@ def _slots_back(client) -> bool:
 def test_request_timeout_aborts_a_long_request_and_frees_its_slot(deadline_app):
     app, _ = deadline_app
     client = TestClient(app)
-    start = time.monotonic()
     r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 400, "temperature": 0})
-    assert time.monotonic() - start < 3.0  # not the ~1.5+ s that 400 tokens take at this step time
-    assert r.status_code == 504
+    assert r.status_code == 504  # (no bound on the call's wall time: the engine's token count below says it stopped)
     err = r.json()["error"]
     assert (err["type"], err["code"]) == ("timeout_error", "request_timeout") and f"{TIMEOUT_S:g} s" in err["message"]
     assert _slots_back(client)

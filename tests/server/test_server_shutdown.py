@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -118,10 +117,12 @@ def test_ctrl_c_past_the_drain_timeout_aborts_the_stream_cleanly_and_exits_0(tmp
             while not _content(_events(first)):
                 first.append(next(lines))
             proc.send_signal(signal.SIGINT)
-            start = time.monotonic()
             events = _events(first + list(lines))
-        assert time.monotonic() - start < 8  # the 1 s drain, then the abort: not the 9+ s the stream needed
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down"
+        # Cut short at the drain's end, not run to it: every step sleeps STEP_S, so the 1 s drain has room for ~50
+        # tokens, the stream for 450. A busy machine only makes fewer; no wall-clock bound is needed.
+        streamed = sum(1 for e in events if isinstance(e, dict) and e.get("choices") and e["choices"][0]["delta"].get("content"))
+        assert 0 < streamed < 150
         assert not any(e.get("choices") and e["choices"][0].get("finish_reason") for e in events[:-1])
         assert proc.wait(timeout=30) == 0
     assert "aborted 1 request(s) still running" in log_path.read_text()
