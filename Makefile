@@ -150,10 +150,16 @@ $(VLLM_VENV)/.installed:
 DEVICE ?= cuda
 GPU_OUT ?= $(if $(OUT),$(OUT),runs/gpu-check)
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+CHECK_SITE ?= /tmp/adaflash-check-site
+# First the machine (packages, nvidia-smi: gpu/machine.py), then pytest from the staged wheels where it is missing.
 gpu-check:
 	mkdir -p $(GPU_OUT)
-	ADAFLASH_KERNELS=stock $(GPU_PY) -m pytest -q -p no:cacheprovider -m cuda tests/test_device_path.py \
-		$(if $(filter cpu,$(DEVICE)),--collect-only,) 2>&1 | tail -40 | tee $(GPU_OUT)/pytest_cuda.txt
+	$(GPU_PY) gpu/machine.py --out $(GPU_OUT)
+	-$(GPU_PY) -c "import pytest" 2>/dev/null || ! test -d $(STAGE)/check-wheels || \
+		$(GPU_PY) -m pip install -q --no-index --no-deps --target $(CHECK_SITE) $(STAGE)/check-wheels/*.whl
+	PYTHONPATH=$(CHECK_SITE)$${PYTHONPATH:+:$$PYTHONPATH} ADAFLASH_KERNELS=stock $(GPU_PY) -m pytest -q \
+		-p no:cacheprovider -m cuda tests/test_device_path.py $(if $(filter cpu,$(DEVICE)),--collect-only,) 2>&1 \
+		| tail -40 | tee $(GPU_OUT)/pytest_cuda.txt
 	ADAFLASH_KERNELS=stock $(GPU_PY) gpu/check.py --device $(DEVICE) --out $(GPU_OUT) $(if $(TINY),--tiny,)
 
 # The GPU burst that trains the SmolLM2 drafter (docs/gpu.md). Here: `make gpu-stage` writes the payload's parts into

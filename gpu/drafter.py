@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repo's package, not installed on the GPU machine
 
+from gpu.machine import packages, report_machine  # noqa: E402
+
 SHARD_BYTES = 15 << 20  # the device tool brings back files of at most 16 MiB
 PAYLOAD = "payload.tar"
 TINY_OVERRIDES = dict(max_steps=None, sequences_per_step=2, anchors_per_sequence=8, holdout_samples=2, log_every=1,
@@ -87,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("ADAFLASH_CACHE", str(work / "cache"))
     report: dict = {"command": " ".join(["python", "gpu/drafter.py", *(argv if argv is not None else sys.argv[1:])]),
                     "phases": {}}
+    # First, before any time is spent: the machine's packages (before the staged wheels) and GPUs, printed and logged.
+    report["machine_at_start"] = report_machine({})
+    (out / "burst.json").write_text(json.dumps(report, indent=2) + "\n")
 
     def log(phase: str, **facts) -> None:
         report["phases"][phase] = {"at_s": round(time.monotonic() - started, 1), **facts}
@@ -105,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     device = use_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # the dry run's toy passes gain nothing from threads
-    report["machine"] = {"device": describe(device), "torch": torch.__version__, "stage": stage}
+    report["machine"] = {"device": describe(device), "torch": torch.__version__, "stage": stage,
+                         "packages_with_stage": packages()}
     target_dir = resolve_target(str(work / stage["gguf"]))
     pipeline = Pipeline.load(str(target_dir), None, "auto")
     log("setup", target=str(target_dir), dtype=str(pipeline.target.dtype))

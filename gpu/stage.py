@@ -1,6 +1,7 @@
-"""Stage what the GPU burst needs (`make gpu-stage`): the target's GGUF, the train-split prompt file and the gguf wheel,
-as one tar in parts small enough to travel beside the working tree (the device tool carries 64 MiB a call, of which the
-tracked files take ~40). docs/gpu.md says how the parts go over and `make gpu-drafter` unpacks them."""
+"""Stage what the GPU runs need (`make gpu-stage`). For the burst: the target's GGUF, the train-split prompt file and
+the wheels it imports, as one tar in parts small enough to travel beside the working tree (the device tool carries 64
+MiB a call, of which the tracked files take ~40). For `make gpu-check`, which runs first with only the first part
+there: pytest's wheels, loose in check-wheels/ (~2 MB). docs/gpu.md says how they go over."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ BURST_MIX = "gsm-symbolic:15000,mgsm-symbolic:15000,champ:174,sharegpt-chat:6479
 # pyyaml, tqdm are there), and accelerate, which transformers' GGUF loading imports, with psutil, which accelerate
 # imports (a binary wheel: pip takes the manylinux x86_64 one).
 STAGED_WHEELS = ("gguf==0.19.0", "accelerate==1.16.0", "psutil==7.2.2")
+# What `make gpu-check`'s `pytest -m cuda` needs beyond a bare machine's torch / transformers (packaging is there).
+# scipy (one sampling-law test's chi-square) is ~35 MB, too large to carry: without it that one test errors.
+CHECK_WHEELS = ("pytest==9.2.0", "pluggy==1.7.0", "iniconfig==2.3.1", "pygments==2.21.0")
+CHECK_DIR = "check-wheels"
+
+
+def _download(requirements, folder: Path) -> None:
+    """Binary wheels only, no dependencies (each list names what a bare machine lacks)."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(folder),
+                    *requirements], check=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             for wheel in args.wheel:
                 shutil.copy(wheel, wheels)
         else:
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
-                            str(wheels), *STAGED_WHEELS], check=True)
+            _download(STAGED_WHEELS, wheels)
+        _download(CHECK_WHEELS, out / CHECK_DIR)
         gguf = target_gguf()
         manifest = {"gguf": gguf.name, "prompts": prompts.name, "mix": args.mix,
                     "wheels": sorted(w.name for w in wheels.iterdir())}
@@ -68,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         with payload.open("rb") as f:
             for i, chunk in enumerate(iter(lambda: f.read(part_bytes), b"")):
                 (out / f"{PAYLOAD}.part-{i:02d}").write_bytes(chunk)
-    parts = sorted(out.iterdir())
-    print(f"{out}: {len(parts)} parts ({', '.join(f'{q.stat().st_size / 1e6:.1f} MB' for q in parts)}); {manifest}")
+    parts = sorted(out.glob(f"{PAYLOAD}.part-*"))
+    print(f"{out}: {len(parts)} parts ({', '.join(f'{q.stat().st_size / 1e6:.1f} MB' for q in parts)}); {manifest}; "
+          f"{CHECK_DIR}: {sorted(w.name for w in (out / CHECK_DIR).iterdir())}")
     return 0
 
 

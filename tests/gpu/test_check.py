@@ -7,15 +7,22 @@ import json
 import subprocess
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "out"
-    subprocess.run(["make", "-s", "gpu-check", "DEVICE=cpu", "TINY=1", f"GPU_OUT={out}"], cwd=ROOT, check=True,
-                   capture_output=True, timeout=600)
+    run = subprocess.run(["make", "-s", "gpu-check", "DEVICE=cpu", "TINY=1", f"GPU_OUT={out}"], cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=600)
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["cost_model.json", "gpu_check.json", "pytest_cuda.txt", "verify_cost.json", "verify_cost.md"]
+    assert files == ["cost_model.json", "gpu_check.json", "machine.json", "pytest_cuda.txt", "verify_cost.json",
+                     "verify_cost.md"]
+    # The machine first: its packages and GPUs are the run's first lines, before any time is spent.
+    assert run.stdout.startswith("python ") and run.stdout.splitlines()[1].startswith("packages: torch ")
+    machine = json.loads((out / "machine.json").read_text())
+    assert machine["packages"]["torch"] == torch.__version__ and "nvidia_smi" in machine
     assert all(p.stat().st_size < 16 << 20 for p in out.iterdir())  # what the device tool brings back
     report = json.loads((out / "gpu_check.json").read_text())
     cells = report["verify_cost"]["cells"]

@@ -21,9 +21,11 @@ def test_gpu_drafter_dry_run(tmp_path):
     subprocess.run(["make", "-s", "gpu-stage", "TINY=1", f"STAGE={stage}"], **run)
     parts = sorted(stage.iterdir())
     assert len(parts) >= 4 and all(p.stat().st_size <= 25e6 for p in parts)  # each travels beside the working tree
+    assert any(w.name.startswith("pytest-") for w in (stage / "check-wheels").iterdir())  # for `make gpu-check`
     subprocess.run(["make", "-s", "gpu-drafter", "DEVICE=cpu", "TINY=1", f"STAGE={stage}", f"GPU_OUT={out}",
                     "BUDGET_S=300"], **run)
     report = json.loads((out / "burst.json").read_text())
+    assert report["machine_at_start"]["packages"]["torch"] == torch.__version__  # logged before the payload's unpacking
     assert report["phases"]["data"]["response_tokens"] > 0
     assert report["phases"]["train"]["steps"] == report["phases"]["train_probe"]["planned_steps"]
     returned = [p for p in out.rglob("*") if p.is_file() and "work" not in p.relative_to(out).parts]
