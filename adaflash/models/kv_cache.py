@@ -65,8 +65,9 @@ def check_fits(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
         gib = 2 ** 30
         raise ValueError(
             f"the KV cache needs {needed / gib:.2f} GiB ({needed} bytes: K and V of max_batch {slots} x max_len "
-            f"{max_len} x {layers} layers x {kv_heads} KV heads x head_dim {head_dim}, {str(dtype).removeprefix('torch.')}) "
-            f"but {device} has {free / gib:.2f} GiB ({free} bytes) free: lower --max-batch or --max-len")
+            f"{max_len} x {layers} layers x {kv_heads} KV heads x head_dim {head_dim}, "
+            f"{str(dtype).removeprefix('torch.')}) but {device} has {free / gib:.2f} GiB ({free} bytes) free: lower "
+            "--max-batch or --max-len")
 
 
 @dataclass(frozen=True)

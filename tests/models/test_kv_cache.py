@@ -36,7 +36,8 @@ def test_a_cache_larger_than_free_memory_is_refused_naming_its_sizes(monkeypatch
                  "80.00 GiB", str(80 * 2**30), "--max-batch"):
         assert part in message, (part, message)
     assert asked == [torch.device("cpu")]
-    assert KVCache(LAYERS, SLOTS, MAX_LEN, KV_HEADS, DIM, torch.float32).k.shape == (LAYERS, SLOTS, KV_HEADS, MAX_LEN, DIM)
+    fits = KVCache(LAYERS, SLOTS, MAX_LEN, KV_HEADS, DIM, torch.float32)
+    assert fits.k.shape == (LAYERS, SLOTS, KV_HEADS, MAX_LEN, DIM)
 
 
 def test_free_memory_reads_the_cpus_available_memory(monkeypatch):
