@@ -1,13 +1,21 @@
-"""The verifier as a pure function: table-driven greedy cases, exact sampling cases, and a chi-square test."""
+"""The verifier as a pure function: table-driven greedy cases, exact sampling cases, a chi-square test, and the
+sampling-law check shown to reject the product's verifier with one line faulted."""
 
 from __future__ import annotations
+
+import inspect
+import textwrap
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
+from adaflash.engine import engine as engine_module
+from adaflash.models.target import load_target
+from adaflash.speculative import reference, verify
 from adaflash.speculative.sampling import SamplingParams, draw_exponentials, logits_to_probs
 from adaflash.speculative.verify import verify_greedy, verify_sampling
+from tests.helpers import TINY_VOCAB, ScriptedProposer, exact_joint, law_pvalue, sampled_counts
 
 T = torch.tensor
 
@@ -117,17 +125,51 @@ def test_sampling_preserves_target_distribution_chi_square():
         assert chisquare(row.numpy(), (p1[x0] * row.sum()).numpy()).pvalue > 1e-3
 
 
-def test_sampling_test_has_power_against_wrong_residual():
-    """The same statistic rejects a verifier whose residual ignores q (a classic bug)."""
-    g = torch.Generator().manual_seed(0)
-    v, n = 4, 200_000
-    p0, q0 = torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.4, 0.3, 0.2, 0.1])
-    d0 = torch.multinomial(q0, n, replacement=True, generator=g)
-    accept = torch.rand(n, generator=g) * q0[d0] < p0[d0]
-    wrong_resample = torch.multinomial(p0, n, replacement=True, generator=g)  # should be from max(0, p - q)
-    first = torch.where(accept, d0, wrong_resample)
-    observed = torch.bincount(first, minlength=v).float()
-    assert chisquare(observed.numpy(), (p0 * n).numpy()).pvalue < 1e-6
+PROMPT = [3, 14, 15, 92, 65, 35]
+# One line of the product's verify_sampling, and the faults put there (each a classic bug of rejection sampling).
+RESIDUAL = "residual = (p_next - q_next * rejected[:, None].to(p_next.dtype)).clamp_min(0.0)"
+ACCEPT = "accept = uniforms * q_x < p_x"
+FAULTS = {
+    "residual ignores q": (RESIDUAL, "residual = p_next"),
+    "acceptance ignores q": (ACCEPT, "accept = uniforms < p_x"),
+}
+
+
+def _faulted_verify_sampling(line: str, fault: str):
+    """The product's verify_sampling with `line` of its source replaced by `fault`, compiled in its module's
+    namespace: the code under test is the product's, one line apart (a test of its own buggy copy would not be)."""
+    source = textwrap.dedent(inspect.getsource(verify.verify_sampling))
+    assert source.count(line) == 1, f"verify_sampling no longer has {line!r}: fault the line that replaced it"
+    namespace = dict(vars(verify))
+    exec(compile(source.replace(line, fault), verify.__file__, "exec"), namespace)
+    return namespace["verify_sampling"]
+
+
+def _law_pvalue(tiny_checkpoints, n: int = 1500) -> float:
+    """The suite's sampling-law check (tests/helpers.py): sequences of 3 tokens, half through the reference loop and
+    half through the batched engine, against the target's exact law; a scripted drafter mostly right, so drafts are
+    both accepted and rejected."""
+    target = load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    exact = exact_joint(target, PROMPT, params, 3)
+    proposer = ScriptedProposer(PROMPT + list(max(exact, key=exact.get)), TINY_VOCAB, corrupt_prob=0.3, seed=1)
+    counts, requests = sampled_counts(target, proposer, PROMPT, params, exact, n)
+    assert sum(sum(r.draft_lengths) for r in requests) > 0 and any(a > 1 for r in requests for a in r.accept_lengths)
+    return law_pvalue(counts, exact)
+
+
+def test_the_product_verifier_keeps_the_target_law(tiny_checkpoints):
+    assert _law_pvalue(tiny_checkpoints) > 1e-3
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_the_law_check_has_power_against_a_faulty_product_verifier(tiny_checkpoints, monkeypatch, fault):
+    """The same check, the same draws, with one line of the product's verifier faulted where the engine and the
+    reference loop call it: rejected (the real one passes above)."""
+    faulty = _faulted_verify_sampling(*FAULTS[fault])
+    monkeypatch.setattr(engine_module, "verify_sampling", faulty)
+    monkeypatch.setattr(reference, "verify_sampling", faulty)
+    assert _law_pvalue(tiny_checkpoints) < 1e-6
 
 
 def test_logits_to_probs_top_k_top_p():
