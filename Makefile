@@ -145,9 +145,15 @@ $(VLLM_VENV)/.installed:
 
 # The prepared GPU run (docs/gpu.md): runs as it is on a bare GPU machine (its python3 has torch, transformers,
 # safetensors, tokenizers; nothing is installed), writes at most 8 small files into GPU_OUT (the device tool's $$OUT).
-# `make gpu-check DEVICE=cpu TINY=1` is the dry run at toy shapes that `make test` holds (our CPU kernels off, so it runs
-# the torch ops CUDA runs).
+# `make gpu-check FAKE_CUDA=1 TINY=1` is the dry run at toy shapes that `make test` holds: the CUDA path on this CPU
+# (our CPU kernels off, so it runs the torch ops CUDA runs), device-checked, `pytest -m cuda` included.
 DEVICE ?= cuda
+# FAKE_CUDA=1: the CUDA path on this CPU, every tensor tagged with the device it would be on, an op mixing devices an
+# error (adaflash/models/device_tags.py): `make gpu-check FAKE_CUDA=1 TINY=1`, `make gpu-drafter FAKE_CUDA=1 TINY=1`.
+ifeq ($(FAKE_CUDA),1)
+override DEVICE := cuda
+export ADAFLASH_FAKE_CUDA := 1
+endif
 GPU_OUT ?= $(if $(OUT),$(OUT),runs/gpu-check)
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 CHECK_SITE ?= /tmp/adaflash-check-site
@@ -164,7 +170,7 @@ gpu-check:
 
 # The GPU burst that trains the SmolLM2 drafter (docs/gpu.md). Here: `make gpu-stage` writes the payload's parts into
 # .gpu-stage/ (git-ignored). There: the parts travel over back-to-back calls into STAGE, then `make gpu-drafter STAGE=..`.
-# `make gpu-stage TINY=1 && make gpu-drafter DEVICE=cpu TINY=1` is the dry run at toy scale that `make test` holds.
+# `make gpu-stage TINY=1 && make gpu-drafter FAKE_CUDA=1 TINY=1` is the dry run at toy scale that `make test` holds.
 STAGE ?= .gpu-stage
 BUDGET_S ?= 480
 TINY_MIX := gsm-symbolic:3,sharegpt-chat:3

@@ -32,6 +32,10 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
 torch.set_num_threads(1)
 # The suite runs on the CPU, GPU or not (tests that take a device fixture move to CUDA themselves, `pytest -m cuda`).
 os.environ["ADAFLASH_DEVICE"] = "cpu"
+if os.environ.get("ADAFLASH_FAKE_CUDA") == "1":  # `pytest -m cuda` on the CPU, device-checked (models/device_tags.py)
+    from adaflash.models.device_tags import install
+
+    install()
 
 
 @pytest.fixture(autouse=True)

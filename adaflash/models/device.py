@@ -30,6 +30,10 @@ def resolve_device(name: str | None = "auto") -> torch.device:
     except RuntimeError as exc:
         raise ValueError(f"unknown device {name!r}: {exc}") from None
     if device.type == "cuda":
+        if os.environ.get("ADAFLASH_FAKE_CUDA") == "1":  # the CUDA path on the CPU, device-checked (device_tags.py)
+            from adaflash.models.device_tags import install
+
+            install()
         if not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no CUDA device here (this torch build: "
                              f"{torch.__version__}); use --device cpu or auto")

@@ -1,5 +1,6 @@
-"""`make gpu-check` runs as it is on a bare GPU machine; its dry run at toy shapes on the CPU catches, here, what
-would otherwise fail on first contact with the GPU (an import, a shape, a file the device tool cannot bring back)."""
+"""`make gpu-check` runs as it is on a bare GPU machine; its dry run at toy shapes on the CPU, under the fake CUDA device
+(models/device_tags.py), catches here what would otherwise fail on first contact with the GPU (an import, a shape, a
+tensor on the wrong device, a file the device tool cannot bring back)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "out"
-    run = subprocess.run(["make", "-s", "gpu-check", "DEVICE=cpu", "TINY=1", f"GPU_OUT={out}"], cwd=ROOT, check=True,
+    run = subprocess.run(["make", "-s", "gpu-check", "FAKE_CUDA=1", "TINY=1", f"GPU_OUT={out}"], cwd=ROOT, check=True,
                          capture_output=True, text=True, timeout=600)
     files = sorted(p.name for p in out.iterdir())
     assert files == ["cost_model.json", "gpu_check.json", "machine.json", "pytest_cuda.txt", "verify_cost.json",
@@ -31,5 +32,7 @@ def test_gpu_check_dry_run(tmp_path):
     model = json.loads((out / "cost_model.json").read_text())
     assert model["total_tokens"][0] == 1 and len(model["draft_widths"]) == len(model["draft_width_s"]) > 0
     ar = report["ar_vs_transformers"]
-    assert ar["greedy_tokens_agree_first"] == ar["new_tokens"]  # fp32 on the CPU: the same tokens as transformers
-    assert "test_device_path.py" in (out / "pytest_cuda.txt").read_text()
+    assert ar["greedy_tokens_agree_first"] == ar["new_tokens"]  # the same tokens as transformers
+    assert report["machine"]["device_name"].startswith("fake CUDA") and report["dtype"] == "bfloat16"
+    pytest_cuda = (out / "pytest_cuda.txt").read_text()  # the `cuda` tests ran on the fake device, and passed
+    assert " passed" in pytest_cuda and " failed" not in pytest_cuda and " error" not in pytest_cuda

@@ -1,6 +1,7 @@
 """`make gpu-drafter` runs as it is on a bare GPU machine: its dry run stages the real payload (the target's GGUF in
 parts, a prompt file, the gguf wheel), unpacks and converts it, generates data with the target, probes and trains,
-and leaves a loadable drafter where the device tool brings files back from."""
+and leaves a loadable drafter where the device tool brings files back from; here on the fake CUDA device
+(models/device_tags.py), so a tensor left on the host fails the dry run as it would fail the GPU's first step."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_gpu_drafter_dry_run(tmp_path):
     parts = sorted(stage.iterdir())
     assert len(parts) >= 4 and all(p.stat().st_size <= 25e6 for p in parts)  # each travels beside the working tree
     assert any(w.name.startswith("pytest-") for w in (stage / "check-wheels").iterdir())  # for `make gpu-check`
-    subprocess.run(["make", "-s", "gpu-drafter", "DEVICE=cpu", "TINY=1", f"STAGE={stage}", f"GPU_OUT={out}",
+    subprocess.run(["make", "-s", "gpu-drafter", "FAKE_CUDA=1", "TINY=1", f"STAGE={stage}", f"GPU_OUT={out}",
                     "BUDGET_S=300"], **run)
     report = json.loads((out / "burst.json").read_text())
     assert report["machine_at_start"]["packages"]["torch"] == torch.__version__  # logged before the payload's unpacking
