@@ -161,6 +161,7 @@ CHECK_SITE ?= /tmp/adaflash-check-site
 gpu-check:
 	mkdir -p $(GPU_OUT)
 	$(GPU_PY) gpu/machine.py --out $(GPU_OUT)
+	rm -rf $(CHECK_SITE)  # (a folder left by an earlier run must not shadow this machine's pytest)
 	-$(GPU_PY) -c "import pytest" 2>/dev/null || ! test -d $(STAGE)/check-wheels || \
 		$(GPU_PY) -m pip install -q --no-index --no-deps --target $(CHECK_SITE) $(STAGE)/check-wheels/*.whl
 	PYTHONPATH=$(CHECK_SITE)$${PYTHONPATH:+:$$PYTHONPATH} ADAFLASH_KERNELS=stock $(GPU_PY) -m pytest -q \

@@ -36,6 +36,8 @@ def fake(monkeypatch):
 
 
 def test_the_checker_refuses_what_cuda_refuses(fake):
+    import numpy as np
+
     rows = torch.randn(4, 8, device="cuda")
     labels = torch.arange(4)  # built on the host
     with pytest.raises(DeviceMismatchError, match="where"):
@@ -48,6 +50,14 @@ def test_the_checker_refuses_what_cuda_refuses(fake):
         torch.rand(3, device="cuda", generator=torch.Generator().manual_seed(0))
     with pytest.raises(DeviceMismatchError, match="numpy"):
         rows.numpy()
+    with pytest.raises(DeviceMismatchError, match="numpy"):
+        np.asarray(rows)
+    with pytest.raises(DeviceMismatchError, match="cuda index into a cpu tensor"):
+        labels[torch.tensor([0, 1], device="cuda")]
+    with pytest.raises(DeviceMismatchError, match="stack"):
+        torch.stack([rows.sum(), torch.tensor(1.0)])  # 0-dim host tensors pass as operands, not in a list
+    with pytest.raises(DeviceMismatchError, match="add"):
+        torch.add(rows, 1, out=torch.zeros(4, 8))
 
 
 def test_the_checker_allows_what_cuda_allows_and_keeps_tags(fake):
@@ -58,19 +68,38 @@ def test_the_checker_allows_what_cuda_allows_and_keeps_tags(fake):
     host = torch.zeros(4, 8)
     host.copy_(rows)  # copies across devices
     assert host.device.type == "cpu" and rows.cpu().device.type == "cpu" and rows.device.type == "cuda"
+    assert torch.as_tensor(rows, device="cpu").device.type == "cpu" and rows.is_cuda  # a copy, the source stays
     assert rows[1:].device.type == rows.T.device.type == rows.float().device.type == "cuda"  # views and casts
+    assert torch.zeros(2).type_as(rows).is_cuda and torch.zeros(2).cuda("cuda:0").is_cuda
+    assert torch.zeros(2, device=0).is_cuda
     module = torch.nn.Linear(8, 3).to("cuda")
     assert module.weight.device.type == "cuda" and module(rows).device.type == "cuda"
     assert torch.nn.Parameter(rows).device.type == "cuda" and torch.empty(2, device=rows.device).is_cuda
     assert rows.sum().item() == pytest.approx(float(rows.cpu().sum())) and torch.cuda.is_available()
-    assert torch.rand(3, device="cuda", generator=torch.Generator(device="cuda")).is_cuda
+    generator = torch.Generator(device="cuda")
+    assert generator.device.type == "cuda" and torch.rand(3, device="cuda", generator=generator).is_cuda
 
 
-def test_outside_the_mode_nothing_is_tagged():
+def test_threads_started_under_the_mode_run_under_it(fake):
+    import threading
+
+    rows, seen = torch.randn(2, device="cuda"), []
+    thread = threading.Thread(target=lambda: seen.append((rows.device.type, torch.zeros(2, device="cuda").is_cuda)))
+    thread.start()
+    thread.join()
+    assert seen == [("cuda", True)]
+
+
+def test_leaving_the_mode_restores_torch():
+    import os
+    import threading
+
+    before = (torch.cuda.is_available, torch.Generator, torch.load, torch.autocast, threading.Thread.run,
+              os.environ.get("ADAFLASH_CUDA_GRAPHS"))
     with fake_cuda():
-        torch.zeros(2, device="cuda")
-    assert not torch.cuda.is_available() or torch.version.cuda is not None
-    assert torch.zeros(2).device.type == "cpu"
+        assert torch.cuda.is_available() and os.environ["ADAFLASH_CUDA_GRAPHS"] == "0"
+    assert (torch.cuda.is_available, torch.Generator, torch.load, torch.autocast, threading.Thread.run,
+            os.environ.get("ADAFLASH_CUDA_GRAPHS")) == before
 
 
 # ---------------------------------------------------------------- generation and the engine

@@ -11,13 +11,15 @@ module's `.to` keep them.
 What CUDA allows, this allows: 0-dim CPU tensors beside CUDA ones, CPU index tensors into CUDA tensors, `copy_` across
 devices. What only a GPU can show is not checked: kernels and numerics (CUDA autocast runs as the CPU's), CUDA graphs
 (`ADAFLASH_CUDA_GRAPHS=0` under the mode), streams, memory. `torch.cuda`'s queries answer as one GPU with the host's
-memory. `ADAFLASH_FAKE_CUDA=1` puts a whole process under it when its device resolves to CUDA (`models/device.py`).
+memory. Threads started under it run under it too. `ADAFLASH_FAKE_CUDA=1` puts a whole process under it when its
+device resolves to CUDA (`models/device.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from typing import Any, Iterator
 from unittest import mock
@@ -50,7 +52,11 @@ class TaggedGenerator(torch.Generator):
         return super().__new__(cls, device="cpu")
 
     def __init__(self, device: Any = None) -> None:
-        self.tagged = _normal(torch.device(device)) if device is not None else _CPU
+        self.tagged = _device(device) if device is not None else _CPU
+
+    @property
+    def device(self) -> torch.device:
+        return self.tagged
 
 
 def _normal(device: torch.device) -> torch.device:
@@ -104,38 +110,67 @@ class DeviceTags(TorchFunctionMode):
             return -1 if device.type == "cpu" else device.index
         if func is torch.Tensor.to:
             return self._to(args, kwargs)
+        if func is torch.Tensor.type_as:
+            return self._to((args[0], args[1]), {})
         if func is torch.Tensor.cuda:
             device = args[1] if len(args) > 1 else kwargs.pop("device", None)
-            index = device.index if isinstance(device, torch.device) else device
-            return self._copied(args[0], torch.device("cuda", index or 0))
+            return self._copied(args[0], _device(device if device is not None else "cuda"))
         if func is torch.Tensor.cpu:
             return args[0].to(_CPU, copy=True) if self.device_of(args[0]).type != "cpu" else args[0]
         if func is torch.Tensor.pin_memory:
             return args[0]
-        if func is torch.Tensor.numpy and self.device_of(args[0]).type != "cpu":
+        if func in (torch.Tensor.numpy, torch.Tensor.__array__) and self.device_of(args[0]).type != "cpu":
             raise DeviceMismatchError("can't convert a cuda tensor to numpy: copy it to the host with .cpu() first")
         named = kwargs.get("device")
         if named is not None:
-            named = _normal(torch.device(named))
+            named = _device(named)
             kwargs["device"] = _CPU
-        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-        devices = {self.device_of(t) for t in tensors if t.dim() > 0 or self.device_of(t).type != "cpu"}
-        if len(devices) > 1 and func not in _MIXING:
-            raise DeviceMismatchError(f"{_name(func)}: tensors on {sorted(map(str, devices))} "
-                                      f"(shapes {[tuple(t.shape) for t in tensors]})")
-        where = named or (self.device_of(args[0]) if func in _MIXING and tensors else None) or (
-            devices.pop() if len(devices) == 1 else _CPU)
+        where = self._checked(func, args, kwargs, named)
         generator = kwargs.get("generator")
         if generator is not None:
-            drawn = getattr(generator, "tagged", generator.device)
+            drawn = generator.device
             if drawn.type != where.type:
                 raise DeviceMismatchError(f"{_name(func)}: a {drawn.type} generator draws into {where} tensors")
+        inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        inplace = name.endswith("_") and not name.startswith("__")
-        if func in _IN_PLACE_MIXING or inplace:
-            return out  # the output is (part of) the first operand: its device stands
-        return self._tag(out, where)
+        if func in _IN_PLACE_MIXING or (name.endswith("_") and not name.startswith("__")) or "out" in kwargs:
+            return out  # the output is (part of) the first operand, or `out=`, whose device was checked
+        return self._tag(self._unshared(out, inputs, where), where)
+
+    def _checked(self, func, args, kwargs, named: torch.device | None) -> torch.device:
+        """The device `func`'s result is on; raises where CUDA would refuse the operands' devices. A 0-dim host
+        tensor passed as an operand of its own may sit beside CUDA ones (not one in a list: torch.stack refuses it);
+        a host index may index a CUDA tensor (not the reverse); `copy_` copies across devices."""
+        direct = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        devices = {self.device_of(t) for t in _tensors((args, kwargs))
+                   if t.dim() > 0 or self.device_of(t).type != "cpu" or not any(t is d for d in direct)}
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func in _MIXING and first is not None:
+            here = self.device_of(first)
+            if func is not torch.Tensor.copy_ and here.type == "cpu" and len(devices) > 1:
+                raise DeviceMismatchError(f"{_name(func)}: a cuda index into a cpu tensor")
+            return named or here
+        out = kwargs.get("out")
+        if out is not None:
+            devices |= {self.device_of(t) for t in _tensors(out)}
+        if named is not None and devices and devices != {named} and out is not None:
+            devices.add(named)
+        if len(devices) > 1:
+            raise DeviceMismatchError(f"{_name(func)}: tensors on {sorted(map(str, devices))} "
+                                      f"(shapes {[tuple(t.shape) for t in _tensors((args, kwargs))]})")
+        return named or (devices.pop() if devices else _CPU)
+
+    def _unshared(self, out, inputs: set[int], where: torch.device):
+        """`out` with every tensor sharing an input's memory but not its device copied: `as_tensor(cuda_x,
+        device="cpu")` is a copy on CUDA, and tagging the shared memory would move `cuda_x` too."""
+
+        def unshare(x):
+            if isinstance(x, torch.Tensor) and id(x.untyped_storage()) in inputs and self.device_of(x) != where:
+                return x.clone()
+            return x
+
+        return tree_map(unshare, out)
 
     def _to(self, args, kwargs):
         tensor, rest = args[0], args[1:]
@@ -184,6 +219,26 @@ def _loader(mode: DeviceTags, load):
     return loaded
 
 
+def _under(mode: DeviceTags, run):
+    """A thread's `run` under the mode (a torch function mode is the thread's own: the engine's thread, the server's,
+    would otherwise see `torch.cuda` say yes with nothing tagged)."""
+
+    def run_under(thread):
+        with mode:
+            return run(thread)
+
+    return run_under
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def _device(device: Any) -> torch.device:
+    """A device argument (`"cuda"`, `"cuda:1"`, an index, a torch.device) with its index (cuda -> cuda:0)."""
+    return _normal(torch.device("cuda", device) if isinstance(device, int) else torch.device(device))
+
+
 def _name(func) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
@@ -219,6 +274,7 @@ def fake_cuda(devices: int = 1) -> Iterator[DeviceTags]:
         mock.patch.object(torch, "Generator", TaggedGenerator),
         mock.patch.object(torch, "autocast", _HostAutocast),
         mock.patch.object(torch, "load", _loader(mode, torch.load)),
+        mock.patch.object(threading.Thread, "run", _under(mode, threading.Thread.run)),
         mock.patch.dict(os.environ, {"ADAFLASH_CUDA_GRAPHS": "0"}),
     ]
     with contextlib.ExitStack() as stack:
