@@ -23,6 +23,7 @@ from adaflash.evaluation.vocab_coverage import register_cli as register_vocab_cl
 from adaflash.export.gguf import register_cli as register_export_cli
 from adaflash.models.registry import DEFAULT_TARGET, resolve_drafter
 from adaflash.server.cli import register_cli as register_serve_cli
+from adaflash.simulation.simulate import register_cli as register_simulate_cli
 from adaflash.speculative.config import METHODS, SpeculativeConfig
 from adaflash.training.cli import register_cli as register_train_cli
 
@@ -229,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_cli(sub)  # bench offline
     register_serve_bench_cli(sub)  # bench serve
     register_load_cli(sub)  # bench load
-    register_sweep_cli(sub)  # bench sweep
+    register_sweep_cli(sub)
+    register_simulate_cli(sub)  # bench sweep
     register_eval_cli(sub)  # eval tau
     register_vocab_cli(sub)  # eval vocab
     register_drafter_eval_cli(sub)  # eval drafters, eval rkl-picture

@@ -179,6 +179,17 @@ def test_the_engine_on_the_cuda_path(fake, tiny_checkpoints, reference, policy):
     assert sum(k for r in greedy + sampled for k in r.draft_lengths) > 0  # the drafting path ran
 
 
+def test_the_cost_profile_on_the_cuda_path_times_the_drafter_by_its_requests(fake, tiny_checkpoints):
+    """On a GPU the drafter's requests share one pass: the profile times it by their number (the throughput
+    policies then price a step's drafting as that one pass)."""
+    from adaflash.models.target import load_target
+    from adaflash.speculative.cost_model import profile_cost_model
+
+    target = load_target(tiny_checkpoints["qwen3"], dtype=torch.float32)
+    profile = profile_cost_model(target, _drafter(target), max_tokens=32, context=16, repeats=1)
+    assert profile.batched_drafter and profile.draft_batches == (1, 2, 4) and all(s > 0 for s in profile.draft_batch_s)
+
+
 # ---------------------------------------------------------------- training and the length head
 
 

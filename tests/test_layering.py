@@ -30,6 +30,7 @@ UNITS: list[str] = [
     "server",  # the OpenAI-compatible HTTP server over the engine, and `adaflash serve`
     "evaluation",  # benchmarks and reports; their commands
     "export",  # GGUF export; its command
+    "simulation",  # the engine in virtual time: step-cost models, synthetic models, `bench simulate`
     "cli",  # the `adaflash` command: every part's commands under one parser
     "",  # the package's own __init__
 ]

@@ -10,8 +10,10 @@ builds its feature-capturing engine itself: `Engine(capture_layers=...)`, no dra
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from adaflash.engine.engine import Engine
 from adaflash.models.target import TargetModel
@@ -105,11 +107,12 @@ def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthP
 
 
 def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolicy | None = None,
-                 checks: DraftingChecks | None = None) -> Engine:
+                 checks: DraftingChecks | None = None, clock: Callable[[], float] = time.perf_counter) -> Engine:
     """The engine `config` describes over `models`. `policy`: one already built from `length_policy_factory` (kept
     across engines, so what it learned carries over); None builds it for the models' length head. `checks`: the
     drafting check's rates where the config's drafts are adaptive (`SpeculativeConfig.adaptive`), a factory's to
-    share them across engines; None: the engine's own."""
+    share them across engines; None: the engine's own. `clock`: what a step's cost is read from (a simulation's
+    virtual time; wall time by default)."""
     speculative = config.speculative
     proposer = models.proposer if speculative.uses_drafter else None
     if speculative.uses_drafter and proposer is None:
@@ -133,7 +136,7 @@ def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolic
     return Engine(models.target, proposer, policy, max_batch=config.max_batch, max_queue=config.max_queue,
                   max_len=max_len, recorder=recorder, prompt_lookup=speculative.prompt_lookup,
                   lookup_cost=lookup_cost(config, models, proposer), max_prefill_tokens=config.max_prefill_tokens,
-                  drafting_checks=checks)
+                  drafting_checks=checks, clock=clock)
 
 
 def lookup_cost(config: EngineConfig, models: EngineModels, proposer: DFlashProposer | None) -> CostModel | None:

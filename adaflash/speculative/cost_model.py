@@ -18,8 +18,9 @@ from typing import Sequence
 import torch
 
 # The profiling method's version, part of a cached profile's file name: a profile taken by an older method is not read.
-# 2: round-robin over the points after a warm-up round, where 1 timed them one after another.
-PROFILE_VERSION = 2
+# 2: round-robin over the points after a warm-up round, where 1 timed them one after another. 3: on CUDA, the drafter's
+# pass by its number of requests too.
+PROFILE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class CostModel:
     draft_s: float
     draft_widths: tuple[int, ...] = ()  # drafter block widths profiled (anchor + drafts), ascending
     draft_width_s: tuple[float, ...] = ()
+    # One drafter pass over n drafting requests (whole blocks), where a pass batches them (a GPU: eight requests cost
+    # about what one does). Empty: n requests cost n times one (a CPU's compute-bound pass).
+    draft_batches: tuple[int, ...] = ()
+    draft_batch_s: tuple[float, ...] = ()
 
     def verify(self, tokens: int) -> float:
         return _interpolate(self.total_tokens, self.verify_s, tokens)
@@ -48,15 +53,29 @@ class CostModel:
             return self.draft_s
         return _interpolate(self.draft_widths, self.draft_width_s, num_draft + 1, through_zero=False)
 
+    @property
+    def batched_drafter(self) -> bool:
+        return bool(self.draft_batches)
+
+    def draft_pass(self, requests: int, widest: int) -> float:
+        """A batched drafter pass over `requests` drafting requests, the widest drafting `widest` tokens (its block's
+        cost scales as one request's does with the width)."""
+        if requests <= 0:
+            return 0.0
+        whole = _interpolate(self.draft_batches, self.draft_batch_s, requests, through_zero=False)
+        return whole * self.draft(widest) / self.draft_s if self.draft_s > 0 else whole
+
     def to_json(self) -> str:
         return json.dumps({"total_tokens": self.total_tokens, "verify_s": self.verify_s, "draft_s": self.draft_s,
-                           "draft_widths": self.draft_widths, "draft_width_s": self.draft_width_s})
+                           "draft_widths": self.draft_widths, "draft_width_s": self.draft_width_s,
+                           "draft_batches": self.draft_batches, "draft_batch_s": self.draft_batch_s})
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
         d = json.loads(text)
         return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]),
-                   tuple(d.get("draft_widths", ())), tuple(d.get("draft_width_s", ())))
+                   tuple(d.get("draft_widths", ())), tuple(d.get("draft_width_s", ())),
+                   tuple(d.get("draft_batches", ())), tuple(d.get("draft_batch_s", ())))
 
 
 class CalibratedCost:
@@ -99,7 +118,11 @@ class CalibratedCost:
     def predicted(self, lengths: Sequence[int]) -> float:
         """The profile's seconds for a step that verifies these draft lengths (one per request, 0: plain)."""
         verify = self.profile.verify(len(lengths) + sum(lengths))
-        return verify + sum(self.profile.draft(k) for k in lengths if k > 0) if any(lengths) else verify
+        if not any(lengths):
+            return verify
+        if self.profile.batched_drafter:
+            return verify + self.profile.draft_pass(len(lengths) - lengths.count(0), max(lengths))
+        return verify + sum(self.profile.draft(k) for k in lengths if k > 0)
 
     def observe(self, lengths: Sequence[int], seconds: float) -> None:
         """One engine step (its requests' draft lengths) took `seconds` of wall time."""
@@ -130,6 +153,17 @@ class CalibratedCost:
         return max(0.0, self.scale * self.profile.draft(num_draft) + self.per_draft_s
                    + self.per_extra_draft_s * (num_draft - 1))
 
+    @property
+    def batched_drafter(self) -> bool:
+        return self.profile.batched_drafter
+
+    def draft_pass(self, requests: int, widest: int) -> float:
+        """A batched drafter pass (`CostModel.draft_pass`), corrected as `draft` is, per drafting request."""
+        if requests <= 0:
+            return 0.0
+        return max(0.0, self.scale * self.profile.draft_pass(requests, widest)
+                   + requests * (self.per_draft_s + self.per_extra_draft_s * (widest - 1)))
+
 
 def _interpolate(xs: tuple, ys: tuple, x: float, through_zero: bool = True) -> float:
     """Piecewise-linear through the points, extrapolated linearly past the last; below the first, towards 0 (a
@@ -156,11 +190,12 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
     from adaflash.models.device import synchronize
 
     points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
+    vocab = target.config.vocab_size
     cache = target.new_cache(1, context + max_tokens)
-    target(torch.arange(context) + 100, RaggedBatch.build([0], [0], [context]), cache)
+    target((torch.arange(context) + 100) % vocab, RaggedBatch.build([0], [0], [context]), cache)
 
     def verify(n: int) -> None:
-        target(torch.arange(n) + 100, RaggedBatch.build([0], [context], [n]), cache)
+        target((torch.arange(n) + 100) % vocab, RaggedBatch.build([0], [context], [n]), cache)
         cache.rollback(0, context)
         synchronize(target.device)  # a pass is over when the device has run it
 
@@ -178,12 +213,29 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
             positions (two, typically: at batch 1 the feed is a third of the drafter's time), then a block of
             anchor + drafts, whose cost grows with the draft length."""
             proposer.add_context(dcache, hidden[:2], fed)
-            proposer.propose(dcache, [0], [100], [w - 1], [SamplingParams()], [None])
+            proposer.propose(dcache, [0], [100 % vocab], [w - 1], [SamplingParams()], [None])
             dcache.rollback(0, context)
             synchronize(target.device)
 
         width_s = _round_robin(draft_step, widths, repeats)
-    return CostModel(tuple(points), tuple(times), width_s[-1] if width_s else 0.0, tuple(widths), tuple(width_s))
+    batches, batch_s = [], []
+    if proposer is not None and target.device.type == "cuda":  # a GPU runs the drafting requests in one pass
+        most = max(1, max_tokens // proposer.block_size)
+        batches = sorted({1, 2, 4, 8, 16, 32, 64, 128, most} & set(range(1, most + 1)))
+        slots = list(range(most))
+        bcache = proposer.new_cache(most, context + proposer.block_size)
+        proposer.add_context(bcache, hidden.repeat(most, 1), RaggedBatch.build(slots, [0] * most, [context] * most))
+
+        def draft_batch(n: int) -> None:
+            proposer.propose(bcache, slots[:n], [100 % vocab] * n, [proposer.block_size - 1] * n, [SamplingParams()] * n,
+                             [None] * n)
+            for slot in slots[:n]:
+                bcache.rollback(slot, context)
+            synchronize(target.device)
+
+        batch_s = _round_robin(draft_batch, batches, repeats)
+    return CostModel(tuple(points), tuple(times), width_s[-1] if width_s else 0.0, tuple(widths), tuple(width_s),
+                     tuple(batches), tuple(batch_s))
 
 
 def _round_robin(run, points: Sequence[int], repeats: int) -> list[float]:

@@ -116,17 +116,36 @@ def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | Calib
     best = expected / cost.verify(tokens)
     heap = [(-float(s[0]), i) for i, s in enumerate(survival) if max_draft > 0 and len(s)]
     heapq.heapify(heap)
+    # A batched drafter (a GPU's) costs one pass for every drafting request: its first request pays the whole pass,
+    # so no single position may pay while many do. There the greedy path runs to its end and its best prefix is kept.
+    batched = not free_drafts and getattr(cost, "batched_drafter", False)
+    drafting = widest = 0
+    path, kept = [], 0  # the positions taken, in order; how many of them the best rate kept
     while heap:
         neg_gain, i = heapq.heappop(heap)
-        # A request's first draft position puts it into the drafter pass; later ones widen its block.
-        now_drafter_s = drafter_s if free_drafts else drafter_s + cost.draft(lengths[i] + 1) - cost.draft(lengths[i])
+        if free_drafts:
+            now_drafter_s = drafter_s
+        elif batched:
+            now_drafter_s = cost.draft_pass(drafting + (lengths[i] == 0), max(widest, lengths[i] + 1))
+        else:  # a request's first draft position puts it into the drafter pass; later ones widen its block
+            now_drafter_s = drafter_s + cost.draft(lengths[i] + 1) - cost.draft(lengths[i])
         rate = (expected - neg_gain) / (cost.verify(tokens + 1) + now_drafter_s)
-        if rate <= best:
+        if rate <= best and not batched:
             break
+        drafting += lengths[i] == 0
         lengths[i] += 1
-        expected, tokens, drafter_s, best = expected - neg_gain, tokens + 1, now_drafter_s, rate
+        widest = max(widest, lengths[i])
+        expected, tokens, drafter_s = expected - neg_gain, tokens + 1, now_drafter_s
+        path.append(i)
+        if rate > best:
+            best, kept = rate, len(path)
         if lengths[i] < min(max_draft, len(survival[i])):
             heapq.heappush(heap, (-float(survival[i][lengths[i]]), i))
+    if not batched:
+        return lengths
+    lengths = [0] * len(survival)
+    for i in path[:kept]:
+        lengths[i] += 1
     return lengths
 
 

@@ -1,0 +1,177 @@
+"""What a pass costs on a machine this process is not running on: the target's and the drafter's passes priced from
+a model shape and a GPU (an analytic roofline), or from this machine's measured profile.
+
+A pass reads the weights it needs once (a dense model all of them; a mixture of experts the attention, the router and
+the experts its tokens route to, which grow with the batch), every request's KV cache, and does 2 FLOPs a weight a
+token plus the attention's. It takes the longer of its bytes at the GPU's achievable bandwidth and its FLOPs at the
+achievable compute, plus a fixed cost a pass, a layer and a request (launches, the scheduler, sampling). The achievable compute
+grows with the tokens of the pass (a GEMM of 8 rows runs far below peak; one of thousands near the prefill MFU):
+`mfu_max * T / (T + half_tokens)`.
+
+The constants are BLIS's roofline defaults (inference-sim: bandwidth efficiency 0.72, 500 us a step + 20 us a layer,
+MFU 0.65 prefill), 25 us a request, and one constant fitted per GPU to one published AR figure (sources in `GPUS`;
+`simulation/calibration.py` reports the error against every published figure, the fitted ones included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from adaflash.speculative.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    bandwidth: float  # HBM bytes a second
+    bf16_flops: float  # dense bf16 peak, FLOPs a second
+    memory_efficiency: float = 0.72
+    mfu_max: float = 0.65
+    half_tokens: float = 256.0  # tokens of a pass at which the achievable compute is half mfu_max
+    pass_overhead_s: float = 500e-6
+    layer_overhead_s: float = 20e-6
+    request_overhead_s: float = 25e-6  # a sequence's share of a pass (its metadata, sampling, ragged attention)
+    source: str = ""
+
+
+# Peaks: NVIDIA's datasheets (H100 SXM 3.35 TB/s, 989 TFLOPs dense bf16; H200 4.8 TB/s; B200 8 TB/s, 2.25 PFLOPs).
+GPUS = {
+    "h100": GPU("H100 SXM", 3.35e12, 989e12, memory_efficiency=0.81,
+                source="memory_efficiency fitted to vLLM 0.11's Qwen3-8B TPOT of 7.28 ms at c=1 (gpustack)"),
+    "h200": GPU("H200", 4.8e12, 989e12, memory_efficiency=0.81,
+                source="H100's fitted efficiency (the same Hopper chip with faster HBM); no H200 figure fitted"),
+    "b200": GPU("B200", 8.0e12, 2.25e15, pass_overhead_s=780e-6,
+                source="pass_overhead_s fitted to SGLang's AR Qwen3-8B 230 tok/s at c=1 (DFlash paper)"),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's shape; `experts` > 0: a mixture of experts (`active` of them a token, each of `expert_inter`)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    experts: int = 0
+    active: int = 0
+    expert_inter: int = 0
+    bytes_per_weight: int = 2  # bf16
+
+    @property
+    def attention_weights(self) -> int:
+        q = self.heads * self.head_dim
+        return self.hidden * (2 * q + 2 * self.kv_heads * self.head_dim)
+
+    @property
+    def expert_weights(self) -> int:
+        return 3 * self.hidden * self.expert_inter
+
+    def layer_weights(self, tokens: int) -> float:
+        """Weights one layer reads in a pass of `tokens`: a mixture reads the experts its tokens route to (expected
+        distinct experts under uniform routing)."""
+        if not self.experts:
+            return self.attention_weights + 3 * self.hidden * self.intermediate
+        touched = self.experts * (1 - (1 - self.active / self.experts) ** max(tokens, 1))
+        return self.attention_weights + self.hidden * self.experts + touched * self.expert_weights
+
+    def active_weights(self) -> float:
+        """Weights a token multiplies (FLOPs / 2), LM head included."""
+        ffn = self.active * self.expert_weights if self.experts else 3 * self.hidden * self.intermediate
+        return self.layers * (self.attention_weights + ffn) + self.hidden * self.vocab
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_weight
+
+    def drafter(self, layers: int) -> "ModelShape":
+        """A DFlash drafter of this target: `layers` of its dense layer shape (a mixture's drafter is dense, at the
+        active FFN width), the target's LM head."""
+        inter = self.intermediate if not self.experts else self.active * self.expert_inter
+        return ModelShape(f"{self.name} drafter", layers, self.hidden, self.heads, self.kv_heads, self.head_dim, inter,
+                          self.vocab)
+
+
+SHAPES = {
+    "qwen3-8b": ModelShape("Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936),
+    "qwen3-coder-30b-a3b": ModelShape("Qwen3-Coder-30B-A3B", 48, 2048, 32, 4, 128, 0, 151936, experts=128, active=8,
+                                      expert_inter=768),
+}
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Seconds of a pass of `model` on `gpu`; `query_lens` / `contexts`: per request, its new tokens and the positions
+    its cache holds before the pass; `logits`: rows projected to the vocabulary (default: every new token)."""
+
+    gpu: GPU
+    model: ModelShape
+
+    def pass_s(self, query_lens: Sequence[int], contexts: Sequence[int], logits: int | None = None) -> float:
+        m, g = self.model, self.gpu
+        tokens = sum(query_lens)
+        logits = tokens if logits is None else logits
+        weights = m.layers * m.layer_weights(tokens) + m.hidden * m.vocab  # the LM head is read once
+        kv = sum((c + q) for q, c in zip(query_lens, contexts)) * m.kv_bytes_per_token
+        memory = (weights * m.bytes_per_weight + kv) / (g.bandwidth * g.memory_efficiency)
+        attention = 4 * m.layers * m.heads * m.head_dim * sum(q * (c + q) for q, c in zip(query_lens, contexts))
+        flops = 2 * (m.active_weights() - m.hidden * m.vocab) * tokens + 2 * m.hidden * m.vocab * logits + attention
+        compute = flops / (g.bf16_flops * g.mfu_max * tokens / (tokens + g.half_tokens))
+        fixed = g.pass_overhead_s + m.layers * g.layer_overhead_s + len(query_lens) * g.request_overhead_s
+        return max(memory, compute) + fixed
+
+
+class StepCost:
+    """Prices the engine's passes (the simulated clock charges them): the target's, over ragged new tokens and
+    contexts, and the drafter's, one block of `width` positions a drafting request."""
+
+    def target_s(self, query_lens: Sequence[int], contexts: Sequence[int], logits: int) -> float:
+        raise NotImplementedError
+
+    def drafter_s(self, width: int, contexts: Sequence[int], logits: int) -> float:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RooflineCost(StepCost):
+    target: Roofline
+    drafter: Roofline
+
+    @classmethod
+    def of(cls, gpu: str, shape: str, drafter_layers: int = 5) -> "RooflineCost":
+        if gpu not in GPUS or shape not in SHAPES:
+            raise ValueError(f"unknown gpu:shape {gpu}:{shape}; gpus: {', '.join(GPUS)}; shapes: {', '.join(SHAPES)}")
+        model = SHAPES[shape]
+        return cls(Roofline(GPUS[gpu], model), Roofline(GPUS[gpu], model.drafter(drafter_layers)))
+
+    def target_s(self, query_lens, contexts, logits):
+        return self.target.pass_s(query_lens, contexts, logits)
+
+    def drafter_s(self, width, contexts, logits):
+        return self.drafter.pass_s([width] * len(contexts), contexts, logits)
+
+    def describe(self) -> str:
+        g, m = self.target.gpu, self.target.model
+        return f"roofline {g.name} x {m.name} (bf16; drafter {self.drafter.model.layers} layers)"
+
+
+@dataclass(frozen=True)
+class ProfileCost(StepCost):
+    """This machine's measured profile (the throughput policy's `CostModel`): a verify by its total tokens, a drafter
+    pass by its width; contexts are not in the profile."""
+
+    profile: CostModel
+
+    def target_s(self, query_lens, contexts, logits):
+        return self.profile.verify(sum(query_lens))
+
+    def drafter_s(self, width, contexts, logits):
+        return sum(self.profile.draft(width - 1) for _ in contexts)
+
+    def describe(self) -> str:
+        return "this machine's measured profile"
