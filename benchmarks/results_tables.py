@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "docs" / "results"
-TOPICS = ("runtime", "drafter", "serving", "adaflash", "peers")
+TOPICS = ("runtime", "drafter", "serving", "adaflash", "peers", "simulation")
 MARKER = "<!-- tables below are written by benchmarks/results_tables.py; edit above this line -->"
 
 # What a JSON does not record about itself, and the results that are not JSON: stem -> fields.
@@ -267,7 +267,11 @@ def _context(d: dict) -> str:
 def _headline(d: dict) -> str:
     if isinstance(d, dict) and "cells" in d and "servers" in d:
         return _sweep(d)
-    shapes = [("fresh_process", lambda d: "; ".join(
+    shapes = [("summary", lambda d: f"simulated vs published: median |error| {_f(100 * d['summary']['median_abs_error'], 1)}%, "
+               f"largest {_f(100 * d['summary']['max_abs_error'], 1)}%, {d['summary']['within_15_percent']} of "
+               f"{d['summary']['cells']} cells within 15%"),
+              ("acceptance", _simulated),
+              ("fresh_process", lambda d: "; ".join(
                   f"{dtype}: {sum(bool(r['vs_ar']) for v in x['variants'].values() for r in v)} of "
                   f"{sum(len(v) for v in x['variants'].values())} fresh-process runs ({len(x['variants'])} variants) "
                   "differ from AR" for dtype, x in d["fresh_process"].items())
@@ -319,6 +323,15 @@ def _headline(d: dict) -> str:
             if h:
                 return h
     return ""
+
+
+def _simulated(d: dict) -> str:
+    """`bench simulate`: each variant's speedup over AR at the highest concurrency, labelled simulated."""
+    if not d.get("simulated"):
+        raise KeyError("simulated")
+    top = max(r["concurrency"] for r in d["rows"])
+    return f"simulated, c={top}: " + ", ".join(f"{r['variant']} {_f(r['speedup_vs_ar'])}x" for r in d["rows"]
+                                               if r["concurrency"] == top and r["method"] != "ar")
 
 
 def _step_profile_or_rows(d: dict) -> str:

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from adaflash.engine.engine_factory import EngineConfig, EngineModels, build_engine
 from adaflash.engine.request import Request
+from adaflash.export.vllm_schedule import batch_schedule
 from adaflash.speculative.config import SpeculativeConfig
 from adaflash.speculative.cost_model import CalibratedCost, CostModel
 from adaflash.speculative.drafting_check import DraftingChecks
@@ -43,6 +44,7 @@ VARIANTS = {
     "fixed-block": Variant("fixed-block", "dflash", "fixed:15"),
     "throughput": Variant("throughput", "dflash", "throughput"),
     "adaflash": Variant("adaflash", "adaflash", "adaflash"),
+    "vllm-schedule": Variant("vllm-schedule", "dflash", "fixed:15"),  # its lengths: ScheduleLength
 }
 
 
@@ -73,43 +75,88 @@ def profile_of(cost: StepCost, max_batch: int, block_size: int, context: int = 1
                      tuple(cost.drafter_s(block_size, [context] * n, n * (block_size - 1)) for n in batches))
 
 
-def run_variant(variant: Variant, cost: StepCost, strength: Strength, concurrency: int, workload: Workload) -> dict:
-    """One variant at one concurrency: the row of the results table."""
-    clock = VirtualClock()
-    target = CostedTarget(SyntheticTarget(), cost, clock)
+@dataclass
+class ScheduleLength:
+    """vLLM's dynamic speculative decoding (`num_speculative_tokens_per_batch_size`): one draft length for every
+    request of a step, by the step's batch size; the schedule is our throughput policy's for a known survival curve
+    (`adaflash export vllm-schedule`'s `batch_schedule`)."""
+
+    schedule: list[list[int]]
+    name: str = "vllm-schedule"
+
+    def decide(self, requests, max_draft, hidden_of=None) -> list[int]:
+        n = len(requests)
+        k = next((k for start, end, k in self.schedule if start <= n <= end), 0)
+        return [min(k, max_draft)] * n
+
+    def feedback(self, request, drafted, accepted) -> None:
+        pass
+
+    def observe_step(self, lengths, seconds, priced=True) -> None:
+        pass
+
+
+def variant_engine(variant: Variant, target, proposer, head, profile: CostModel | None, survival: Sequence[float],
+                   concurrency: int, max_queue: int, max_len: int, clock):
+    """The engine `serve --method --length-policy` would build for this variant, its policy priced by `profile`
+    (the vLLM schedule's drafts sized from `survival`), reading time from `clock`."""
     speculative = SpeculativeConfig.of(variant.method, variant.policy)
-    proposer = policy = checks = None
+    policy = checks = None
     if speculative.uses_drafter:
-        proposer = CostedProposer(SyntheticDrafter(target, strength, seed=workload.seed), cost, clock)
-        profile = CalibratedCost(profile_of(cost, concurrency, strength.block_size))
-        spec = speculative.engine_policy
-        policy = (LearnedThroughputLength(profile, SyntheticHead()) if spec.name == "adaflash"
-                  else build_length_policy(spec, profile))
+        cost, spec = CalibratedCost(profile), speculative.engine_policy
+        if variant.name == "vllm-schedule":
+            policy = ScheduleLength(batch_schedule(survival, profile, proposer.block_size - 1, concurrency))
+        elif spec.name == "adaflash":  # (a synthetic head is not a checkpoint's: built here, as build_length_policy does)
+            policy = LearnedThroughputLength(cost, head)
+        else:
+            policy = build_length_policy(spec, cost)
         checks = DraftingChecks()
-    max_len = workload.prompt_len + workload.output_len + strength.block_size + 1
-    config = EngineConfig(speculative, max_batch=concurrency, max_queue=workload.requests, max_len=max_len)
-    engine = build_engine(config, EngineModels(target, proposer), policy, checks, clock=clock)
-    prompts = workload.prompts()
-    waiting = deque(Request(f"r{i}", p, workload.output_len) for i, p in enumerate(prompts))
-    requests, running = list(waiting), 0
-    steps = 0
+    config = EngineConfig(speculative, max_batch=concurrency, max_queue=max_queue, max_len=max_len)
+    return build_engine(config, EngineModels(target, proposer if speculative.uses_drafter else None), policy, checks,
+                        clock=clock)
+
+
+def closed_loop(engine, requests: Sequence[Request], concurrency: int) -> int:
+    """`concurrency` clients, each sending its next request when its last one ends; the engine steps it ran."""
+    waiting, running, steps = deque(requests), 0, 0
     while waiting or engine.has_work():
         while waiting and running < concurrency:
             engine.add_request(waiting.popleft())
             running += 1
         running -= sum(out.finish_reason is not None for out in engine.step())
         steps += 1
+    return steps
+
+
+def row_of(variant: Variant, concurrency: int, requests: Sequence[Request], seconds: float) -> dict:
     generated = sum(len(r.output_ids) for r in requests)
-    lossless = all(r.output_ids == synthetic_greedy(p, workload.output_len) for r, p in zip(requests, prompts))
     passes = [a for r in requests for a in r.accept_lengths[1:]]  # after each request's prefill
     drafted = [k for r in requests for k in r.draft_lengths[1:]]
-    return {"concurrency": concurrency, "variant": variant.name, "method": variant.method,
-            "policy": str(speculative.engine_policy) if speculative.engine_policy else None,
-            "tokens_per_s": generated / clock.now, "seconds": clock.now, "generated_tokens": generated,
-            "engine_steps": steps, "target_passes": target.passes,
-            "drafter_passes": proposer.passes if proposer is not None else 0,
+    return {"concurrency": concurrency, "variant": variant.name, "method": variant.method, "policy": variant.policy,
+            "tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated,
             "accept_len": statistics.fmean(passes) if passes else 0.0,
-            "drafts_per_pass": statistics.fmean(drafted) if drafted else 0.0, "lossless": lossless}
+            "drafts_per_pass": statistics.fmean(drafted) if drafted else 0.0}
+
+
+def run_variant(variant: Variant, cost: StepCost, strength: Strength, concurrency: int, workload: Workload) -> dict:
+    """One variant at one concurrency over the synthetic models: the row of the results table."""
+    clock = VirtualClock()
+    target = CostedTarget(SyntheticTarget(), cost, clock)
+    proposer = CostedProposer(SyntheticDrafter(target, strength, seed=workload.seed), cost, clock)
+    survival = [strength.alpha ** j for j in range(1, strength.block_size)]
+    max_len = workload.prompt_len + workload.output_len + strength.block_size + 1
+    engine = variant_engine(variant, target, proposer, SyntheticHead(),
+                            profile_of(cost, concurrency, strength.block_size), survival, concurrency,
+                            workload.requests, max_len, clock)
+    prompts = workload.prompts()
+    requests = [Request(f"r{i}", p, workload.output_len) for i, p in enumerate(prompts)]
+    steps = closed_loop(engine, requests, concurrency)
+    row = row_of(variant, concurrency, requests, clock.now)
+    row.update(engine_steps=steps, target_passes=target.passes,
+               drafter_passes=proposer.passes if engine.proposer is not None else 0,
+               lossless=all(r.output_ids == synthetic_greedy(p, workload.output_len)
+                            for r, p in zip(requests, prompts)))
+    return row
 
 
 def simulate(variants: Sequence[Variant], concurrencies: Sequence[int], cost: StepCost, strength: Strength,
@@ -181,7 +228,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--drafter", default="synthetic:tau=6.5,block=16",
                    help="synthetic:tau=T[,block=B,spread=S,head_error=E]: a drafter of stated strength")
     p.add_argument("--drafter-layers", type=int, default=5, help="the drafter's layers (its pass's cost)")
-    p.add_argument("--variants", default="ar,fixed-block,throughput,adaflash",
+    p.add_argument("--variants", default="ar,fixed-block,vllm-schedule,throughput,adaflash",
                    help=f"comma-separated: {', '.join(VARIANTS)}, or a length policy (fixed:K, heuristic, ...)")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--requests", type=int, default=64, help="requests per cell (closed loop)")

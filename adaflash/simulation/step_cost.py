@@ -6,11 +6,12 @@ the experts its tokens route to, which grow with the batch), every request's KV 
 token plus the attention's. It takes the longer of its bytes at the GPU's achievable bandwidth and its FLOPs at the
 achievable compute, plus a fixed cost a pass, a layer and a request (launches, the scheduler, sampling). The achievable compute
 grows with the tokens of the pass (a GEMM of 8 rows runs far below peak; one of thousands near the prefill MFU):
-`mfu_max * T / (T + half_tokens)`.
+`mfu_max * T / (T + half_tokens)`, 32 tokens to half (a decode step stays bandwidth-bound, as it is).
 
 The constants are BLIS's roofline defaults (inference-sim: bandwidth efficiency 0.72, 500 us a step + 20 us a layer,
-MFU 0.65 prefill), 25 us a request, and one constant fitted per GPU to one published AR figure (sources in `GPUS`;
-`simulation/calibration.py` reports the error against every published figure, the fitted ones included).
+MFU 0.65 prefill), 25 us a request, one constant fitted per GPU to one published AR figure, and a mixture layer's
+28 us fitted to B200's Qwen3-Coder-30B-A3B AR figure (sources in `GPUS`; `benchmarks/simulation_calibration.py`
+reports the error against every published figure, the fitted ones included).
 """
 
 from __future__ import annotations
@@ -28,21 +29,23 @@ class GPU:
     bf16_flops: float  # dense bf16 peak, FLOPs a second
     memory_efficiency: float = 0.72
     mfu_max: float = 0.65
-    half_tokens: float = 256.0  # tokens of a pass at which the achievable compute is half mfu_max
+    half_tokens: float = 32.0  # tokens of a pass at which the achievable compute is half mfu_max
     pass_overhead_s: float = 500e-6
     layer_overhead_s: float = 20e-6
     request_overhead_s: float = 25e-6  # a sequence's share of a pass (its metadata, sampling, ragged attention)
+    expert_layer_overhead_s: float = 28e-6  # a mixture layer's routing and grouped-GEMM launches
     source: str = ""
 
 
 # Peaks: NVIDIA's datasheets (H100 SXM 3.35 TB/s, 989 TFLOPs dense bf16; H200 4.8 TB/s; B200 8 TB/s, 2.25 PFLOPs).
 GPUS = {
-    "h100": GPU("H100 SXM", 3.35e12, 989e12, memory_efficiency=0.81,
+    "h100": GPU("H100 SXM", 3.35e12, 989e12, memory_efficiency=0.75,
                 source="memory_efficiency fitted to vLLM 0.11's Qwen3-8B TPOT of 7.28 ms at c=1 (gpustack)"),
-    "h200": GPU("H200", 4.8e12, 989e12, memory_efficiency=0.81,
+    "h200": GPU("H200", 4.8e12, 989e12, memory_efficiency=0.75,
                 source="H100's fitted efficiency (the same Hopper chip with faster HBM); no H200 figure fitted"),
-    "b200": GPU("B200", 8.0e12, 2.25e15, pass_overhead_s=780e-6,
-                source="pass_overhead_s fitted to SGLang's AR Qwen3-8B 230 tok/s at c=1 (DFlash paper)"),
+    "b200": GPU("B200", 8.0e12, 2.25e15, pass_overhead_s=960e-6,
+                source="pass_overhead_s fitted to SGLang's AR Qwen3-8B 230 tok/s at c=1, expert_layer_overhead_s to "
+                       "its Qwen3-Coder-30B-A3B 229 tok/s at c=1 (DFlash paper)"),
 }
 
 
@@ -122,7 +125,8 @@ class Roofline:
         attention = 4 * m.layers * m.heads * m.head_dim * sum(q * (c + q) for q, c in zip(query_lens, contexts))
         flops = 2 * (m.active_weights() - m.hidden * m.vocab) * tokens + 2 * m.hidden * m.vocab * logits + attention
         compute = flops / (g.bf16_flops * g.mfu_max * tokens / (tokens + g.half_tokens))
-        fixed = g.pass_overhead_s + m.layers * g.layer_overhead_s + len(query_lens) * g.request_overhead_s
+        per_layer = g.layer_overhead_s + (g.expert_layer_overhead_s if m.experts else 0.0)
+        fixed = g.pass_overhead_s + m.layers * per_layer + len(query_lens) * g.request_overhead_s
         return max(memory, compute) + fixed
 
 

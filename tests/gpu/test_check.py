@@ -33,6 +33,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert model["total_tokens"][0] == 1 and len(model["draft_widths"]) == len(model["draft_width_s"]) > 0
     ar = report["ar_vs_transformers"]
     assert ar["greedy_tokens_agree_first"] == ar["new_tokens"]  # the same tokens as transformers
+    assert ar["graphs_vs_eager"] == {"same_tokens": True, "first_difference": None}
     assert report["machine"]["device_name"].startswith("fake CUDA") and report["dtype"] == "bfloat16"
     pytest_cuda = (out / "pytest_cuda.txt").read_text()  # the `cuda` tests ran on the fake device, and passed
     assert " passed" in pytest_cuda and " failed" not in pytest_cuda and " error" not in pytest_cuda

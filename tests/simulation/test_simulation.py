@@ -89,3 +89,14 @@ def test_bench_simulate_is_deterministic_lossless_and_labelled(tmp_path, capsys)
 def test_bench_simulate_refuses_bad_input(bad, message, capsys):
     assert main(["bench", "simulate", "--requests", "2", *bad]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_vllm_s_batch_size_schedule_drafts_one_length_a_step():
+    from adaflash.simulation.simulate import ScheduleLength
+
+    policy = ScheduleLength([[1, 3, 7], [4, 8, 2], [9, 64, 0]])
+    assert policy.decide([None] * 2, 15) == [7, 7] and policy.decide([None] * 5, 15) == [2] * 5
+    assert policy.decide([None] * 12, 15) == [0] * 12 and policy.decide([None], 4) == [4]
+    row = run_variant(VARIANTS["vllm-schedule"], RooflineCost.of("h100", "qwen3-8b"), Strength(6.5), 8,
+                      Workload(16, 40, 64))
+    assert row["lossless"] and row["drafts_per_pass"] > 0
