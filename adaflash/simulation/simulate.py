@@ -173,7 +173,8 @@ def simulate(variants: Sequence[Variant], concurrencies: Sequence[int], cost: St
 
 
 def report(rows: list[dict], cost: StepCost, strength: Strength, workload: Workload, command: str) -> dict:
-    return {"simulated": True, "command": command, "cost_model": cost.describe(),
+    return {"simulated": True, "command": command, "machine": f"virtual time: {cost.describe()}",
+            "cost_model": cost.describe(),
             "acceptance": f"synthetic drafter: tau {strength.tau} over a block of {strength.block_size}, per-request "
                           f"rate spread {strength.spread}, head calibration error {strength.head_error}",
             "workload": vars(workload), "rows": rows}
