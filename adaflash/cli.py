@@ -230,8 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_bench_cli(sub)  # bench offline
     register_serve_bench_cli(sub)  # bench serve
     register_load_cli(sub)  # bench load
-    register_sweep_cli(sub)
-    register_simulate_cli(sub)  # bench sweep
+    register_sweep_cli(sub)  # bench sweep
+    register_simulate_cli(sub)  # bench simulate
     register_eval_cli(sub)  # eval tau
     register_vocab_cli(sub)  # eval vocab
     register_drafter_eval_cli(sub)  # eval drafters, eval rkl-picture

@@ -4,8 +4,7 @@
 compute, a GPU's time) or synthetic ones - and charge each pass to the clock before running it: the target's over its
 ragged new tokens and the contexts they attend to, the drafter's over its block width and its requests' contexts.
 Everything else is the engine's own code: the scheduler, the policies, the drafting checks read this clock for what a
-step cost. What is not charged: the engine's Python between passes (on a GPU host it overlaps the GPU's work in
-serving engines that schedule ahead; here it is not modelled), feeding the drafter's context, the length head's
+step cost. What is not charged: the engine's Python between passes, feeding the drafter's context, the length head's
 arithmetic, prompt lookup's search.
 """
 

@@ -21,7 +21,8 @@ from adaflash.engine.engine_factory import EngineConfig, EngineModels, build_eng
 from adaflash.engine.request import Request
 from adaflash.export.vllm_schedule import batch_schedule
 from adaflash.speculative.config import SpeculativeConfig
-from adaflash.speculative.cost_model import CalibratedCost, CostModel
+from adaflash.speculative.cost_model import (CalibratedCost, CostModel, profile_batches, profile_points,
+                                             profile_widths)
 from adaflash.speculative.drafting_check import DraftingChecks
 from adaflash.speculative.length_policy import LearnedThroughputLength, build_length_policy
 from adaflash.simulation.clock import CostedProposer, CostedTarget, VirtualClock
@@ -65,10 +66,8 @@ class Workload:
 def profile_of(cost: StepCost, max_batch: int, block_size: int, context: int = 128) -> CostModel:
     """The profile the throughput policies would measure on the simulated GPU (`profile_cost_model`'s points, priced
     instead of timed; the drafter's pass by its requests too, as it is profiled on CUDA)."""
-    max_tokens = max_batch * block_size
-    points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
-    widths = sorted({w for w in (2, 4, 8, block_size) if w <= block_size})
-    batches = sorted({1, 2, 4, 8, 16, 32, 64, 128, max_batch} & set(range(1, max_batch + 1)))
+    points, widths = profile_points(max_batch * block_size), profile_widths(block_size)
+    batches = profile_batches(max_batch)
     return CostModel(tuple(points), tuple(cost.target_s([n], [context], n) for n in points),
                      cost.drafter_s(block_size, [context], block_size - 1), tuple(widths),
                      tuple(cost.drafter_s(w, [context], w - 1) for w in widths), tuple(batches),
@@ -161,14 +160,11 @@ def run_variant(variant: Variant, cost: StepCost, strength: Strength, concurrenc
 
 def simulate(variants: Sequence[Variant], concurrencies: Sequence[int], cost: StepCost, strength: Strength,
              workload: Workload) -> list[dict]:
-    rows = []
-    for c in concurrencies:
-        base = None
-        for variant in variants:
-            row = run_variant(variant, cost, strength, c, workload)
-            base = row["tokens_per_s"] if variant.method == "ar" else base
-            row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
-            rows.append(row)
+    rows = [run_variant(variant, cost, strength, c, workload) for c in concurrencies for variant in variants]
+    for row in rows:  # (AR may be listed anywhere, or not at all)
+        base = next((r["tokens_per_s"] for r in rows if r["method"] == "ar" and r["concurrency"] == row["concurrency"]),
+                    None)
+        row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
     return rows
 
 

@@ -177,6 +177,21 @@ def _interpolate(xs: tuple, ys: tuple, x: float, through_zero: bool = True) -> f
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def profile_points(max_tokens: int) -> list[int]:
+    """The verify passes' total tokens a profile times."""
+    return sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
+
+
+def profile_widths(block_size: int) -> list[int]:
+    """The drafter block widths (anchor + drafts) a profile times."""
+    return sorted({w for w in (2, 4, 8, block_size) if w <= block_size})
+
+
+def profile_batches(most: int) -> list[int]:
+    """The drafting requests a batched drafter pass is timed over (on CUDA)."""
+    return sorted({1, 2, 4, 8, 16, 32, 64, 128, most} & set(range(1, most + 1)))
+
+
 def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 7) -> CostModel:
     """Measure verify time at a few total-token counts and the drafter's step at a few widths, on this machine.
 
@@ -189,7 +204,7 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
 
     from adaflash.models.device import synchronize
 
-    points = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, max_tokens} & set(range(1, max_tokens + 1)))
+    points = profile_points(max_tokens)
     vocab = target.config.vocab_size
     cache = target.new_cache(1, context + max_tokens)
     target((torch.arange(context) + 100) % vocab, RaggedBatch.build([0], [0], [context]), cache)
@@ -205,7 +220,7 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
         dcache = proposer.new_cache(1, context + proposer.block_size)
         hidden = torch.zeros(context, len(proposer.capture_layers) * target.config.hidden_size, dtype=target.dtype)
         proposer.add_context(dcache, hidden, RaggedBatch.build([0], [0], [context]))
-        widths = sorted({w for w in (2, 4, 8, proposer.block_size) if w <= proposer.block_size})
+        widths = profile_widths(proposer.block_size)
         fed = RaggedBatch.build([0], [context], [2])
 
         def draft_step(w: int) -> None:
@@ -221,12 +236,14 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
     batches, batch_s = [], []
     if proposer is not None and target.device.type == "cuda":  # a GPU runs the drafting requests in one pass
         most = max(1, max_tokens // proposer.block_size)
-        batches = sorted({1, 2, 4, 8, 16, 32, 64, 128, most} & set(range(1, most + 1)))
+        batches = profile_batches(most)
         slots = list(range(most))
         bcache = proposer.new_cache(most, context + proposer.block_size)
         proposer.add_context(bcache, hidden.repeat(most, 1), RaggedBatch.build(slots, [0] * most, [context] * most))
 
         def draft_batch(n: int) -> None:
+            """As `draft_step`, for n requests in one pass: their kept positions fed, then their blocks."""
+            proposer.add_context(bcache, hidden[:2].repeat(n, 1), RaggedBatch.build(slots[:n], [context] * n, [2] * n))
             proposer.propose(bcache, slots[:n], [100 % vocab] * n, [proposer.block_size - 1] * n, [SamplingParams()] * n,
                              [None] * n)
             for slot in slots[:n]:

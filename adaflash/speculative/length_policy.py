@@ -121,8 +121,13 @@ def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | Calib
     batched = not free_drafts and getattr(cost, "batched_drafter", False)
     drafting = widest = 0
     path, kept = [], 0  # the positions taken, in order; how many of them the best rate kept
+    # Every gain still to take: the path's rate cannot beat (expected + these) / its cost now, as costs only grow.
+    left = sum(float(x) for s in survival for x in s[:max_draft]) if batched else 0.0
     while heap:
+        if batched and (expected + left) / (cost.verify(tokens) + drafter_s) <= best:
+            break
         neg_gain, i = heapq.heappop(heap)
+        left += neg_gain
         if free_drafts:
             now_drafter_s = drafter_s
         elif batched:
