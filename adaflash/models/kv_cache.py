@@ -59,7 +59,7 @@ def check_fits(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     would otherwise fail deep in torch, or the OOM killer end the process (`--max-batch 64 --max-len 40960` for
     Qwen3-8B asks ~360 GiB)."""
     layers, slots, kv_heads, max_len, head_dim = shape
-    needed = 2 * layers * slots * kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
+    needed = 2 * layers * slots * kv_heads * max_len * head_dim * dtype.itemsize
     free = free_memory(device)
     if free is not None and needed > free:
         gib = 2 ** 30

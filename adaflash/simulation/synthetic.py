@@ -186,9 +186,6 @@ class SyntheticHead:
         k = torch.arange(1, hidden.shape[1], dtype=torch.float32)[None, :]
         return rate ** k
 
-    def accept_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden[:, 1:, 0]
-
 
 def synthetic_prompt(length: int, seed: int, vocab: int = SyntheticConfig.vocab_size) -> list[int]:
     rng = random.Random(seed)
