@@ -7,12 +7,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# HF architecture name -> our family name. Qwen2 = Llama + q/k/v bias; Qwen3 = Llama + per-head q/k RMSNorm.
+# HF architecture name -> our family name. Qwen2 = Llama + q/k/v bias; Qwen3 = Llama + per-head q/k RMSNorm;
+# Qwen3-MoE = Qwen3 with a routed mixture of experts in place of the MLP in its sparse layers (models/moe.py).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# Mixture-of-experts features of other families (Qwen2-MoE's shared expert, DeepSeek's grouped routing...): a config
+# that sets one is refused at load, by name, rather than run without it.
+_UNSUPPORTED_MOE_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                           "moe_shared_expert_intermediate_size", "n_group", "topk_group", "routed_scaling_factor",
+                           "first_k_dense_replace", "moe_layer_freq")
 
 
 class UnsupportedModelError(ValueError):
@@ -48,6 +55,18 @@ class TransformerConfig:
     qk_norm: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3-MoE: the layers whose MLP is a mixture of `num_experts` experts (each of `moe_intermediate_size`), of which
+    # a token's router picks `num_experts_per_tok` (softmax, then top-k, renormalised if `norm_topk_prob`); the other
+    # layers keep the dense MLP of `intermediate_size`. Empty for a dense model.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "TransformerConfig":
@@ -66,12 +85,13 @@ class TransformerConfig:
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        num_layers = int(cfg["num_hidden_layers"])
         return cls(
             family=family,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
@@ -81,14 +101,37 @@ class TransformerConfig:
             # Qwen2 always has q/k/v bias and never an o bias; Llama/Qwen3 follow `attention_bias` for all four.
             qkv_bias=True if family == "qwen2" else attention_bias,
             o_bias=False if family == "qwen2" else attention_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             eos_token_ids=eos_ids,
+            **(_moe_fields(cfg, num_layers) if family == "qwen3_moe" else {}),
         )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "TransformerConfig":
         return cls.from_hf_dict(read_config_json(path, "a Hugging Face checkpoint directory"))
+
+
+def _moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's routing fields (transformers' Qwen3MoeDecoderLayer): layer i is sparse unless it is in
+    `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`, and only while there are experts."""
+    for name in _UNSUPPORTED_MOE_FIELDS:
+        if cfg.get(name):
+            raise UnsupportedModelError(f"{name}={cfg[name]!r} is not supported (Qwen3-MoE routes to its experts only)")
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedModelError("use_sliding_window=True is not supported (full attention only)")
+    # transformers 5 writes `num_local_experts` (its attribute map for num_experts); Qwen's own configs `num_experts`
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    top_k = int(cfg.get("num_experts_per_tok", 0) or 0)
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    moe_layers = tuple(i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+    if moe_layers and not 0 < top_k <= experts:
+        raise UnsupportedModelError(f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    return dict(moe_layers=moe_layers, num_experts=experts if moe_layers else 0,
+                num_experts_per_tok=top_k if moe_layers else 0,
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]) if moe_layers else 0,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def read_config_json(path: str | Path, what: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Our own inference runtime for Llama-family targets (Llama, Qwen2, Qwen3), loading HF weights.
+"""Our own inference runtime for Llama-family targets (Llama, Qwen2, Qwen3, Qwen3-MoE), loading HF weights.
 
 Why not transformers: serving needs a static slot cache with free rollback, forward over ragged
 per-sequence query lengths, hidden-state capture at chosen layers, and low per-token overhead
@@ -27,6 +27,7 @@ from adaflash.models.kernels.layer_step import LayerSteps, StepHead, StepLayer
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
 from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
 from adaflash.models.layers import apply_rope, fused_kernels_available, linear, rms_norm, rope_cos_sin, silu_mul
+from adaflash.models.moe import MoeBlock, expert_tensors
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,10 @@ class ForwardOutput:
 
 
 class DecoderLayer(nn.Module):
-    """Weights of one decoder layer, with q/k/v and gate/up fused so a decode step runs fewer kernels."""
+    """Weights of one decoder layer, with q/k/v and gate/up fused so a decode step runs fewer kernels. A Qwen3-MoE
+    sparse layer has a router and experts (`moe`) where a dense one has gate_up / down (then None)."""
 
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, index: int = 0) -> None:
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
@@ -51,13 +53,25 @@ class DecoderLayer(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(hd), **frozen) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(hd), **frozen) if cfg.qk_norm else None
         self.post_norm = nn.Parameter(torch.ones(d), **frozen)
-        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, d), **frozen)
-        self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size), **frozen)
+        self.moe = MoeBlock(cfg) if index in cfg.moe_layers else None
+        if self.moe is None:
+            self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, d), **frozen)
+            self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size), **frozen)
+        else:
+            self.gate_up = self.down = None
         self.fast: dict[str, FastLinear] = {}  # name -> packed-kernel linear (use_fast_linears), else torch's
+
+    @property
+    def linear_names(self) -> tuple[str, ...]:
+        return ("qkv", "o") if self.moe is not None else ("qkv", "o", "gate_up", "down")
 
     def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
         fast = self.fast.get(name)
         return fast(x) if fast is not None else linear(x, getattr(self, name), getattr(self, f"{name}_bias", None))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP over the post-attention normed hidden state: the experts of a sparse layer, else the dense SwiGLU."""
+        return self.moe(x) if self.moe is not None else self.project("down", silu_mul(self.project("gate_up", x)))
 
 
 class TargetModel(nn.Module):
@@ -65,7 +79,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.final_norm = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
         self.lm_head = (
             self.embed_tokens
@@ -88,7 +102,8 @@ class TargetModel(nn.Module):
         them); `quantized` (our weight name -> the GGUF's blocks of exactly its values) adds the quantized kernel.
         False, changing nothing, where the kernels cannot run (not fp32 on CPU, no AVX2, ADAFLASH_KERNELS=stock).
         `int8_activations`: every linear with Q4_1 / Q8_0 blocks runs the int8-activation kernel at every row count
-        instead (llama.cpp's arithmetic; not the fp32 target).
+        instead (llama.cpp's arithmetic; not the fp32 target). A Qwen3-MoE target packs its attention and dense-layer
+        linears only, and runs layer by layer (the fused layer step has no experts: models/moe.py).
         """
         if not fast_linears_available(self.lm_head):
             return False
@@ -99,11 +114,14 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.fast = {name: FastLinear(getattr(layer, name), getattr(layer, f"{name}_bias", None), choice,
                                            quantized.get(f"layers.{i}.{name}"))
-                          for name in ("qkv", "o", "gate_up", "down") if packable(getattr(layer, name))}
+                          for name in layer.linear_names if packable(getattr(layer, name))}
         head = "embed_tokens" if self.lm_head is self.embed_tokens else "lm_head"
         self.lm_head_blocks = quantized.get(head)  # the drafter's (trimmed) head takes its rows
         self.fast_lm_head = FastLinear(self.lm_head, None, choice, self.lm_head_blocks) if packable(self.lm_head) else None
         c = self.config
+        if c.is_moe:
+            self.layer_steps = None
+            return True
         self.layer_steps = LayerSteps(
             [StepLayer(layer.input_norm, layer.post_norm, layer.fast, layer.q_norm, layer.k_norm) for layer in self.layers],
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
@@ -111,12 +129,17 @@ class TargetModel(nn.Module):
 
     def streamed_weight_bytes(self, rows: int = 1) -> int:
         """Weight bytes one forward over `rows` rows reads (the bandwidth bound of a decode step): each linear's
-        kernel at that row count, every other parameter once."""
+        kernel at that row count, every other parameter once; of a MoE layer's experts, the expected number of distinct
+        experts `rows` tokens route to under uniform routing."""
         fast = {id(getattr(layer, name)): f for layer in self.layers for name, f in layer.fast.items()}
         if self.fast_lm_head is not None:
             fast[id(self.lm_head)] = self.fast_lm_head
-        return sum(fast[id(p)].streamed_bytes(rows) if id(p) in fast else p.numel() * p.element_size()
-                   for p in self.parameters())
+        c = self.config
+        touched = 1.0 if not c.is_moe else (1 - (1 - c.num_experts_per_tok / c.num_experts) ** max(rows, 1))
+        experts = {id(p) for layer in self.layers if layer.moe is not None for p in (layer.moe.gate_up, layer.moe.down)}
+        return int(sum(fast[id(p)].streamed_bytes(rows) if id(p) in fast
+                       else p.numel() * p.element_size() * (touched if id(p) in experts else 1)
+                       for p in self.parameters()))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -252,8 +275,7 @@ class TargetModel(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
                 attention.write(cache, i, k, v)
             h = h + layer.project("o", attention.attend(cache, i, q))
-            gate_up = layer.project("gate_up", rms_norm(h, layer.post_norm, cfg.rms_norm_eps))
-            h = h + layer.project("down", silu_mul(gate_up))
+            h = h + layer.mlp(rms_norm(h, layer.post_norm, cfg.rms_norm_eps))
             if i in capture:
                 captured.append(h)
         return h, captured
@@ -270,8 +292,9 @@ def _hf_weight_map(cfg: TransformerConfig) -> dict[str, list[str]]:
         names[f"layers.{i}.post_norm"] = [p + "post_attention_layernorm.weight"]
         names[f"layers.{i}.qkv"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
         names[f"layers.{i}.o"] = [a + "o_proj.weight"]
-        names[f"layers.{i}.gate_up"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-        names[f"layers.{i}.down"] = [p + "mlp.down_proj.weight"]
+        if i not in cfg.moe_layers:  # a sparse layer's router and experts: moe.expert_tensors
+            names[f"layers.{i}.gate_up"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            names[f"layers.{i}.down"] = [p + "mlp.down_proj.weight"]
         if cfg.qkv_bias:
             names[f"layers.{i}.qkv_bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
         if cfg.o_bias:
@@ -295,7 +318,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
                 int8_activations: bool = False) -> TargetModel:
-    """Load a Llama / Qwen2 / Qwen3 HF checkpoint directory (config.json + safetensors) into our runtime.
+    """Load a Llama / Qwen2 / Qwen3 / Qwen3-MoE HF checkpoint directory (config.json + safetensors) into our runtime.
 
     `int8_activations` (`--dtype int8`): fp32, but every linear the GGUF stores as Q4_1 / Q8_0 blocks runs with its
     inputs rounded to int8 per 32 values (int8_linear.cpp) - a faster, slightly different model than the fp32 one,
@@ -336,6 +359,9 @@ def target_from_hf_tensors(cfg: TransformerConfig, tensors: dict[str, torch.Tens
         if missing:
             raise ValueError(f"{source} lacks tensors {missing} (needed for {ours})")
         state[ours] = torch.cat([tensors[n].to(device) for n in theirs], dim=0).to(dtype)
+    for i in cfg.moe_layers:
+        for name, tensor in zip(("router", "gate_up", "down"), expert_tensors(tensors, i, cfg.num_experts, source)):
+            state[f"layers.{i}.moe.{name}"] = tensor.to(device=device, dtype=dtype, copy=True)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head = model.embed_tokens
