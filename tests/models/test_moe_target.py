@@ -217,3 +217,21 @@ def test_cpu_kernels_pack_the_dense_parts_and_skip_the_fused_layer_step(moe_chec
         assert set(target.layers[0].fast) == {"qkv", "o"}
     # a decode step reads 2 of 8 experts a MoE layer (uniform routing), nearly all of them over many rows
     assert target.streamed_weight_bytes(1) < target.streamed_weight_bytes(64)
+
+
+def test_the_qwen3_coder_30b_a3b_drafter_config_fits_the_target():
+    """configs/qwen3-coder-30b-a3b-drafter.toml: a training config whose drafter fits the MoE target's shapes."""
+    from pathlib import Path
+
+    from adaflash.models.drafter import build_target_layer_ids
+    from adaflash.training.trainer import TrainConfig
+
+    cfg = TrainConfig.from_file(Path(__file__).parents[2] / "configs" / "qwen3-coder-30b-a3b-drafter.toml")
+    target = TransformerConfig.from_hf_dict(CODER_30B_A3B)
+    drafter = DrafterConfig.for_target(target, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers,
+                                       block_size=cfg.block_size, intermediate_size=cfg.intermediate_size,
+                                       target_layer_ids=cfg.target_layer_ids)
+    drafter.check_compatible(target)
+    assert cfg.target_layer_ids == build_target_layer_ids(48, cfg.num_layers) == (1, 12, 23, 34, 45)
+    assert (drafter.hidden_size, drafter.intermediate_size, drafter.num_kv_heads) == (2048, 6144, 4)
+    assert not cfg.init_from_target  # a MoE layer has no dense MLP to copy
