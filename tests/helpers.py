@@ -134,7 +134,7 @@ def scripted_dflash(target, scripts, corrupt_prob: float = 0.3, block_size: int 
             self.looked = [(row, cache, slot, anchor) for row, slot, anchor in zip(hidden, slots, anchors)]
             return hidden
 
-        def draft_tokens(self, hidden, num_draft, sampling, generators):
+        def draft_tokens(self, hidden, num_draft, sampling, generators, anchors=None):
             # Drafting from a learned head's look: each block is known by its hidden states (contexts differ).
             self._check_lengths(num_draft)
             rows = [next(seen for seen in self.looked if torch.equal(seen[0], row)) for row in hidden]

@@ -155,7 +155,8 @@ class DrafterSource:
         lengths = [capped[i] for i in step.drafting]
         rest = (lengths, [r.sampling for r in sub], [r.generator for r in sub])
         if step.hidden or self.observer is not None:  # the block hidden states are wanted: draft from them
-            drafted = self.proposer.draft_tokens(step.hidden_of(step.drafting), *rest)
+            drafted = self.proposer.draft_tokens(step.hidden_of(step.drafting), *rest,
+                                                 anchors=[step.anchors[i] for i in step.drafting])
         else:
             slots, anchors = [step.slots[i] for i in step.drafting], [step.anchors[i] for i in step.drafting]
             step.fed = max(step.fed, self.feed_context(slots))

@@ -10,166 +10,21 @@ LM head: it borrows the target's. Parameter names equal the public checkpoints' 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from adaflash.models.config import TransformerConfig, rope_theta_of
-from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
+from adaflash.models.dflash2 import CandidateSelector, GroupedDynamicCausalConv
+from adaflash.models.draft_vocab import DraftVocab
+from adaflash.models.drafter_config import DrafterConfig, LayerAttention, build_target_layer_ids  # noqa: F401 (re-exported)
 from adaflash.models.gguf_blocks import exact_bf16_blocks, q8_0_blocks
-from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+from adaflash.models.kv_cache import BlockMasks, KVCache, RaggedAttention, RaggedBatch, kind_mask
 from adaflash.models.kernels.layer_step import ContextStep, LayerSteps, StepHead, StepLayer
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable, version_of
 from adaflash.models.layers import apply_rope, rms_norm, rope_cos_sin
-
-
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """Capture layers spread evenly over [1, L-3] (one draft layer: the middle), as DFlash does."""
-    if num_draft_layers == 1:
-        return (num_target_layers // 2,)
-    start, end = 1, num_target_layers - 3
-    return tuple(int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers))
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 8192
-    draft_vocab_size: int | None = None  # a trimmed draft vocabulary of this many ids (models/draft_vocab.py)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unknown keys, kept for round trips
-
-    def __post_init__(self) -> None:
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (one anchor + at least one draft), got {self.block_size}")
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids must name at least one target layer")
-        if max(self.target_layer_ids) >= self.num_target_layers or min(self.target_layer_ids) < 0:
-            raise ValueError(f"target_layer_ids {self.target_layer_ids} out of range for {self.num_target_layers} layers")
-
-    @classmethod
-    def for_target(
-        cls,
-        target: TransformerConfig,
-        mask_token_id: int,
-        num_layers: int = 2,
-        block_size: int = 16,
-        intermediate_size: int | None = None,
-        target_layer_ids: Sequence[int] | None = None,
-        draft_vocab_size: int | None = None,
-    ) -> "DrafterConfig":
-        return cls(
-            hidden_size=target.hidden_size,
-            intermediate_size=intermediate_size or target.intermediate_size,
-            num_layers=num_layers,
-            num_heads=target.num_heads,
-            num_kv_heads=target.num_kv_heads,
-            head_dim=target.head_dim,
-            vocab_size=target.vocab_size,
-            block_size=block_size,
-            mask_token_id=mask_token_id,
-            target_layer_ids=tuple(target_layer_ids or build_target_layer_ids(target.num_layers, num_layers)),
-            num_target_layers=target.num_layers,
-            rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta,
-            max_position_embeddings=target.max_position_embeddings,
-            draft_vocab_size=draft_vocab_size,
-        )
-
-    def check_compatible(self, target: TransformerConfig) -> None:
-        problems = []
-        if self.hidden_size != target.hidden_size:
-            problems.append(f"hidden_size {self.hidden_size} != target's {target.hidden_size}")
-        if self.num_target_layers != target.num_layers:
-            problems.append(f"num_target_layers {self.num_target_layers} != target's {target.num_layers}")
-        if self.vocab_size != target.vocab_size:
-            problems.append(f"vocab_size {self.vocab_size} != target's {target.vocab_size}")
-        if not 0 <= self.mask_token_id < target.vocab_size:
-            problems.append(f"mask_token_id {self.mask_token_id} is outside the target vocabulary")
-        if problems:
-            raise ValueError("drafter does not fit this target: " + "; ".join(problems))
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """A Qwen3-style config in the DFlash schema that vLLM (`dflash`) and SGLang (`DFLASH`) read."""
-        return {
-            **self.extra,
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": False,
-            "use_sliding_window": False,
-            "layer_types": ["full_attention"] * self.num_layers,
-            "is_causal": False,
-            "dtype": "bfloat16",
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                **self.extra.get("dflash_config", {}),
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-                "block_size": self.block_size,
-            },
-            # Beside dflash_config, not in it: full-vocabulary loaders ignore it and load the same drafter.
-            **({"draft_vocab": {"file": VOCAB_FILE, "size": self.draft_vocab_size}} if self.draft_vocab_size else {}),
-        }
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "DrafterConfig":
-        archs = cfg.get("architectures") or []
-        if "DFlashDraftModel" not in archs:
-            raise ValueError(f"not a DFlash drafter config: architectures={archs}, expected ['DFlashDraftModel']")
-        dflash = cfg.get("dflash_config") or {}
-        num_layers = int(cfg["num_hidden_layers"])
-        num_target_layers = int(cfg["num_target_layers"])
-        layer_ids = dflash.get("target_layer_ids") or build_target_layer_ids(num_target_layers, num_layers)
-        if "mask_token_id" not in dflash:
-            raise ValueError("dflash_config.mask_token_id is missing")
-        num_heads = int(cfg["num_attention_heads"])
-        return cls(
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
-            vocab_size=int(cfg["vocab_size"]),
-            block_size=int(cfg.get("block_size") or dflash["block_size"]),
-            mask_token_id=int(dflash["mask_token_id"]),
-            target_layer_ids=tuple(int(i) for i in layer_ids),
-            num_target_layers=num_target_layers,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta_of(cfg),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-            draft_vocab_size=int(cfg["draft_vocab"]["size"]) if cfg.get("draft_vocab") else None,
-            extra={k: v for k, v in cfg.items() if k not in ("block_size", "num_target_layers", "draft_vocab")},
-        )
 
 
 class RMSNorm(nn.Module):
@@ -237,6 +92,20 @@ class DFlashLayer(nn.Module):
         self.mlp = DFlashMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # DFlash 2: convolutions along the block around attention and MLP (models/dflash2.py).
+        conv = (lambda: GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)) \
+            if cfg.dflash2 else (lambda: None)
+        self.attention_conv: GroupedDynamicCausalConv | None = conv()
+        self.mlp_conv: GroupedDynamicCausalConv | None = conv()
+
+    def sublayer(self, conv: GroupedDynamicCausalConv | None, run, x: torch.Tensor, blocks: int) -> torch.Tensor:
+        """run(x) over [blocks * B, d] rows, inside the layer's convolution pair when it has one."""
+        if conv is None:
+            return run(x)
+        shape = x.shape
+        x, kernel = conv.prepare(x.view(blocks, -1, shape[-1]))
+        out = run(x.reshape(shape))
+        return conv.finish(out.view(blocks, -1, shape[-1]), kernel).reshape(shape)
 
 
 class DFlashDrafter(nn.Module):
@@ -248,6 +117,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.candidate_selector = (CandidateSelector(d, config.vocab_size, config.selector_rank, config.selector_top_k)
+                                   if config.dflash2 else None)
         # Not a parameter or buffer: the state dict stays the public schema's; saved in its own file.
         self.draft_vocab: DraftVocab | None = None
         self._layer_steps: LayerSteps | None = None  # the block pass in one kernel call per layer (use_fast_linears)
@@ -284,6 +155,8 @@ class DFlashDrafter(nn.Module):
         """q/k/v and gate/up stacked into one packed weight each (an inference copy: `_steps_current` notices when
         training changes or replaces the originals, and the loop runs instead)."""
         c, steps = self.config, []
+        if c.dflash2 or not c.plain_attention:  # the fused step knows neither convolutions nor masked layers
+            return None
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             stacked = {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
@@ -315,6 +188,16 @@ class DFlashDrafter(nn.Module):
         return step is not None and all(m._parameters.get(name) is p and version_of(p) == v
                                         for m, name, p, v in self._step_sources)
 
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's output multiplier and soft cap on raw draft logits (LM-head outputs), as the reference's
+        compute_logits applies them."""
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
@@ -330,7 +213,7 @@ class DFlashDrafter(nn.Module):
 
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin of the batch's positions (one sequence's: views of the table, no gather)."""
-        return rope_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta, self.dtype, device=self.device,
+        return rope_cos_sin(batch.positions, self.config.head_dim, self.config.rope, self.dtype, device=self.device,
                             first=batch.single_start)
 
     @torch.inference_mode()
@@ -357,18 +240,24 @@ class DFlashDrafter(nn.Module):
         r, b, d = block_embeds.shape
         attention, cos, sin = self._block_pass(cache, slots, r, b)
         h = block_embeds.to(device=self.device, dtype=self.dtype).reshape(r * b, d)
+        if self.config.input_embedding_scale != 1.0:
+            h = h * self.config.input_embedding_scale
         # Block K/V land past the context length (overwritten by the next context): neither path commits lengths.
         fused = (self._layer_steps.run(h, attention, cache, cos, sin, set())
                  if self._steps_current(self._layer_steps) else None)
         if fused is not None:
             return self.norm(fused[0]).view(r, b, d)
+        masked = BlockMasks(attention, self.device)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            k, v = attn.keys_values(x, cos, sin)
-            attention.write(cache, i, k, v)
-            h = h + attn.o_proj(attention.attend(cache, i, attn.queries(x, cos, sin)))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            attn, kind = layer.self_attn, self.config.attention_of(i)
+
+            def attend(x: torch.Tensor) -> torch.Tensor:
+                k, v = attn.keys_values(x, cos, sin)
+                attention.write(cache, i, k, v)
+                return attn.o_proj(masked.attend(kind, cache, i, attn.queries(x, cos, sin)))
+
+            h = h + layer.sublayer(layer.attention_conv, attend, layer.input_layernorm(h), r)
+            h = h + layer.sublayer(layer.mlp_conv, layer.mlp, layer.post_attention_layernorm(h), r)
         return self.norm(h).view(r, b, d)
 
     def _block_pass(self, cache: KVCache, slots: Sequence[int], r: int,
@@ -385,7 +274,8 @@ class DFlashDrafter(nn.Module):
         """draft_hidden over the blocks of token ids [R, B] (their rows of `embed`), then the final norm and `head` on
         the flat block rows `rows`, in one kernel call (LayerSteps.forward); None, running nothing, where that call
         cannot run here or `head` has no packed kernel at that row count (the caller takes draft_hidden's path)."""
-        if not self._steps_current(self._layer_steps) or head.kernel_for(rows.shape[0]) is None:
+        if (not self._steps_current(self._layer_steps) or head.kernel_for(rows.shape[0]) is None
+                or self.config.input_embedding_scale != 1.0):  # (the fused call embeds the ids unscaled)
             return None
         attention, cos, sin = self._block_pass(cache, slots, *block_ids.shape)
         # Block K/V land past the context length (overwritten by the next context): nothing commits lengths.
@@ -411,9 +301,9 @@ class DFlashDrafter(nn.Module):
         device = self.fc.weight.device
         ctx = self.hidden_norm(self.fc(context_features))
         block_pos = (anchors[:, None] + torch.arange(b, device=anchors.device)[None, :]).reshape(-1)
-        ctx_cos, ctx_sin = rope_cos_sin(torch.arange(seq_len), cfg.head_dim, cfg.rope_theta, ctx.dtype, first=0,
+        ctx_cos, ctx_sin = rope_cos_sin(torch.arange(seq_len), cfg.head_dim, cfg.rope, ctx.dtype, first=0,
                                         device=device)
-        blk_cos, blk_sin = rope_cos_sin(block_pos.cpu(), cfg.head_dim, cfg.rope_theta, ctx.dtype, device=device)
+        blk_cos, blk_sin = rope_cos_sin(block_pos.cpu(), cfg.head_dim, cfg.rope, ctx.dtype, device=device)
         # [1, 1, A*B, L + A*B] mask: context before the block's anchor, plus the block itself. SDPA gets 4-D
         # [batch, heads, q, k] tensors: 3-D ones fall back to the math kernel on CUDA, whose bf16 score tensor alone
         # is heads x A*B x (L + A*B) (~10 GB a layer at Qwen3-8B's training shapes); a boolean mask is one the
@@ -421,20 +311,27 @@ class DFlashDrafter(nn.Module):
         sees_ctx = torch.arange(seq_len, device=device)[None, :] < anchors.to(device).repeat_interleave(b)[:, None]
         block_id = torch.arange(a, device=device).repeat_interleave(b)
         sees_block = block_id[:, None] == block_id[None, :]
-        mask = torch.cat([sees_ctx, sees_block], dim=1)[None, None]
-        h = block_embeds.reshape(a * b, d)
+        visible = torch.cat([sees_ctx, sees_block], dim=1)
+        key_pos = torch.cat([torch.arange(seq_len, device=device), block_pos.to(device)])
+        masks: dict[LayerAttention, torch.Tensor] = {}
+        h = block_embeds.reshape(a * b, d) * cfg.input_embedding_scale
         rep = cfg.num_heads // cfg.num_kv_heads
-        for layer in self.layers:
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            k_ctx, v_ctx = attn.keys_values(ctx, ctx_cos, ctx_sin)
-            k_blk, v_blk = attn.keys_values(x, blk_cos, blk_sin)
-            k = torch.cat([k_ctx, k_blk]).transpose(0, 1)  # [kv_heads, L + A*B, head_dim]
-            v = torch.cat([v_ctx, v_blk]).transpose(0, 1)
-            q = attn.queries(x, blk_cos, blk_sin).transpose(0, 1)  # [heads, A*B, head_dim]
-            out = F.scaled_dot_product_attention(
-                q[None], k.repeat_interleave(rep, 0)[None], v.repeat_interleave(rep, 0)[None], attn_mask=mask
-            )  # [1, heads, A*B, head_dim]
-            h = h + attn.o_proj(out[0].transpose(0, 1).reshape(a * b, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for i, layer in enumerate(self.layers):
+            attn, kind = layer.self_attn, cfg.attention_of(i)
+            if kind not in masks:
+                masks[kind] = (visible & kind_mask(kind, block_pos.to(device)[:, None], key_pos[None, :]))[None, None]
+
+            def attend(x: torch.Tensor) -> torch.Tensor:
+                k_ctx, v_ctx = attn.keys_values(ctx, ctx_cos, ctx_sin)
+                k_blk, v_blk = attn.keys_values(x, blk_cos, blk_sin)
+                k = torch.cat([k_ctx, k_blk]).transpose(0, 1)  # [kv_heads, L + A*B, head_dim]
+                v = torch.cat([v_ctx, v_blk]).transpose(0, 1)
+                q = attn.queries(x, blk_cos, blk_sin).transpose(0, 1)  # [heads, A*B, head_dim]
+                out = F.scaled_dot_product_attention(
+                    q[None], k.repeat_interleave(rep, 0)[None], v.repeat_interleave(rep, 0)[None], attn_mask=masks[kind]
+                )  # [1, heads, A*B, head_dim]
+                return attn.o_proj(out[0].transpose(0, 1).reshape(a * b, -1))
+
+            h = h + layer.sublayer(layer.attention_conv, attend, layer.input_layernorm(h), a)
+            h = h + layer.sublayer(layer.mlp_conv, layer.mlp, layer.post_attention_layernorm(h), a)
         return self.norm(h).view(a, b, d)

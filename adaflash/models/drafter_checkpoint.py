@@ -15,6 +15,7 @@ import torch
 
 from adaflash.models.config import read_config_json
 from adaflash.models.device import placed
+from adaflash.models.dflash2 import GroupedDynamicCausalConv, codebook_keys
 from adaflash.models.draft_vocab import VOCAB_FILE, DraftVocab
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
 from adaflash.models.safetensors_io import atomic_write, check_state, read_tensors, save_tensors
@@ -101,6 +102,8 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
     path = Path(path)
     config = load_drafter_config(path)
     state, weights_file = _read_weights(path)
+    bare = codebook_keys(("predecessor_codebook", "successor_codebook"))
+    state = {bare.get(k, k): v for k, v in state.items()}
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
     check_state(weights_file, state, drafter.state_dict())
@@ -136,6 +139,9 @@ def init_drafter(config: DrafterConfig, seed: int = 0, dtype: torch.dtype = torc
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
+        for module in drafter.modules():  # DFlash 2's convolutions start as the identity, as its paper's do
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_to_identity()
     return drafter.to(dtype).eval()
 
 

@@ -318,3 +318,56 @@ class RaggedAttention:
     def commit_lengths(self, cache: KVCache) -> None:
         for slot, end in zip(self.batch.slots, self.batch.ends):
             cache.lengths[slot] = end
+
+
+def kind_mask(kind, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """Which keys a query sees under a draft layer's attention kind (`causal`, `window`: models/drafter_config.py),
+    by absolute positions (broadcast): causal sees keys at or before it; a window sees keys fewer than `window`
+    positions away (both ways when not causal), as the DFlash reference masks its sliding layers."""
+    allowed = torch.ones(torch.broadcast_shapes(query_pos.shape, key_pos.shape), dtype=torch.bool,
+                         device=query_pos.device)
+    if kind.causal:
+        allowed &= key_pos <= query_pos
+    if kind.window is not None:
+        allowed &= query_pos - key_pos < kind.window
+        if not kind.causal:
+            allowed &= key_pos - query_pos < kind.window
+    return allowed
+
+
+class BlockMasks:
+    """Attention of draft blocks under each layer's kind: the plain non-causal `attention` itself, a causal one over
+    the same batch (the ragged kernels) while no window cuts anything, else torch's SDPA one sequence at a time with
+    the kind's mask (public drafters' sliding layers once the context outgrows the window)."""
+
+    def __init__(self, attention: RaggedAttention, device: torch.device | str) -> None:
+        self.attention = attention
+        self.device = device
+        self._causal: RaggedAttention | None = None
+
+    def attend(self, kind, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> [T, heads * head_dim]; the block's K/V are already written."""
+        if kind.window is None or self.attention.key_len <= kind.window:  # no window cuts: a ragged kernel
+            if not kind.causal:
+                return self.attention.attend(cache, layer, q)
+            if self._causal is None:
+                self._causal = RaggedAttention(self.attention.batch, causal=True, device=self.device)
+            return self._causal.attend(cache, layer, q)
+        return self._masked(kind, cache, layer, q)
+
+    def _masked(self, kind, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        batch, out, offset = self.attention.batch, [], 0
+        rep = q.shape[1] // cache.k.shape[2]
+        for slot, start, n in zip(batch.slots, batch.starts, batch.query_lens):
+            end = start + n
+            k = cache.k[layer, slot, :, :end].to(q.dtype).repeat_interleave(rep, 0)  # [heads, end, head_dim]
+            v = cache.v[layer, slot, :, :end].to(q.dtype).repeat_interleave(rep, 0)
+            query_pos = torch.arange(start, end, device=q.device)[:, None]
+            mask = kind_mask(kind, query_pos, torch.arange(end, device=q.device)[None, :])
+            o = F.scaled_dot_product_attention(q[offset : offset + n].transpose(0, 1)[None], k[None], v[None],
+                                               attn_mask=mask[None, None])
+            out.append(o[0].transpose(0, 1).reshape(n, -1))
+            offset += n
+        return torch.cat(out)

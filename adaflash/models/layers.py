@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -114,7 +115,7 @@ def _kernel_library():
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, first: int | None = None,
+    positions: torch.Tensor, head_dim: int, theta: "float | RopeSpec", dtype: torch.dtype, first: int | None = None,
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, 1, head_dim] on `device` (default the positions') for absolute positions (half-split layout, as HF
@@ -136,16 +137,41 @@ def rope_cos_sin(
 _ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _rope_table(head_dim: int, theta: float, dtype: torch.dtype, device: torch.device,
+@dataclass(frozen=True)
+class RopeSpec:
+    """A scaled rotary embedding (yarn, linear, llama3, longrope), where `theta` alone does not say it: hashable, so it
+    keys the tables as a plain theta does. Frequencies and the attention factor are transformers' own (its
+    ROPE_INIT_FUNCTIONS), so a drafter rotates exactly as the reference that trained it."""
+
+    theta: float
+    scaling: tuple[tuple[str, object], ...]  # rope_parameters beyond theta, rope_type included
+    max_position_embeddings: int
+    head_dim: int
+
+    def frequencies(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        from transformers import PretrainedConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = {k: list(v) if isinstance(v, tuple) else v for k, v in self.scaling}
+        config = PretrainedConfig(rope_parameters={"rope_theta": self.theta, **params}, head_dim=self.head_dim,
+                                  hidden_size=self.head_dim, num_attention_heads=1,
+                                  max_position_embeddings=self.max_position_embeddings)
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, device)
+        return inv_freq.float(), float(factor)
+
+
+def _rope_table(head_dim: int, theta: "float | RopeSpec", dtype: torch.dtype, device: torch.device,
                 rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     key = (head_dim, theta, dtype, device)
     table = _ROPE_TABLES.get(key)
     if table is None or table[0].shape[0] < rows:
         size = max(rows, 4096, 2 * table[0].shape[0] if table is not None else 0)
         with torch.inference_mode(False):  # a normal tensor, usable by training passes too
-            freqs = torch.arange(size, device=device).float()[:, None] * _inv_freq(head_dim, theta, device)[None, :]
+            inv_freq, factor = (theta.frequencies(device) if isinstance(theta, RopeSpec)
+                                else (_inv_freq(head_dim, theta, device), 1.0))
+            freqs = torch.arange(size, device=device).float()[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            table = _ROPE_TABLES[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+            table = _ROPE_TABLES[key] = ((emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype))
     return table
 
 

@@ -165,7 +165,7 @@ class SyntheticDrafter:
             hidden[row, :, 1] = slot
         return hidden
 
-    def draft_tokens(self, hidden, num_draft, sampling, generators):
+    def draft_tokens(self, hidden, num_draft, sampling, generators, anchors=None):
         from adaflash.speculative.proposer import Drafts
 
         tokens = []

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from adaflash.models.dflash2 import selector_law
 from adaflash.models.draft_vocab import DraftHead
 from adaflash.models.drafter import DFlashDrafter
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
@@ -97,13 +98,36 @@ class DFlashProposer:
         num_draft: Sequence[int],
         sampling: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        anchors: Sequence[int] | None = None,
     ) -> Drafts:
-        """Draft tokens from block hidden states [n, B, d]: the LM head runs only on the positions verified."""
+        """Draft tokens from block hidden states [n, B, d]: the LM head runs only on the positions verified.
+        `anchors` (the blocks' first tokens): a DFlash 2 drafter's selector starts its path there."""
         self._check_lengths(num_draft)
         rows = [hidden[r, 1 : 1 + k] for r, k in enumerate(num_draft)]
         x = (rows[0] if len(rows) == 1 else torch.cat(rows)).to(self.target.dtype)
         logits = (self._head_linear(x) if self._head_linear is not None else linear(x, self.head.weight)).float()
+        logits = self.drafter.finish_logits(logits)
+        if self.drafter.candidate_selector is not None:
+            if anchors is None:
+                raise ValueError("a DFlash 2 drafter's selector needs each block's anchor token")
+            return self._selected(x, logits, num_draft, anchors, sampling, generators)
         return self._drafts_from_logits(logits, num_draft, sampling, generators)
+
+    def _selected(self, hidden: torch.Tensor, logits: torch.Tensor, num_draft: Sequence[int], anchors: Sequence[int],
+                  sampling: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> Drafts:
+        """DFlash 2: each request's drafts along its selector path; sampling, the selector's q over its candidates
+        (at the request's temperature) is the draft law verification sees (models/dflash2.py)."""
+        selector, vocab = self.drafter.candidate_selector, self.target.config.vocab_size
+        tokens, probs, offset = [], [], 0
+        for k, anchor, params, gen in zip(num_draft, anchors, sampling, generators):
+            rows = slice(offset, offset + k)
+            offset += k
+            temperature = 0.0 if params.greedy else params.temperature
+            drafted, q, candidates = selector.select(hidden[rows], logits[rows], int(anchor), self.head.ids,
+                                                     temperature, gen)
+            tokens.append(drafted)
+            probs.append(None if q is None else selector_law(q, candidates, vocab))
+        return Drafts(tokens=torch.cat(tokens), probs=tuple(probs), num_draft=tuple(num_draft))
 
     def _drafts_from_logits(self, logits: torch.Tensor, num_draft: Sequence[int], sampling: Sequence[SamplingParams],
                             generators: Sequence[torch.Generator | None]) -> Drafts:
@@ -141,10 +165,12 @@ class DFlashProposer:
         """Draft after each anchor (the last committed token, placed at its slot's context length)."""
         self._check_lengths(num_draft)  # before the drafter pass, not after it
         width = self.block_size if self.whole_block else max(2, max(num_draft) + 1)
-        logits = self.draft_logits(cache, slots, anchors, num_draft, width)
+        logits = (self.draft_logits(cache, slots, anchors, num_draft, width)
+                  if self.drafter.candidate_selector is None else None)  # (the selector reads the hidden states)
         if logits is not None:
-            return self._drafts_from_logits(logits, num_draft, sampling, generators)
-        return self.draft_tokens(self.draft_hidden(cache, slots, anchors, width), num_draft, sampling, generators)
+            return self._drafts_from_logits(self.drafter.finish_logits(logits), num_draft, sampling, generators)
+        return self.draft_tokens(self.draft_hidden(cache, slots, anchors, width), num_draft, sampling, generators,
+                                 anchors)
 
     @torch.inference_mode()
     def draft_logits(self, cache: KVCache, slots: Sequence[int], anchors: Sequence[int], num_draft: Sequence[int],

@@ -182,7 +182,7 @@ def test_bad_checkpoints_name_the_file(tmp_path):
     other = tmp_path / "other"
     save_drafter(_drafter(num_layers=1), other)
     cfg = json.loads((other / "config.json").read_text())
-    cfg["num_hidden_layers"] = 2
+    cfg["num_hidden_layers"], cfg["layer_types"] = 2, ["full_attention"] * 2
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="missing"):
         load_drafter(other)
