@@ -111,3 +111,39 @@ def ours_generate(target, proposer, prompt: list[int], max_new_tokens: int) -> t
     finally:
         del target.forward
     return result.token_ids, passes[1:]
+
+
+def in_the_run(target) -> list[int]:
+    """A prompt ending inside the run of the token the target repeats (what the oracle's drafters guess)."""
+    from adaflash.speculative.reference import autoregressive_generate
+
+    return PROMPTS[0] + autoregressive_generate(target, PROMPTS[0], 8).token_ids
+
+
+def assert_same_acceptance_law(target, proposer, model, hf, runs: int = 300, temperature: float = 0.3) -> None:
+    """Random streams differ, laws do not: the first verify pass's committed tokens over many seeds, ours against the
+    reference's (two-sample chi-square), on a prompt where drafts are often kept."""
+    from scipy.stats import chi2_contingency
+
+    from adaflash.speculative.reference import speculative_generate
+    from adaflash.speculative.sampling import SamplingParams
+
+    prompt, bins = in_the_run(target), 5  # no pass (the first token stopped), then 1, 2, 3, 4+ tokens committed
+    ours, theirs = [0] * bins, [0] * bins
+    for seed in range(runs):
+        stats = speculative_generate(target, proposer, prompt, 8, SamplingParams(temperature=temperature),
+                                     draft_length=proposer.block_size - 1, stop_token_ids=STOP, seed=seed).stats
+        tokens, passes = reference_generate(model, hf, prompt, 8, temperature=temperature, seed=seed)
+        ours[min(stats.accept_lengths[0], bins - 1) if stats.accept_lengths else 0] += 1
+        theirs[min(_first_accept(tokens, passes[0]), bins - 1) if passes else 0] += 1
+    assert sum(ours[2:]) > runs // 10, ours  # drafts were kept often enough for the law to say something
+    table = [[o, t] for o, t in zip(ours, theirs) if o + t]
+    assert chi2_contingency(table).pvalue > 1e-3, (ours, theirs)
+
+
+def _first_accept(tokens: list[int], block: list[int]) -> int:
+    """Tokens the first verify pass (anchor + drafts `block`) committed: the drafts the output kept, and one more."""
+    n = 0
+    while n < len(block) - 1 and 1 + n < len(tokens) and tokens[1 + n] == block[1 + n]:
+        n += 1
+    return n + 1

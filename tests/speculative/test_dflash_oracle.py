@@ -13,8 +13,8 @@ import torch
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.target import load_target
 from adaflash.speculative.proposer import DFlashProposer
-from tests.dflash_oracle import (PROMPTS, hf_target, ours_generate, reference_drafter, reference_generate,
-                                 repeating_mask_token)
+from tests.dflash_oracle import (PROMPTS, assert_same_acceptance_law, hf_target, ours_generate, reference_drafter,
+                                 reference_generate, repeating_mask_token)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 NEW_TOKENS = 48
@@ -120,3 +120,10 @@ def test_fields_survive_our_save(tiny, tmp_path):
     save_drafter(load_drafter(tmp_path / "drafter", dtype=torch.float32), tmp_path / "again", dtype=torch.float32)
     assert load_drafter(tmp_path / "again").config == load_drafter(tmp_path / "drafter").config
     _agree(tiny, tmp_path / "again", model, prompts=PROMPTS[:1])
+
+
+def test_sampling_acceptance_law_matches_the_reference(tiny, tmp_path):
+    model = reference_drafter(tiny[1], tmp_path / "drafter", tiny[2], block=8)
+    target = load_target(tiny[0], dtype=torch.float32)
+    assert_same_acceptance_law(target, DFlashProposer(load_drafter(tmp_path / "drafter", dtype=torch.float32), target),
+                               model, tiny[1])
