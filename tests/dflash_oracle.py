@@ -76,12 +76,12 @@ def reference_drafter(hf, path: Path, mask: int, block: int = 8, dflash2: bool =
 
 
 def reference_generate(model, hf, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-                       seed: int = 0) -> tuple[list[int], list[list[int]]]:
+                       seed: int = 0, stop: list[int] = STOP) -> tuple[list[int], list[list[int]]]:
     """The reference's tokens and every target pass's input after the prefill (anchor + drafts)."""
     passes = _recording(hf)
     torch.manual_seed(seed)
     try:
-        out = ref.dflash_generate(model, hf, torch.tensor([prompt]), max_new_tokens, STOP, temperature=temperature)
+        out = ref.dflash_generate(model, hf, torch.tensor([prompt]), max_new_tokens, stop, temperature=temperature)
     finally:
         del hf.forward
     return out[0, len(prompt):].tolist(), passes[1:]
@@ -99,7 +99,8 @@ def _recording(module) -> list[list[int]]:
     return calls
 
 
-def ours_generate(target, proposer, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[list[int]]]:
+def ours_generate(target, proposer, prompt: list[int], max_new_tokens: int,
+                  stop: list[int] = STOP) -> tuple[list[int], list[list[int]]]:
     """Our reference loop's tokens and target passes after the prefill, drafting whole blocks as the reference does
     (block - 1 drafts, fewer only where the budget ends)."""
     from adaflash.speculative.reference import speculative_generate
@@ -107,7 +108,7 @@ def ours_generate(target, proposer, prompt: list[int], max_new_tokens: int) -> t
     passes = _recording(target)
     try:
         result = speculative_generate(target, proposer, prompt, max_new_tokens, draft_length=proposer.block_size - 1,
-                                      stop_token_ids=STOP)
+                                      stop_token_ids=stop)
     finally:
         del target.forward
     return result.token_ids, passes[1:]
