@@ -46,14 +46,17 @@ class GroupedDynamicCausalConv(nn.Module):
         """y[t] = sum_o (base[o] + dynamic[t, o, group]) * x[t - o]: x [R, B, d], dynamic [R, B, K, groups]."""
         r, b, d = x.shape
         grouped = x.view(r, b, self.groups, self.group_size)
-        out = torch.zeros_like(grouped)
-        for offset in range(min(self.kernel_size, b)):
-            shifted = grouped if offset == 0 else torch.cat([grouped.new_zeros(r, offset, *grouped.shape[2:]),
-                                                             grouped[:, : b - offset]], dim=1)
-            # (the reference's order of operations: base term, then the dynamic one)
-            out = out + base[offset].view(self.groups, self.group_size).to(x.dtype) * shifted
-            out = torch.addcmul(out, dynamic[:, :, offset, :, None], shifted)
-        return out.view(r, b, d)
+        base = base.view(-1, self.groups, self.group_size).to(x.dtype)
+        dynamic = dynamic[..., None]  # [R, B, K, groups, 1]
+        # (the reference's order of operations: base term, then the dynamic one; a tap past the block's start reads
+        # zeros, so it only adds into positions offset..B-1)
+        out = torch.addcmul(base[0] * grouped, dynamic[:, :, 0], grouped)
+        for offset in range(1, min(self.kernel_size, b)):
+            shifted = grouped[:, : b - offset]
+            tail = out[:, offset:]
+            out = torch.cat([out[:, :offset], torch.addcmul(tail + base[offset] * shifted,
+                                                            dynamic[:, offset:, offset], shifted)], dim=1)
+        return out.reshape(r, b, d)
 
 
 class CandidateSelector(nn.Module):
@@ -65,36 +68,29 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
     @torch.inference_mode()
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, ids: torch.Tensor | None,
-               temperature: float, generator: torch.Generator | None,
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """One request's drafts along its greedy (or sampled) path.
-
-        hidden [k, d] and logits [k, V'] of the drafted positions; `ids` maps logit columns to target token ids (a
-        trimmed draft vocabulary) or None. Returns (tokens [k] in target ids, q [k, K] or None when greedy,
-        candidates [k, K] in target ids)."""
-        from adaflash.speculative.sampling import sample_tokens  # (speculative sits above models)
-
+    def scores(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int,
+               ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every path score of one request's k drafted positions at once: hidden [k, d] and logits [k, V'] (`ids` maps
+        logit columns to target ids: a trimmed draft vocabulary, or None). Returns (candidates [k, K] in target ids,
+        the scores of position 0's candidates after the anchor [K], the scores of position p's candidates after each
+        candidate of position p - 1 [k-1, K, K]); a path is then a walk through indices, not k rounds of small ops."""
         unary, candidates = torch.topk(logits.float(), min(self.top_k, logits.shape[-1]), dim=-1)
         if ids is not None:
             candidates = ids[candidates]
-        projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()
+        projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()  # [k, rank]
         successors = self.successor_codebook(candidates).float()  # [k, K, rank]
-        predecessor = torch.tensor(anchor, device=logits.device)
-        tokens, q_rows = [], []
-        for position in range(logits.shape[0]):
-            query = self.predecessor_codebook(predecessor).float() * projected[position]
-            scores = unary[position] + successors[position] @ query
-            if temperature > 0:
-                q = torch.softmax(scores / temperature, dim=-1)
-                index = sample_tokens(q[None], generator)[0]
-                q_rows.append(q)
-            else:
-                index = torch.argmax(scores)
-            predecessor = candidates[position, index]
-            tokens.append(predecessor)
-        q = torch.stack(q_rows) if q_rows else None
-        return torch.stack(tokens) if tokens else candidates.new_zeros(0), q, candidates
+        anchor_query = self.predecessor_codebook.weight[anchor].float() * projected[0]
+        first = unary[0] + successors[0] @ anchor_query
+        queries = self.predecessor_codebook(candidates[:-1]).float() * projected[1:, None, :]  # [k-1, K, rank]
+        return candidates, first, unary[1:, None, :] + queries @ successors[1:].transpose(1, 2)
+
+    @staticmethod
+    def greedy_path(first: torch.Tensor, after: torch.Tensor) -> list[int]:
+        """The candidate index of each position along the greedy path (one host read)."""
+        picks = [int(torch.argmax(first))]
+        for best in after.argmax(-1).tolist():  # [k-1][previous] -> index
+            picks.append(best[picks[-1]])
+        return picks
 
 
 def selector_law(q: torch.Tensor, candidates: torch.Tensor, vocab_size: int) -> torch.Tensor:

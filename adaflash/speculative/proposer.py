@@ -122,10 +122,17 @@ class DFlashProposer:
         for k, anchor, params, gen in zip(num_draft, anchors, sampling, generators):
             rows = slice(offset, offset + k)
             offset += k
-            temperature = 0.0 if params.greedy else params.temperature
-            drafted, q, candidates = selector.select(hidden[rows], logits[rows], int(anchor), self.head.ids,
-                                                     temperature, gen)
-            tokens.append(drafted)
+            if k == 0:
+                tokens.append(torch.zeros(0, dtype=torch.long, device=logits.device))
+                probs.append(None if params.greedy else logits.new_zeros(0, vocab))
+                continue
+            candidates, first, after = selector.scores(hidden[rows], logits[rows], int(anchor), self.head.ids)
+            if params.greedy:
+                picks, q = selector.greedy_path(first, after), None
+            else:
+                picks, q = _sampled_path(first, after, params.temperature, gen)
+            index = torch.tensor(picks, device=candidates.device)
+            tokens.append(candidates.gather(1, index[:, None])[:, 0])
             probs.append(None if q is None else selector_law(q, candidates, vocab))
         return Drafts(tokens=torch.cat(tokens), probs=tuple(probs), num_draft=tuple(num_draft))
 
@@ -184,3 +191,18 @@ class DFlashProposer:
         rows = torch.tensor([r * width + 1 + j for r, k in enumerate(num_draft) for j in range(k)], dtype=torch.long)
         return self.drafter.draft_logits(cache, self._block_ids(anchors, width), slots, self.target.embed_tokens,
                                          self._head_linear, rows)
+
+
+def _sampled_path(first: torch.Tensor, after: torch.Tensor, temperature: float,
+                  generator: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+    """A DFlash 2 selector's sampled path: each position's candidate drawn from the softmax of its scores after the
+    candidate drawn before it (at the request's temperature, as the reference draws); returns the picks and each
+    position's law over its candidates [k, K]."""
+    scores, picks, laws = first, [], []
+    for p in range(after.shape[0] + 1):
+        q = torch.softmax(scores / temperature, dim=-1)
+        picks.append(int(sample_tokens(q[None], generator)[0]))
+        laws.append(q)
+        if p < after.shape[0]:
+            scores = after[p, picks[-1]]
+    return picks, torch.stack(laws)
