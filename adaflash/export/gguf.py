@@ -115,6 +115,16 @@ def _notes(drafter_dir: Path, config, vocab_size: int) -> list[str]:
     return notes
 
 
+def gguf_unwritten(dcfg) -> list[str]:
+    """The drafter's features llama.cpp's `dflash` architecture (as of the pinned peer) has no key or graph for."""
+    return [name for name, present in (
+        ("DFlash 2's convolutions and candidate selector", dcfg.dflash2),
+        ("causal or sliding-window draft layers", not dcfg.plain_attention),
+        ("a scaled rope (rope_parameters.rope_type)", bool(dcfg.rope_scaling)),
+        ("input_embedding_scale", dcfg.input_embedding_scale != 1.0),
+        ("output_multiplier / final_logit_softcapping", not dcfg.plain_logits)) if present]
+
+
 def export_gguf(config: GGUFExportConfig) -> GGUFExport:
     """Write `config.drafter` as a DFlash GGUF at `config.out` (atomically: a temporary file renamed into place)."""
     import gguf
@@ -135,6 +145,9 @@ def export_gguf(config: GGUFExportConfig) -> GGUFExport:
     except ValueError as exc:
         raise ValueError(f"{drafter_dir} does not fit target {target_dir}: {exc}") from exc
     target_arch = next(iter(read_config_json(target_dir, "a Hugging Face checkpoint directory")["architectures"]))
+    unwritten = gguf_unwritten(dcfg)
+    if unwritten:  # llama.cpp's dflash graph has none of these: it would load and draft otherwise
+        raise ValueError(f"{drafter_dir}: llama.cpp's DFlash GGUF cannot carry {', '.join(unwritten)}")
 
     out = Path(config.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from adaflash.export import gguf_vocab
 from adaflash.export.gguf import GGUFExportConfig, export_gguf, gguf_tensor_name
 from adaflash.models.config import TransformerConfig
 from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter import DrafterConfig
+from adaflash.models.drafter import DrafterConfig, LayerAttention
 from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, save_drafter
 from adaflash.models.length_head import LengthHeadConfig, build_length_head, save_length_head
 from adaflash.models.registry import load_tokenizer
@@ -254,3 +254,21 @@ def test_unknown_tensor_names_are_refused():
     assert gguf_tensor_name("layers.3.mlp.down_proj.weight") == "blk.3.ffn_down.weight"
     with pytest.raises(ValueError, match="no DFlash GGUF name"):
         gguf_tensor_name("layers.0.self_attn.q_proj.bias")
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4), "DFlash 2"),
+    (dict(layer_attention=(LayerAttention(causal=True, window=64), LayerAttention())), "sliding-window"),
+    (dict(rope_scaling=(("factor", 4.0), ("original_max_position_embeddings", 64), ("rope_type", "yarn"))), "rope"),
+    (dict(input_embedding_scale=2.0), "input_embedding_scale"),
+    (dict(final_logit_softcapping=30.0), "softcapping"),
+])
+def test_what_llama_cpps_dflash_cannot_carry_is_refused(tiny_chat_checkpoint, tmp_path, change, named):
+    """A public drafter's feature the GGUF has no key for would load in llama.cpp and draft otherwise: refused."""
+    from dataclasses import replace
+
+    drafter = save_drafter(init_drafter(replace(_drafter_config(tiny_chat_checkpoint), **change)), tmp_path / "d")
+    out = tmp_path / "x.gguf"
+    with pytest.raises(ValueError, match=named):
+        export_gguf(GGUFExportConfig(drafter=drafter, out=out, target=tiny_chat_checkpoint))
+    assert not out.exists()
