@@ -159,6 +159,10 @@ endif
 GPU_OUT ?= $(if $(OUT),$(OUT),runs/gpu-check)
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 CHECK_SITE ?= /tmp/adaflash-check-site
+# The tests `pytest -m cuda` runs there: the device path, MoE targets, drafters against z-lab's reference (its wheel is
+# staged beside pytest's). The dry run in `make test` keeps to the first (the others' fake-CUDA runs are their own).
+CUDA_TESTS ?= tests/test_device_path.py tests/models/test_moe_target.py tests/speculative/test_dflash_oracle.py \
+	tests/speculative/test_dflash2.py
 # First the machine (packages, nvidia-smi: gpu/machine.py), then pytest from the staged wheels where it is missing.
 gpu-check:
 	mkdir -p $(GPU_OUT)
@@ -167,7 +171,7 @@ gpu-check:
 	-$(GPU_PY) -c "import pytest" 2>/dev/null || ! test -d $(STAGE)/check-wheels || \
 		$(GPU_PY) -m pip install -q --no-index --no-deps --target $(CHECK_SITE) $(STAGE)/check-wheels/*.whl
 	PYTHONPATH=$(CHECK_SITE)$${PYTHONPATH:+:$$PYTHONPATH} ADAFLASH_KERNELS=stock $(GPU_PY) -m pytest -q \
-		-p no:cacheprovider -m cuda tests/test_device_path.py $(if $(filter cpu,$(DEVICE)),--collect-only,) 2>&1 \
+		-p no:cacheprovider -m cuda $(CUDA_TESTS) $(if $(filter cpu,$(DEVICE)),--collect-only,) 2>&1 \
 		| tail -40 | tee $(GPU_OUT)/pytest_cuda.txt
 	ADAFLASH_KERNELS=stock $(GPU_PY) gpu/check.py --device $(DEVICE) --out $(GPU_OUT) $(if $(TINY),--tiny,)
 

@@ -27,7 +27,8 @@ BURST_MIX = "gsm-symbolic:15000,mgsm-symbolic:15000,champ:174,sharegpt-chat:6479
 STAGED_WHEELS = ("gguf==0.19.0", "accelerate==1.16.0", "psutil==7.2.2")
 # What `make gpu-check`'s `pytest -m cuda` needs beyond a bare machine's torch / transformers (packaging is there).
 # scipy (one sampling-law test's chi-square) is ~35 MB, too large to carry: without it that one test errors.
-CHECK_WHEELS = ("pytest==9.2.0", "pluggy==1.7.0", "iniconfig==2.3.1", "pygments==2.21.0")
+# dflash: z-lab's reference code (pure Python, 25 KB), the oracle of the drafter tests.
+CHECK_WHEELS = ("pytest==9.2.0", "pluggy==1.7.0", "iniconfig==2.3.1", "pygments==2.21.0", "dflash==0.1.0")
 CHECK_DIR = "check-wheels"
 
 

@@ -96,7 +96,7 @@ POLICIES = {
     "fixed:3": lambda target: build_length_policy("fixed:3"),
     "heuristic": lambda target: build_length_policy("heuristic"),
     "throughput": lambda target: build_length_policy("throughput", FLAT_COST),
-    "adaflash": lambda target: LearnedThroughputLength(FLAT_COST, _head(target, 8)),
+    "adaflash": lambda target: LearnedThroughputLength(FLAT_COST, _head(target, 8).to(target.device)),
 }
 
 
