@@ -104,7 +104,8 @@ class TrainConfig:
 
 
 def _copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
-    """Initialise draft layer i from the i-th of the target's top layers (output space closest to the LM head)."""
+    """Initialise draft layer i from the i-th of the target's top layers (output space closest to the LM head): attention
+    and norms, and the MLP where the target's layer has a dense one."""
     tc = target.config
     q, kv = tc.num_heads * tc.head_dim, tc.num_kv_heads * tc.head_dim
     first = tc.num_layers - len(drafter.layers)
@@ -119,10 +120,11 @@ def _copy_target_layers(drafter: DFlashDrafter, target: TargetModel) -> None:
             if src.q_norm is not None:
                 attn.q_norm.weight.copy_(src.q_norm)
                 attn.k_norm.weight.copy_(src.k_norm)
-            inter = tc.intermediate_size
-            layer.mlp.gate_proj.weight.copy_(src.gate_up[:inter])
-            layer.mlp.up_proj.weight.copy_(src.gate_up[inter:])
-            layer.mlp.down_proj.weight.copy_(src.down)
+            if src.gate_up is not None:  # a mixture-of-experts layer has no dense MLP to start from: it stays fresh
+                inter = tc.intermediate_size
+                layer.mlp.gate_proj.weight.copy_(src.gate_up[:inter])
+                layer.mlp.up_proj.weight.copy_(src.gate_up[inter:])
+                layer.mlp.down_proj.weight.copy_(src.down)
             layer.input_layernorm.weight.copy_(src.input_norm)
             layer.post_attention_layernorm.weight.copy_(src.post_norm)
 

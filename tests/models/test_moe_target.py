@@ -235,3 +235,23 @@ def test_the_qwen3_coder_30b_a3b_drafter_config_fits_the_target():
     assert cfg.target_layer_ids == build_target_layer_ids(48, cfg.num_layers) == (1, 12, 23, 34, 45)
     assert (drafter.hidden_size, drafter.intermediate_size, drafter.num_kv_heads) == (2048, 6144, 4)
     assert not cfg.init_from_target  # a MoE layer has no dense MLP to copy
+
+
+def test_a_new_drafter_starts_from_a_moe_targets_top_layers(moe_checkpoints):
+    """`init_from_target` on a MoE target: attention and norms from the top layers, the MLP of a sparse layer fresh
+    (it has no dense MLP), the dense layer's MLP copied."""
+    from adaflash.training.trainer import TrainConfig, new_drafter
+
+    target = load_target(moe_checkpoints["moe"], dtype=torch.float32)
+    cfg = TrainConfig(data_dir="unused", out_dir="unused", mask_token_id=5, num_layers=3, block_size=8,
+                      init_from_target=True)
+    drafter = new_drafter(cfg, target)
+    first = target.config.num_layers - 3
+    for i, layer in enumerate(drafter.layers):
+        src = target.layers[first + i]
+        assert torch.equal(layer.self_attn.o_proj.weight, src.o)
+        inter = target.config.intermediate_size
+        copied = torch.equal(layer.mlp.gate_proj.weight, src.gate_up[:inter]) if src.gate_up is not None else None
+        assert copied is (True if src.gate_up is not None else None)
+    assert any(target.layers[first + i].gate_up is None for i in range(3))
+    assert any(target.layers[first + i].gate_up is not None for i in range(3))
