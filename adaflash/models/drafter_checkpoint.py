@@ -164,6 +164,23 @@ def deepen_drafter(drafter: DFlashDrafter, num_layers: int, seed: int = 0) -> DF
     return deeper.train(drafter.training)
 
 
+def as_dflash2(drafter: DFlashDrafter, conv_kernel_size: int, conv_group_size: int, selector_rank: int,
+               selector_top_k: int, seed: int = 0) -> DFlashDrafter:
+    """`drafter` (DFlash 1) with DFlash 2's modules added: convolutions as the identity and a fresh selector, so the
+    backbone first drafts exactly as the trained one did and training adds the selector and the convolutions."""
+    if drafter.config.dflash2:
+        raise ValueError("the drafter is DFlash 2 already")
+    config = replace(drafter.config, conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                     selector_rank=selector_rank, selector_top_k=selector_top_k)
+    upgraded = init_drafter(config, seed=seed, dtype=drafter.dtype).to(drafter.device)
+    with torch.no_grad():
+        result = upgraded.load_state_dict(drafter.state_dict(), strict=False)
+    assert not result.unexpected_keys and all("conv" in k or k.startswith("candidate_selector.")
+                                              for k in result.missing_keys), result
+    upgraded.set_draft_vocab(drafter.draft_vocab)
+    return upgraded.train(drafter.training)
+
+
 LATEST_FILE = "LATEST"
 
 

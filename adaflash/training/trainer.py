@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from adaflash.models.device import current_device
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
-from adaflash.models.drafter_checkpoint import deepen_drafter, init_drafter, load_drafter, save_drafter
+from adaflash.models.drafter_checkpoint import as_dflash2, deepen_drafter, init_drafter, load_drafter, save_drafter
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import TargetModel, load_target
 from adaflash.models.kv_cache import RaggedBatch
@@ -35,6 +35,7 @@ from adaflash.models.draft_vocab import DraftHead, DraftVocab, count_tokens
 from adaflash.training.dataset import (block_inputs, block_soft_targets, first_anchor, load_training_data,
                                       sample_anchors)
 from adaflash.training.losses import IGNORE, SoftTargets, build_loss
+from adaflash.training.selector_loss import selector_loss, teacher_forced_predecessors
 from adaflash.training.validation import DecodedRun, decoded_accept_lengths, holdout_accept_lengths, split_holdout
 
 
@@ -52,6 +53,14 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None  # default: DFlash's spread for num_layers
     intermediate_size: int | None = None
     init_from_target: bool = True
+    # DFlash 2 (models/dflash2.py): a selector of this rank (0: none) over the top selector_top_k, and convolutions of
+    # conv_kernel_size taps (0: none) in groups of conv_group_size; from init_from, a DFlash 1 drafter is upgraded
+    # (identity convolutions, a fresh selector). The selector trains with its own loss (training/selector_loss.py).
+    selector_rank: int = 0
+    selector_top_k: int = 16
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_weight: float = 1.0
     init_from: str | None = None  # start from this drafter checkpoint (distillation) instead of a new one
     loss: str = "ce"  # ce (DFlash) | ce+kl (CE + KL to stored soft targets) | rkl | fkl | tv (AdaFlash distillation)
     soft_weight: float = 1.0  # ce+kl: weight of the KL term
@@ -139,6 +148,8 @@ def new_drafter(cfg: TrainConfig, target: TargetModel) -> DFlashDrafter:
         target.config, mask_token_id=cfg.mask_token_id, num_layers=cfg.num_layers or 2, block_size=cfg.block_size or 16,
         intermediate_size=cfg.intermediate_size, target_layer_ids=cfg.target_layer_ids,
     )
+    if cfg.selector_rank:
+        dcfg = replace(dcfg, **_dflash2_fields(cfg))
     drafter = init_drafter(dcfg, seed=cfg.seed, dtype=torch.float32)
     if cfg.init_from_target and dcfg.intermediate_size == target.config.intermediate_size:
         _copy_target_layers(drafter, target)
@@ -153,7 +164,14 @@ def continued_drafter(cfg: TrainConfig, target: TargetModel) -> DFlashDrafter:
         drafter = deepen_drafter(drafter, cfg.num_layers, seed=cfg.seed)
     if cfg.block_size is not None and cfg.block_size != drafter.config.block_size:
         drafter.config = replace(drafter.config, block_size=cfg.block_size)
+    if cfg.selector_rank and not drafter.config.dflash2:
+        drafter = as_dflash2(drafter, **_dflash2_fields(cfg), seed=cfg.seed)
     return drafter
+
+
+def _dflash2_fields(cfg: TrainConfig) -> dict:
+    return dict(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
 
 
 def lr_factor(step: int, total: int, warmup_frac: float) -> float:
@@ -240,8 +258,8 @@ class TeacherCache:
 def _sequence_loss(drafter, dcfg, target: TargetModel, head: DraftHead, index: int, sample, cfg: TrainConfig, loss_fn,
                    generator, teachers: TeacherCache, num_anchors: int | None = None):
     anchors = sample_anchors(sample, num_anchors or cfg.anchors_per_sequence, generator)
-    block, labels = block_inputs(sample, anchors, dcfg.block_size, dcfg.mask_token_id)
-    labels = head.rows_of(labels, ignore=IGNORE)  # MISS where the target's token is outside the draft vocabulary
+    block, gold_ids = block_inputs(sample, anchors, dcfg.block_size, dcfg.mask_token_id)
+    labels = head.rows_of(gold_ids, ignore=IGNORE)  # MISS where the target's token is outside the draft vocabulary
     device = target.device
     block, labels = block.to(device), labels.to(device)
     features, teacher = sample.features, None
@@ -262,8 +280,16 @@ def _sequence_loss(drafter, dcfg, target: TargetModel, head: DraftHead, index: i
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16 or device.type == "cuda"):
         hidden = drafter(features.to(device).float(), F.embedding(block, target.embed_tokens), anchors)
         # The (trimmed) LM head, frozen, on the draft positions only; plain F.linear keeps autograd.
-        logits = F.linear(hidden[:, 1:], head.weight).float()
-    return loss_fn(logits, labels, teacher)
+        # (a checkpoint's output multiplier / soft cap on them: what the drafter drafts from)
+        logits = getattr(drafter, "module", drafter).finish_logits(F.linear(hidden[:, 1:], head.weight).float())
+    loss, stats = loss_fn(logits, labels, teacher)
+    if dcfg.dflash2:  # (the drafter may be DDP-wrapped: the selector is its module's)
+        selector = getattr(drafter, "module", drafter).candidate_selector
+        predecessors = teacher_forced_predecessors(block, gold_ids.to(device))
+        picked, picked_stats = selector_loss(selector, hidden[:, 1:], logits, labels, predecessors, head.ids)
+        loss = loss + cfg.selector_weight * picked
+        stats = {**stats, **picked_stats}  # what greedy verification keeps is the selector's path
+    return loss, stats
 
 
 def holdout_record(drafter: DFlashDrafter, target: TargetModel, head: DraftHead, dataset, holdout_ids, cfg: TrainConfig,
