@@ -25,7 +25,9 @@ def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = REFE
         "--length-policy", default=None,
         help="draft length per step: fixed:K, heuristic, throughput (profiled cost model, corrected by measured step "
         "times), throughput-profiled (the profile alone), adaflash (cost model + the "
-        f"drafter's per-position acceptance head) or block-head (the paper's block-level head); default: {length_policy_default}",
+        "drafter's per-position acceptance head), block-head (the paper's block-level head), ema-budget (SGLang's: one "
+        "length a step from an EMA of acceptance) or adaflash-gated (adaflash only above 48 requests, else the whole "
+        f"block, as the AdaFlash release runs); default: {length_policy_default}",
     )
 
 

@@ -24,7 +24,7 @@ from adaflash.speculative.config import SpeculativeConfig
 from adaflash.speculative.cost_model import (CalibratedCost, CostModel, profile_batches, profile_points,
                                              profile_widths)
 from adaflash.speculative.drafting_check import DraftingChecks
-from adaflash.speculative.length_policy import LearnedThroughputLength, build_length_policy
+from adaflash.speculative.length_policy import build_length_policy, learned_policy
 from adaflash.simulation.clock import CostedProposer, CostedTarget, VirtualClock
 from adaflash.simulation.step_cost import RooflineCost, StepCost
 from adaflash.simulation.synthetic import (Strength, SyntheticDrafter, SyntheticHead, SyntheticTarget,
@@ -43,9 +43,11 @@ class Variant:
 VARIANTS = {
     "ar": Variant("ar", "ar"),
     "fixed-block": Variant("fixed-block", "dflash", "fixed:15"),
+    "vllm-schedule": Variant("vllm-schedule", "dflash", "fixed:15"),  # its lengths: ScheduleLength
+    "ema-budget": Variant("ema-budget", "dflash", "ema-budget"),  # SGLang's batch-level EMA length
     "throughput": Variant("throughput", "dflash", "throughput"),
     "adaflash": Variant("adaflash", "adaflash", "adaflash"),
-    "vllm-schedule": Variant("vllm-schedule", "dflash", "fixed:15"),  # its lengths: ScheduleLength
+    "adaflash-gated": Variant("adaflash-gated", "adaflash", "adaflash-gated"),  # the release's >48 gate
 }
 
 
@@ -105,8 +107,8 @@ def variant_engine(variant: Variant, target, proposer, head, profile: CostModel 
         cost, spec = CalibratedCost(profile), speculative.engine_policy
         if variant.name == "vllm-schedule":
             policy = ScheduleLength(batch_schedule(survival, profile, proposer.block_size - 1, concurrency))
-        elif spec.name == "adaflash":  # (a synthetic head is not a checkpoint's: built here, as build_length_policy does)
-            policy = LearnedThroughputLength(cost, head)
+        elif spec.name in ("adaflash", "adaflash-gated"):  # (a synthetic head is not a checkpoint's: built here)
+            policy = learned_policy(spec, cost, head)
         else:
             policy = build_length_policy(spec, cost)
         checks = DraftingChecks()
@@ -225,7 +227,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--drafter", default="synthetic:tau=6.5,block=16",
                    help="synthetic:tau=T[,block=B,spread=S,head_error=E]: a drafter of stated strength")
     p.add_argument("--drafter-layers", type=int, default=5, help="the drafter's layers (its pass's cost)")
-    p.add_argument("--variants", default="ar,fixed-block,vllm-schedule,throughput,adaflash",
+    p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated: {', '.join(VARIANTS)}, or a length policy (fixed:K, heuristic, ...)")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--requests", type=int, default=64, help="requests per cell (closed loop)")

@@ -21,10 +21,13 @@ from adaflash.speculative.prompt_lookup import PromptLookup
 # ---- length policies -------------------------------------------------------------------------------
 
 FIXED = "fixed"  # fixed:K, the one policy with a parameter
-ADAPTIVE_POLICIES = ("heuristic", "throughput", "throughput-profiled", "adaflash", "block-head")
-COST_MODEL_POLICIES = ("throughput", "throughput-profiled", "adaflash")  # read the profiled cost model
-LENGTH_HEAD_POLICIES = ("adaflash", "block-head")  # read the drafter checkpoint's learned length head
-POLICY_FORMS = "fixed:K, heuristic, throughput, throughput-profiled, adaflash or block-head"
+# ema-budget: SGLang's batch-level EMA length; adaflash-gated: adaflash behind the release's >48-requests gate
+# (speculative/batch_length.py).
+ADAPTIVE_POLICIES = ("heuristic", "throughput", "throughput-profiled", "adaflash", "block-head", "ema-budget",
+                     "adaflash-gated")
+COST_MODEL_POLICIES = ("throughput", "throughput-profiled", "adaflash", "adaflash-gated")  # read the profiled cost model
+LENGTH_HEAD_POLICIES = ("adaflash", "block-head", "adaflash-gated")  # read the drafter checkpoint's learned length head
+POLICY_FORMS = "fixed:K, heuristic, throughput, throughput-profiled, adaflash, block-head, ema-budget or adaflash-gated"
 
 
 @dataclass(frozen=True)

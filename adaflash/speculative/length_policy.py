@@ -3,8 +3,8 @@
 The engine's drafter source (engine/draft_sources.py) calls `decide` once per step with every decoding request left
 without a prompt-lookup match, `feedback` after verification, and `observe_step` with the step's wall time (a step of
 the drafting check's plain arm gets only `observe_step`: the policy decided nothing in it). Each
-policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`, `block-head`) is what logs and
-metrics show; `build_length_policy` makes one from its spec (`config.py`'s `LengthPolicySpec`, where a spec is
+policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`, `block-head`, and the
+batch-level `ema-budget` and `adaflash-gated` of batch_length.py) is what logs and metrics show; `build_length_policy` makes one from its spec (`config.py`'s `LengthPolicySpec`, where a spec is
 checked); the engine runs every adaptive one behind the drafting check (`drafting_check.py`: plain stretches wherever
 drafting commits fewer tokens a second). The cost model the throughput policies read is in `cost_model.py`.
 """
@@ -397,13 +397,19 @@ def build_length_policy(spec: LengthPolicySpec | str, cost: CostModel | Calibrat
                         head=None) -> LengthPolicy:
     """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model, corrected by measured step times),
     `throughput-profiled` (the profile alone: the calibration's ablation), `adaflash` (cost model + a per-position
-    acceptance head) or `block-head` (the paper's block-level head); a string is parsed (`LengthPolicySpec`, where
-    every spec is checked). The engine runs every one but `fixed:K` behind the drafting check (engine/drafting.py)."""
+    acceptance head), `block-head` (the paper's block-level head), `ema-budget` (SGLang's batch-level EMA length) or
+    `adaflash-gated` (`adaflash` only above the release's 48 requests, batch_length.py); a string is parsed
+    (`LengthPolicySpec`, where every spec is checked). The engine runs every one but `fixed:K` behind the drafting
+    check (engine/drafting.py)."""
     spec = length_policy_of(spec)
     if spec.name == FIXED:
         return FixedLength(spec.length)
     if spec.name == "heuristic":
         return HeuristicLength()
+    if spec.name == "ema-budget":
+        from adaflash.speculative.batch_length import EmaBudgetLength
+
+        return EmaBudgetLength()
     if spec.needs_cost_model and cost is None:
         raise ValueError(f"the {spec} policy needs a cost model")
     if spec.name == "throughput":
@@ -412,8 +418,22 @@ def build_length_policy(spec: LengthPolicySpec | str, cost: CostModel | Calibrat
         return ThroughputLength(cost, calibrate=False, name=spec.name)
     from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
 
-    want = PositionAcceptanceHead if spec.name == "adaflash" else BlockLengthHead
+    want = BlockLengthHead if spec.name == "block-head" else PositionAcceptanceHead
     if not isinstance(head, want):
         raise ValueError(f"the {spec} length policy needs a drafter checkpoint carrying a length head, a "
                          f"{want.__name__} (train one with `adaflash train length-head`)")
-    return LearnedThroughputLength(cost, head) if spec.name == "adaflash" else BlockHeadLength(head)
+    return BlockHeadLength(head) if spec.name == "block-head" else learned_policy(spec, cost, head)
+
+
+def learned_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCost, head) -> LengthPolicy:
+    """`adaflash` or `adaflash-gated` over any head with a `survival(hidden)` (a checkpoint's, or the simulator's
+    synthetic one): what `build_length_policy` builds once it has checked the head."""
+    spec = length_policy_of(spec)
+    policy = LearnedThroughputLength(cost, head)
+    if spec.name == "adaflash":
+        return policy
+    if spec.name == "adaflash-gated":
+        from adaflash.speculative.batch_length import GatedLength
+
+        return GatedLength(policy)
+    raise ValueError(f"{spec} is not a learned per-position policy (adaflash, adaflash-gated)")

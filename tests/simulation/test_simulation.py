@@ -100,3 +100,15 @@ def test_vllm_s_batch_size_schedule_drafts_one_length_a_step():
     row = run_variant(VARIANTS["vllm-schedule"], RooflineCost.of("h100", "qwen3-8b"), Strength(6.5), 8,
                       Workload(16, 40, 64))
     assert row["lossless"] and row["drafts_per_pass"] > 0
+
+
+@pytest.mark.parametrize("variant", ["ema-budget", "adaflash-gated"])
+def test_the_batch_level_variants_are_lossless_in_a_short_simulation(variant):
+    """SGLang's EMA budget and the AdaFlash release's gated head on the simulated H100, with a weak drafter, below the
+    release's gate of 48 running requests and above it: every output is the synthetic target's greedy one and
+    drafting happened."""
+    cost, strength = RooflineCost.of("h100", "qwen3-8b"), Strength(3.4)
+    for concurrency, requests in ((8, 16), (56, 64)):
+        row = run_variant(VARIANTS[variant], cost, strength, concurrency, Workload(requests, 40, 64))
+        assert row["variant"] == variant and row["lossless"]
+        assert row["drafts_per_pass"] > 0 and row["accept_len"] > 1

@@ -35,7 +35,8 @@ def test_what_each_length_policy_needs():
     needs = {name: (LengthPolicySpec(name).needs_cost_model, LengthPolicySpec(name).needs_length_head)
              for name in ADAPTIVE_POLICIES}
     assert needs == {"heuristic": (False, False), "throughput": (True, False), "throughput-profiled": (True, False),
-                     "adaflash": (True, True), "block-head": (False, True)}
+                     "adaflash": (True, True), "block-head": (False, True), "ema-budget": (False, False),
+                     "adaflash-gated": (True, True)}
     assert not LengthPolicySpec("fixed", 3).needs_cost_model and not LengthPolicySpec("fixed", 3).needs_length_head
 
 

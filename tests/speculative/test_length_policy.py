@@ -8,6 +8,7 @@ import torch
 
 from adaflash.engine.request import Request
 from adaflash.speculative.cost_model import CostModel
+from adaflash.speculative.batch_length import EmaBudgetLength, GatedLength
 from adaflash.speculative.length_policy import (
     FixedLength,
     HeuristicLength,
@@ -16,6 +17,7 @@ from adaflash.speculative.length_policy import (
     ThroughputLength,
     allocate_drafts,
     build_length_policy,
+    learned_policy,
 )
 
 FREE_VERIFY = CostModel(total_tokens=(1, 64), verify_s=(0.01, 0.01), draft_s=0.0)  # batch-1 machine: tokens are free
@@ -163,6 +165,7 @@ def test_throughput_probes_an_idle_request():
     ("throughput", "needs a cost model"),
     ("throughput-profiled", "needs a cost model"),
     ("adaflash", "needs a cost model"),
+    ("adaflash-gated", "needs a cost model"),
     ("block-head", "BlockLengthHead"),
 ])
 def test_build_length_policy_rejects(spec, message):
@@ -240,11 +243,150 @@ def test_adaflash_stops_looking_where_its_head_keeps_declining():
     assert 0 < looks[0.05] < looks[0.15] < 100  # it still looks now and then: the evidence fades, the request reopens
 
 
-@pytest.mark.parametrize("spec", ["heuristic", "throughput", "throughput-profiled"])
+@pytest.mark.parametrize("spec", ["heuristic", "throughput", "throughput-profiled", "ema-budget"])
 def test_every_adaptive_policy_is_built_by_its_name(spec):
     cost = CostModel(total_tokens=(1, 2, 64), verify_s=(0.01, 0.0101, 0.64), draft_s=0.0)
     policy = build_length_policy(spec, cost)
     assert policy.name == spec
-    if spec != "heuristic":
+    if spec not in ("heuristic", "ema-budget"):
         assert policy.step_cost is not None and policy.shared_alpha == pytest.approx(0.6)
     assert isinstance(build_length_policy("fixed:3"), FixedLength)
+
+
+# ---- batch-level policies (speculative/batch_length.py) -------------------------------------------
+
+
+def _ema_steps(policy: EmaBudgetLength, requests, steps: int, accepted_of) -> list[int]:
+    """`steps` steps of `policy` over `requests` (a block of 16: 15 drafts at most), each request accepting
+    `accepted_of(k)` of its k drafts; the length of every step."""
+    lengths = []
+    for _ in range(steps):
+        ks = policy.decide(requests, 15)
+        assert len(set(ks)) == 1  # one length for the whole batch
+        lengths.append(ks[0])
+        for r, k in zip(requests, ks):
+            policy.feedback(r, drafted=k, accepted=accepted_of(k))
+    return lengths
+
+
+def test_ema_budget_moves_one_batch_length_down_when_drafts_fail_and_up_when_they_land():
+    """SGLang's rule: starts at the whole block, holds through its warm-up, then steps down its candidates (3 / 7 /
+    11 / 15 drafts of a 16 block) while the EMA of accepted drafts sits below the next lower one, and up while it
+    exceeds the current one - never past the candidates' bounds."""
+    policy = build_length_policy("ema-budget")
+    assert isinstance(policy, EmaBudgetLength) and policy.name == "ema-budget"
+    assert policy.candidates(15) == [3, 7, 11, 15] and policy.candidates(5) == [3, 5]
+    requests = _requests(4)
+    lengths = _ema_steps(policy, requests, 40, lambda k: 0)  # nothing accepted
+    assert lengths[:11] == [15] * 11  # warm-up: 10 batches heard before any move
+    assert lengths[-1] == 3 and min(lengths) == 3 and policy.ema < 0.1  # down to the floor, not below
+    assert lengths == sorted(lengths, reverse=True)
+    lengths = _ema_steps(policy, requests, 80, lambda k: k)  # every draft accepted
+    assert lengths[-1] == 15 and max(lengths) == 15 and lengths == sorted(lengths)
+    settled = _ema_steps(policy, requests, 120, lambda k: min(k, 5))  # five accepted a pass: it probes past them
+    assert settled[-40:] == [7] * 40
+    assert policy.decide(requests, 4) == [4] * 4  # a smaller block caps it
+    policy.feedback(requests[0], drafted=0, accepted=0)  # no drafts: nothing heard
+    assert policy._heard == []
+
+
+def test_ema_budget_rejects_bad_settings():
+    with pytest.raises(ValueError, match="verify lengths"):
+        EmaBudgetLength(verify_lengths=(0, 4))
+    with pytest.raises(ValueError, match="ema_alpha"):
+        EmaBudgetLength(ema_alpha=0.0)
+
+
+class _CountingHead(_ConstantHead):
+    def __init__(self, p: float) -> None:
+        super().__init__(p)
+        self.looks = 0
+
+    def survival(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.looks += 1
+        return super().survival(hidden)
+
+
+def test_adaflash_gated_drafts_the_block_up_to_the_gate_and_follows_the_head_above_it():
+    """The AdaFlash release's gate: at most 48 decoding requests, the whole block and no look; above, the head's
+    lengths (here a head that says one draft in two fails under a verify that prices every token: it drafts little)."""
+    cost = CostModel(total_tokens=(1, 64, 1024), verify_s=(0.01, 0.012, 0.2), draft_s=0.0)
+    head = _CountingHead(0.5)
+    policy = learned_policy("adaflash-gated", cost, head)
+    assert isinstance(policy, GatedLength) and policy.gate == 48 and policy.name == "adaflash-gated"
+    assert policy.step_cost is policy.policy.step_cost
+
+    def hidden_of(indices):
+        return torch.zeros(len(indices), 16, 4)
+
+    assert policy.decide(_requests(48), 15, hidden_of) == [15] * 48 and head.looks == 0
+    above, ungated = _requests(49), LearnedThroughputLength(cost, _ConstantHead(0.5))
+    lengths = policy.decide(above, 15, hidden_of)
+    assert head.looks == 1 and lengths == ungated.decide(_requests(49), 15, hidden_of) and max(lengths) < 15
+    policy.feedback(above[0], drafted=lengths[0], accepted=0)  # the head's policy hears outcomes either way
+    assert above[0].policy_state["trials"] > 0
+    assert GatedLength(FixedLength(3), gate=1).decide(_requests(2), 15) == [3, 3]
+    with pytest.raises(ValueError, match="gate"):
+        GatedLength(FixedLength(3), gate=-1)
+    with pytest.raises(ValueError, match="needs a cost model"):
+        build_length_policy("adaflash-gated", head=head)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoints):
+    from adaflash.models.target import load_target
+
+    return load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
+
+
+ENGINE_PROMPTS = [[3, 14, 15, 92], [65, 35], [89, 79, 32, 38, 46, 26, 43], [11], [7, 7, 7, 7, 7, 7], [50, 51, 52]]
+ENGINE_BUDGETS = [40, 34, 66, 44, 50, 36]
+FLAT = CostModel(total_tokens=(1, 8, 32, 128), verify_s=(0.01, 0.0101, 0.0105, 0.014), draft_s=0.001)
+
+
+@pytest.mark.parametrize("name", ["ema-budget", "adaflash-gated"])
+def test_batch_level_policies_are_lossless_in_the_engine(target, name):
+    """Six greedy requests arriving in two waves through four slots, behind the drafting check as `serve` runs them:
+    every output is the target's own greedy decoding, drafting happened, and each policy ran its regimes (the EMA
+    moved its length; the gate, at 2 here, drafted the block with few requests and followed the head with more)."""
+    from adaflash.engine.engine import Engine
+    from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
+    from adaflash.speculative.reference import autoregressive_generate
+    from tests.helpers import PassClock, decode_batches, drafting_happened, scripted_dflash
+
+    expected = [autoregressive_generate(target, p, n, stop_token_ids=(1,)).token_ids
+                for p, n in zip(ENGINE_PROMPTS, ENGINE_BUDGETS)]
+    head = _CountingHead(0.8)
+    policy = (EmaBudgetLength(verify_lengths=(2, 4, 8), warmup=2, interval=1) if name == "ema-budget"
+              else GatedLength(LearnedThroughputLength(FLAT, head), gate=2))
+    seen = []
+    decide = policy.decide
+
+    def spied(requests, max_draft, hidden_of=None):
+        ks = decide(requests, max_draft, hidden_of)
+        seen.append((len(requests), tuple(ks)))
+        return ks
+
+    policy.decide = spied
+    clock = PassClock(base_s=0.01, token_s=3e-5)
+    engine = Engine(target, scripted_dflash(target, [p + e for p, e in zip(ENGINE_PROMPTS, expected)]), policy,
+                    max_batch=4, max_queue=8, max_len=128,
+                    drafting_checks=DraftingChecks(DraftingCheck(explore=4, first=4, settle=1)), clock=clock)
+    decode_batches(engine)
+    reqs = [Request(f"r{i}", p, n, stop_token_ids=(1,)) for i, (p, n) in enumerate(zip(ENGINE_PROMPTS, ENGINE_BUDGETS))]
+    with clock.driving(target):
+        for r in reqs[:3]:
+            engine.add_request(r)
+        for step in range(1000):
+            if step == 2:
+                for r in reqs[3:]:
+                    engine.add_request(r)
+            engine.step()
+            if step > 2 and not engine.has_work():
+                break
+    assert [r.output_ids for r in reqs] == expected
+    drafting_happened(reqs)
+    if name == "ema-budget":
+        assert all(len(set(ks)) == 1 for _, ks in seen) and len({ks[0] for _, ks in seen}) > 1
+    else:
+        assert any(n <= 2 and set(ks) == {7} for n, ks in seen) and head.looks > 0
