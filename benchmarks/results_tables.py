@@ -42,6 +42,9 @@ NOTES: dict[str, dict[str, str]] = {
     "runtime/engine_speed": {"what": "the batched engine's AR throughput vs transformers' batched generate (--dtype int8)"},
     "drafter/bf16_probe": {"what": "drafter training steps in bf16 autocast vs fp32 (30-step probe, same data and anchors)"},
     "drafter/depth_cost": {"what": "what a deeper drafter costs: draft-pass and verify seconds by drafter depth"},
+    "drafter/dflash2_cost": {"what": "one proposal of a DFlash 2 drafter (selector rank 64 / 256) vs DFlash 1, same width",
+                             "headline": "1.13-1.41x DFlash 1's time (our fused layer kernel does not take the convolutions)",
+                             "machine": "AMD EPYC (Zen 4), 1 thread, fp32"},
     "drafter/training": {"what": "held-out accept length while training the shipped drafter (v9)",
                          "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
                          "command": "adaflash train drafter --config configs/smollm2-drafter-v9.toml; "
