@@ -84,9 +84,10 @@ class LengthPolicyFactory:
     spec: LengthPolicySpec
     cost: CalibratedCost | CostModel | None = None
     checks: DraftingChecks = field(default_factory=DraftingChecks)
+    max_running: int | None = None  # the engine's max_batch (what `adaflash-gated` gates on)
 
     def __call__(self, head=None) -> LengthPolicy:
-        return build_length_policy(self.spec, self.cost, head)
+        return build_length_policy(self.spec, self.cost, head, self.max_running)
 
 
 def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthPolicyFactory | None:
@@ -103,7 +104,7 @@ def length_policy_factory(config: EngineConfig, models: EngineModels) -> LengthP
     if config.needs_cost_model:
         cost = CalibratedCost(cost_model_for(models.target, models.proposer, models.model_name,
                                              max_tokens=config.max_batch * models.proposer.block_size))
-    return LengthPolicyFactory(spec, cost)
+    return LengthPolicyFactory(spec, cost, max_running=config.max_batch)
 
 
 def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolicy | None = None,

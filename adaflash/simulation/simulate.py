@@ -108,7 +108,7 @@ def variant_engine(variant: Variant, target, proposer, head, profile: CostModel 
         if variant.name == "vllm-schedule":
             policy = ScheduleLength(batch_schedule(survival, profile, proposer.block_size - 1, concurrency))
         elif spec.name in ("adaflash", "adaflash-gated"):  # (a synthetic head is not a checkpoint's: built here)
-            policy = learned_policy(spec, cost, head)
+            policy = learned_policy(spec, cost, head, max_running=concurrency)
         else:
             policy = build_length_policy(spec, cost)
         checks = DraftingChecks()

@@ -3,8 +3,8 @@
 
 - `EmaBudgetLength` (`--length-policy ema-budget`): SGLang's adaptive speculative length - one draft length for every
   request of a step, moved along a short list of candidates by an exponential moving average of recent acceptance.
-- `GatedLength` (`--length-policy adaflash-gated`): the AdaFlash release's switch - its learned head decides only when
-  more than 48 requests run; otherwise every request drafts the whole block.
+- `GatedLength` (`--length-policy adaflash-gated`): the AdaFlash release's switch - its learned head decides only where
+  the server runs more than 48 requests at most; otherwise every request drafts the whole block.
 
 Both take the `LengthPolicy` protocol's hooks (`decide`, `feedback`, `observe_step`); neither changes what is
 verified, only how many drafts are sent, so outputs stay the target's own.
@@ -110,17 +110,19 @@ class EmaBudgetLength:
 
 @dataclass
 class GatedLength:
-    """A policy that decides only when more than `gate` requests are decoding this step; at or below it every request
-    drafts the whole block (`max_draft`), as the AdaFlash release verifies the fixed block. `adaflash-gated` is the
-    `adaflash` policy behind the release's gate of 48.
+    """A policy that decides only above `gate` running requests; at or below it every request drafts the whole block
+    (`max_draft`), as the AdaFlash release verifies the fixed block there. `adaflash-gated` is the `adaflash` policy
+    behind the release's gate of 48.
 
-    The release gates on its server's `max_running_requests` setting, which its benchmark script sets from the
-    concurrency; this gate counts the requests the drafter answers for in the step (those without a prompt-lookup
-    match), so under a steady load of c clients the two agree, and as a load drains below the gate this one returns
-    to the block. The gated policy hears every outcome and step time either way, so its estimates stay current."""
+    The release gates on its server's final `max_running_requests` (its serve_thresh_head.sh: "only used ... when the
+    final SGLang max_running_requests is > 48"), a setting its benchmark sets from the concurrency: one switch for the
+    server's life, whatever the load of the moment. `max_running` is that setting here (the engine's `max_batch`,
+    `--max-batch`: `build_engine` passes it); a policy built without it counts the requests the drafter answers for in
+    each step instead. The gated policy hears every outcome and step time either way, so its estimates stay current."""
 
     policy: LengthPolicy
     gate: int = RELEASE_GATE
+    max_running: int | None = None
     name: str = "adaflash-gated"
 
     def __post_init__(self) -> None:
@@ -133,7 +135,8 @@ class GatedLength:
 
     def decide(self, requests: Sequence[PolicyRequest], max_draft: int,
                hidden_of: HiddenOf | None = None) -> list[int]:
-        if len(requests) > self.gate:
+        running = len(requests) if self.max_running is None else self.max_running
+        if running > self.gate:
             return self.policy.decide(requests, max_draft, hidden_of)
         return [max_draft] * len(requests)
 

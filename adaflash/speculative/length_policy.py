@@ -394,13 +394,14 @@ class BlockHeadLength:
 
 
 def build_length_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCost | None = None,
-                        head=None) -> LengthPolicy:
+                        head=None, max_running: int | None = None) -> LengthPolicy:
     """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model, corrected by measured step times),
     `throughput-profiled` (the profile alone: the calibration's ablation), `adaflash` (cost model + a per-position
     acceptance head), `block-head` (the paper's block-level head), `ema-budget` (SGLang's batch-level EMA length) or
     `adaflash-gated` (`adaflash` only above the release's 48 requests, batch_length.py); a string is parsed
-    (`LengthPolicySpec`, where every spec is checked). The engine runs every one but `fixed:K` behind the drafting
-    check (engine/drafting.py)."""
+    (`LengthPolicySpec`, where every spec is checked). `max_running`: the engine's most running requests (its
+    `max_batch`), which `adaflash-gated` gates on. The engine runs every one but `fixed:K` behind the drafting check
+    (engine/drafting.py)."""
     spec = length_policy_of(spec)
     if spec.name == FIXED:
         return FixedLength(spec.length)
@@ -422,10 +423,11 @@ def build_length_policy(spec: LengthPolicySpec | str, cost: CostModel | Calibrat
     if not isinstance(head, want):
         raise ValueError(f"the {spec} length policy needs a drafter checkpoint carrying a length head, a "
                          f"{want.__name__} (train one with `adaflash train length-head`)")
-    return BlockHeadLength(head) if spec.name == "block-head" else learned_policy(spec, cost, head)
+    return BlockHeadLength(head) if spec.name == "block-head" else learned_policy(spec, cost, head, max_running)
 
 
-def learned_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCost, head) -> LengthPolicy:
+def learned_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCost, head,
+                   max_running: int | None = None) -> LengthPolicy:
     """`adaflash` or `adaflash-gated` over any head with a `survival(hidden)` (a checkpoint's, or the simulator's
     synthetic one): what `build_length_policy` builds once it has checked the head."""
     spec = length_policy_of(spec)
@@ -435,5 +437,5 @@ def learned_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCos
     if spec.name == "adaflash-gated":
         from adaflash.speculative.batch_length import GatedLength
 
-        return GatedLength(policy)
+        return GatedLength(policy, max_running=max_running)
     raise ValueError(f"{spec} is not a learned per-position policy (adaflash, adaflash-gated)")

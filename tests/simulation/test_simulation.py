@@ -106,9 +106,16 @@ def test_vllm_s_batch_size_schedule_drafts_one_length_a_step():
 def test_the_batch_level_variants_are_lossless_in_a_short_simulation(variant):
     """SGLang's EMA budget and the AdaFlash release's gated head on the simulated H100, with a weak drafter, below the
     release's gate of 48 running requests and above it: every output is the synthetic target's greedy one and
-    drafting happened."""
+    drafting happened. The gate is the server's size: above it the gated head runs as `adaflash` does, below it
+    drafts the whole block where `adaflash` shortens it."""
     cost, strength = RooflineCost.of("h100", "qwen3-8b"), Strength(3.4)
-    for concurrency, requests in ((8, 16), (56, 64)):
+    for concurrency, requests in ((32, 48), (56, 64)):
         row = run_variant(VARIANTS[variant], cost, strength, concurrency, Workload(requests, 40, 64))
         assert row["variant"] == variant and row["lossless"]
         assert row["drafts_per_pass"] > 0 and row["accept_len"] > 1
+        if variant == "adaflash-gated":
+            ungated = run_variant(VARIANTS["adaflash"], cost, strength, concurrency, Workload(requests, 40, 64))
+            if concurrency > 48:
+                assert row["tokens_per_s"] == ungated["tokens_per_s"]
+            else:
+                assert row["drafts_per_pass"] > ungated["drafts_per_pass"]

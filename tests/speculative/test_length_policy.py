@@ -308,28 +308,46 @@ class _CountingHead(_ConstantHead):
 
 
 def test_adaflash_gated_drafts_the_block_up_to_the_gate_and_follows_the_head_above_it():
-    """The AdaFlash release's gate: at most 48 decoding requests, the whole block and no look; above, the head's
-    lengths (here a head that says one draft in two fails under a verify that prices every token: it drafts little)."""
+    """The AdaFlash release's gate: a server of at most 48 running requests drafts the whole block and never looks;
+    above, the head's lengths (here a head that says one draft in two fails under a verify that prices every token: it
+    drafts little), whatever the load of the moment. Built without the server's size, it counts each step's
+    requests."""
     cost = CostModel(total_tokens=(1, 64, 1024), verify_s=(0.01, 0.012, 0.2), draft_s=0.0)
-    head = _CountingHead(0.5)
-    policy = learned_policy("adaflash-gated", cost, head)
-    assert isinstance(policy, GatedLength) and policy.gate == 48 and policy.name == "adaflash-gated"
-    assert policy.step_cost is policy.policy.step_cost
 
     def hidden_of(indices):
         return torch.zeros(len(indices), 16, 4)
 
-    assert policy.decide(_requests(48), 15, hidden_of) == [15] * 48 and head.looks == 0
-    above, ungated = _requests(49), LearnedThroughputLength(cost, _ConstantHead(0.5))
-    lengths = policy.decide(above, 15, hidden_of)
-    assert head.looks == 1 and lengths == ungated.decide(_requests(49), 15, hidden_of) and max(lengths) < 15
-    policy.feedback(above[0], drafted=lengths[0], accepted=0)  # the head's policy hears outcomes either way
+    def ungated(n):
+        return LearnedThroughputLength(cost, _ConstantHead(0.5)).decide(_requests(n), 15, hidden_of)
+
+    head = _CountingHead(0.5)
+    small = build_length_policy("adaflash-gated", cost, _position_head(), max_running=48)
+    assert isinstance(small, GatedLength) and small.gate == 48 and small.name == "adaflash-gated"
+    assert small.max_running == 48 and small.step_cost is small.policy.step_cost
+    small = learned_policy("adaflash-gated", cost, head, max_running=48)
+    assert small.decide(_requests(60), 15, hidden_of) == [15] * 60 and head.looks == 0
+    large = learned_policy("adaflash-gated", cost, head, max_running=64)
+    lengths = large.decide(_requests(10), 15, hidden_of)
+    assert head.looks == 1 and lengths == ungated(10) and max(lengths) < 15
+    counting, above = learned_policy("adaflash-gated", cost, head), _requests(49)
+    assert counting.decide(_requests(48), 15, hidden_of) == [15] * 48 and head.looks == 1
+    lengths = counting.decide(above, 15, hidden_of)
+    assert head.looks == 2 and lengths == ungated(49)
+    counting.feedback(above[0], drafted=lengths[0], accepted=0)  # the head's policy hears outcomes either way
     assert above[0].policy_state["trials"] > 0
     assert GatedLength(FixedLength(3), gate=1).decide(_requests(2), 15) == [3, 3]
     with pytest.raises(ValueError, match="gate"):
         GatedLength(FixedLength(3), gate=-1)
     with pytest.raises(ValueError, match="needs a cost model"):
         build_length_policy("adaflash-gated", head=head)
+    with pytest.raises(ValueError, match="PositionAcceptanceHead"):
+        build_length_policy("adaflash-gated", cost, head)
+
+
+def _position_head():
+    from adaflash.models.length_head import LengthHeadConfig, PositionAcceptanceHead
+
+    return PositionAcceptanceHead(LengthHeadConfig(kind="position", hidden_size=4, block_size=16, head_dim=8))
 
 
 @pytest.fixture(scope="module")
