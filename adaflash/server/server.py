@@ -27,16 +27,23 @@ from adaflash.engine.request import Request
 from adaflash.engine.runner import EngineRunner, RequestStream, RunnerStoppedError
 from adaflash.engine.scheduler import QueueFullError
 from adaflash.models.text_codec import TextCodec
+from adaflash.server import openapi
 from adaflash.server.gate import Admission, Gate, ServerConfig
+from adaflash.server.meta_info import finish_info, meta_info
 from adaflash.server.metrics import CountRequests, ServerMetrics
 from adaflash.server.protocol import (
     DEFAULT_MAX_TOKENS,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     ChatShape,
     CompletionRequest,
+    CompletionResponse,
     CompletionShape,
     ErrorDetail,
     ErrorResponse,
+    HealthStatus,
+    MetaInfo,
     ModelCard,
     ModelList,
     ResponseShape,
@@ -109,13 +116,15 @@ class TextStream:
         self.text = ""  # the whole decoded output so far, cut at a stop string
         self.sent = ""  # the part handed out as deltas
         self.stopped = False  # a stop string matched
+        self.matched: str | None = None  # which one
 
     def push(self, new_ids: list[int], finished: bool) -> str:
         """Add tokens; return the new text that is safe to send."""
         self.token_ids += new_ids
         self.text = self.decode(self.token_ids)
-        cut = min((i for i in map(self.text.find, self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, stop) for stop in self.stops if (i := self.text.find(stop)) >= 0]
+        if found:
+            cut, self.matched = min(found)
             self.text, self.stopped, finished = self.text[:cut], True, True
         safe = self.text
         if not finished:
@@ -142,19 +151,33 @@ class _Job:
     """One admitted request: its engine stream, its text, and the response shape of its endpoint."""
 
     shape: ResponseShape
+    request: Request
     stream: RequestStream
     text: TextStream
-    prompt_tokens: int
     metrics: ServerMetrics
     runner: EngineRunner
     on_release: Callable[["_Job"], None] = lambda job: None
     finish_reason: str | None = field(default=None, init=False)
+    outputs: int = field(default=0, init=False)  # engine outputs read: the prefill's, then one per decode pass
+    started: float = field(default_factory=time.monotonic, init=False)
+    finished_at: float | None = field(default=None, init=False)
     aborted: APIError | None = field(default=None, init=False)  # why the server itself aborted the request
     timer: asyncio.TimerHandle | None = field(default=None, init=False)
     released: bool = field(default=False, init=False)
 
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
     def usage(self) -> Usage:
         return Usage.of(self.prompt_tokens, len(self.text.token_ids))
+
+    def meta_info(self) -> MetaInfo:
+        """SGLang's meta_info of the finished request."""
+        stop = self.text.matched if self.text.stopped else None
+        finish = finish_info(self.finish_reason, stop, self.text.token_ids, self.request.max_new_tokens)
+        return meta_info(self.request, self.outputs, self.prompt_tokens, len(self.text.token_ids), finish,
+                         (self.finished_at or time.monotonic()) - self.started, self.runner.snapshot.max_verified)
 
     def abort(self, error: APIError) -> bool:
         """The server ends the request (deadline, shutdown): the engine frees its slot, the client gets `error`."""
@@ -185,11 +208,13 @@ class _Job:
                 if out.finish_reason == "abort":  # the server's own abort (deadline, shutdown) or the runner stopping
                     raise self.aborted or APIError(503, "the request was aborted by the server", type="server_error",
                                                    code="aborted")
+                self.outputs += 1
                 delta = self.text.push(out.new_token_ids, out.finish_reason is not None)
                 if delta:
                     yield delta
                 if self.text.stopped or out.finish_reason is not None:
                     self.finish_reason = "stop" if self.text.stopped else out.finish_reason
+                    self.finished_at = time.monotonic()
                     return
         finally:
             self.release()
@@ -263,16 +288,21 @@ class _Service:
             raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
                            param="model", code="model_not_found")
 
-    def max_new_tokens(self, asked: int | None, prompt_tokens: int, prompt_param: str) -> int:
+    def max_new_tokens(self, body, prompt_tokens: int, prompt_param: str) -> int:
+        """The request's token budget. Every token bound it gives must fit the context after the prompt, the one
+        that does not decide too (chat's max_tokens beside max_completion_tokens): the published schema bounds each."""
         context = self.runner.context_tokens
         room = context - prompt_tokens
-        if room < 1 or (asked is not None and asked > room):
+        over = [(param, n) for param, n in body.token_limits().items() if n > room]
+        if room < 1 or over:
+            param, asked = over[0] if room >= 1 else (prompt_param, 1)
             raise APIError(
                 400,
                 f"This model's maximum context length is {context} tokens; the request has {prompt_tokens} prompt "
-                f"tokens ({prompt_param}) and asks for {asked or 1} more. Shorten the {prompt_param} or lower max_tokens.",
-                param=prompt_param if room < 1 else "max_tokens", code="context_length_exceeded",
+                f"tokens ({prompt_param}) and asks for {asked} more. Shorten the {prompt_param} or lower {param}.",
+                param=param, code="context_length_exceeded",
             )
+        asked = body.requested_max_tokens()
         return min(DEFAULT_MAX_TOKENS, room) if asked is None else asked
 
     async def respond(self, body, shape_cls: type[ResponseShape], encode: Callable[[], list[int]], prompt_param: str,
@@ -282,7 +312,7 @@ class _Service:
             prompt_ids = encode()
         except (ValueError, TypeError, TemplateError) as exc:  # empty prompt, a template rejecting the roles
             raise APIError(400, f"invalid {prompt_param}: {exc}", param=prompt_param) from exc
-        max_new = self.max_new_tokens(body.requested_max_tokens(), len(prompt_ids), prompt_param)
+        max_new = self.max_new_tokens(body, len(prompt_ids), prompt_param)
         shape = shape_cls(shape_cls.id_prefix + uuid.uuid4().hex, self.model_name)
         request = Request(shape.id, prompt_ids, max_new, body.sampling(), self.codec.stop_token_ids,
                           body.seed_or_random())
@@ -296,21 +326,22 @@ class _Service:
         except ValueError as exc:  # the engine's own bound (kept in step with max_new_tokens above)
             raise APIError(400, str(exc), param=prompt_param, code="context_length_exceeded") from exc
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        job = _Job(shape, stream, TextStream(self.codec.decode, body.stop_sequences()), len(prompt_ids), self.metrics,
+        job = _Job(shape, request, stream, TextStream(self.codec.decode, body.stop_sequences()), self.metrics,
                    self.runner, self.jobs.discard)
         self.jobs.add(job)
         if self.config.request_timeout_s is not None:  # the deadline runs from admission, queueing included
             job.timer = asyncio.get_running_loop().call_later(self.config.request_timeout_s, self._expire, job)
         if body.stream:
-            return EventStream(self._stream(job, body.include_usage), job)
+            return EventStream(self._stream(job, body.include_usage, body.return_meta_info), job)
         try:
             if not await _finish_unless_disconnected(job, http_request):
                 return Response(status_code=499)  # nobody is listening; the engine request is aborted
         finally:
             job.release()
-        return shape.full(job.text.text, job.finish_reason, job.usage())
+        return shape.full(job.text.text, job.finish_reason, job.usage(),
+                          job.meta_info() if body.return_meta_info else None)
 
-    async def _stream(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(self, job: _Job, include_usage: bool, return_meta_info: bool) -> AsyncIterator[str]:
         shape = job.shape
         if (opening := shape.opening()) is not None:
             yield _sse(opening)
@@ -318,7 +349,7 @@ class _Service:
             async with contextlib.aclosing(job.events()) as events:
                 async for delta in events:
                     yield _sse(shape.delta(delta))
-            yield _sse(shape.finish(job.finish_reason))
+            yield _sse(shape.finish(job.finish_reason, job.meta_info() if return_meta_info else None))
             if include_usage:
                 yield _sse(shape.usage_chunk(job.usage()))
         except APIError as exc:  # the server aborted it (deadline, shutdown): say so in the stream
@@ -327,6 +358,21 @@ class _Service:
             log.exception("generation failed mid-stream")
             yield _sse(ErrorResponse(error=ErrorDetail(message="internal server error", type="server_error")))
         yield "data: [DONE]\n\n"
+
+
+def _shortest_prompt(codec: TextCodec) -> int:
+    """Tokens of the shortest prompt: one character (and whatever special tokens the tokenizer adds)."""
+    return len(codec.encode(prompt="a"))
+
+
+def _shortest_chat(codec: TextCodec) -> int:
+    """Tokens of the shortest chat: one empty message of the role the template wraps least (a template may add a
+    default system prompt before a user message, say)."""
+    lengths = []
+    for role in ("system", "user", "assistant"):
+        with contextlib.suppress(ValueError, TypeError, TemplateError):
+            lengths.append(len(codec.encode(messages=[{"role": role, "content": ""}])))
+    return min(lengths, default=1)
 
 
 def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: ServerMetrics | None = None,
@@ -352,27 +398,29 @@ def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: Server
     app.add_middleware(CountRequests, metrics=metrics)
     _install_error_handlers(app)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses=openapi.generation_responses(config, CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, http_request: HTTPRequest):
         return await service.respond(body, CompletionShape, lambda: codec.encode(prompt=body.prompt), "prompt",
                                      http_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=openapi.generation_responses(config, ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, http_request: HTTPRequest):
         messages = [m.for_template() for m in body.messages]
         return await service.respond(body, ChatShape, lambda: codec.encode(messages=messages), "messages",
                                      http_request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.api_responses(config))
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, created=created)])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=openapi.api_responses(config, model_lookup=True))
     async def get_model(model_id: str) -> ModelCard:
         service.check_model(model_id)
         return ModelCard(id=model_name, created=created)
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, responses=openapi.health_responses())
     async def health():
         if admission.draining:  # a load balancer should stop sending us traffic
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -380,9 +428,12 @@ def create_app(runner: EngineRunner, tokenizer, model_name: str, metrics: Server
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=openapi.metrics_responses(config))
     async def metrics_endpoint() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    context = runner.context_tokens
+    openapi.document(app, config, completion_max_tokens=max(1, context - _shortest_prompt(codec)),
+                     chat_max_tokens=max(1, context - _shortest_chat(codec)))
     return app
