@@ -20,8 +20,21 @@ import torch.nn.functional as F
 ref = pytest.importorskip("dflash.model", reason="z-lab's reference code: `make install` adds dflash==0.1.0")
 ref._cuda_time = time.perf_counter  # it times with torch.cuda.synchronize; a CPU has none
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 PROMPTS = ([3, 14, 15, 92, 65, 35], [7, 7, 41], [11, 90, 23, 52, 8, 19, 33, 2])
 STOP = [1]  # the tiny targets' eos
+
+
+@pytest.fixture(params=["kernels", "torch", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
+def path(request, monkeypatch) -> str:
+    """Our CPU kernels, torch's ops on the CPU (the code CUDA runs), or the GPU."""
+    from adaflash.models import device as process_device
+
+    if request.param != "kernels":
+        monkeypatch.setenv("ADAFLASH_KERNELS", "stock")
+        monkeypatch.setenv("ADAFLASH_DEVICE", "cuda" if request.param == "cuda" else "cpu")
+        monkeypatch.setattr(process_device, "_current", None)
+    return request.param
 
 
 def hf_target(path: str):

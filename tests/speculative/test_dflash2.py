@@ -17,13 +17,13 @@ from adaflash.speculative.length_policy import BlockHeadLength, LearnedThroughpu
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
 from adaflash.speculative.sampling import SamplingParams
+from tests.dflash_oracle import path  # noqa: F401 (the fixture: our kernels, the torch path, CUDA)
 from tests.dflash_oracle import (PROMPTS, assert_same_acceptance_law, hf_target, in_the_run, ours_generate,
                                  reference_drafter, reference_generate, repeating_mask_token)
 from tests.engine.test_engine import FLAT_COST
 from tests.helpers import drafting_happened, exact_joint, law_pvalue, sampled_counts
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 NEW_TOKENS = 48
 
 
@@ -33,17 +33,6 @@ def tiny(tiny_checkpoints, tmp_path_factory):
     mask, root = repeating_mask_token(hf), tmp_path_factory.mktemp("dflash2")
     models = {block: reference_drafter(hf, root / f"b{block}", mask, block=block, dflash2=True) for block in (8, 16)}
     return tiny_checkpoints["qwen3"], hf, root, models
-
-
-@pytest.fixture(params=["kernels", "torch", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
-def path(request, monkeypatch) -> str:
-    from adaflash.models import device as process_device
-
-    if request.param != "kernels":
-        monkeypatch.setenv("ADAFLASH_KERNELS", "stock")
-        monkeypatch.setenv("ADAFLASH_DEVICE", "cuda" if request.param == "cuda" else "cpu")
-        monkeypatch.setattr(process_device, "_current", None)
-    return request.param
 
 
 def _proposer(tiny, block=8, vocab=None):

@@ -13,10 +13,10 @@ import torch
 from adaflash.models.drafter_checkpoint import load_drafter
 from adaflash.models.target import load_target
 from adaflash.speculative.proposer import DFlashProposer
+from tests.dflash_oracle import path  # noqa: F401 (the fixture: our kernels, the torch path, CUDA)
 from tests.dflash_oracle import (PROMPTS, assert_same_acceptance_law, hf_target, ours_generate, reference_drafter,
                                  reference_generate, repeating_mask_token)
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 NEW_TOKENS = 48
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
@@ -25,18 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:
 def tiny(tiny_checkpoints):
     hf = hf_target(tiny_checkpoints["qwen3"])
     return tiny_checkpoints["qwen3"], hf, repeating_mask_token(hf)
-
-
-@pytest.fixture(params=["kernels", "torch", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
-def path(request, monkeypatch) -> str:
-    """Our CPU kernels, torch's ops on the CPU (the code CUDA runs), or the GPU."""
-    from adaflash.models import device as process_device
-
-    if request.param != "kernels":
-        monkeypatch.setenv("ADAFLASH_KERNELS", "stock")
-        monkeypatch.setenv("ADAFLASH_DEVICE", "cuda" if request.param == "cuda" else "cpu")
-        monkeypatch.setattr(process_device, "_current", None)
-    return request.param
 
 
 def _agree(tiny, drafter_dir, model, prompts=PROMPTS) -> list[int]:
