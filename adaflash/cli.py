@@ -37,6 +37,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from adaflash.speculative.sampling import SamplingParams
 
     speculative = SpeculativeConfig.parse(args)  # every speculative flag checked, before the (slow) load
+    if args.record_trace and not speculative.runs_on_engine:
+        raise ValueError("--record-trace records the serving engine's steps: give --length-policy (fixed:K for a "
+                         "fixed draft length) or --prompt-lookup")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
     drafter = resolve_drafter(args.model, args.drafter, speculative.drafter)
@@ -50,6 +53,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             sampling=sampling,
             seed=args.seed,
+            record_trace=args.record_trace,
         )
         if args.json:
             record = completion.as_dict()
@@ -187,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument("--record-trace", default=None, metavar="DIR",
+                     help="append each prompt's verification trace to DIR/traces.jsonl: its prompt and output ids and, "
+                     "per step, the drafter's whole block, drafts verified, accept length and the length head's "
+                     "prediction (what `bench simulate --drafter trace:DIR` replays; needs the engine: a "
+                     "--length-policy or --prompt-lookup)")
     gen.set_defaults(func=_cmd_generate)
 
     demo = sub.add_parser("demo", help="AR vs speculative decoding on a few chat, code and math prompts")

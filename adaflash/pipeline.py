@@ -152,9 +152,11 @@ class Pipeline:
         sampling: SamplingParams = SamplingParams(),
         draft_length: int | None = None,
         seed: int = 0,
+        record_trace: str | Path | None = None,
     ) -> GenerationResult:
         """`method`: a parsed config (a command's, `SpeculativeConfig.parse`), or a method's name, run as
-        `speculative(method, draft_length)` says."""
+        `speculative(method, draft_length)` says. `record_trace`: a folder the engine's verification trace of this
+        generation is appended to (engine/trace_recorder.py; the engine's path only)."""
         if isinstance(method, SpeculativeConfig):
             if draft_length is not None:
                 raise ValueError("a SpeculativeConfig carries its own draft_length; pass it there")
@@ -163,18 +165,22 @@ class Pipeline:
             config = self.speculative(method, draft_length)
         if config.uses_drafter and self.proposer is None:
             raise ValueError(f"--method {config.name} needs a drafter (--drafter PATH)")
+        if record_trace is not None and not config.runs_on_engine:
+            raise ValueError("--record-trace records the serving engine's steps: give --length-policy (fixed:K for a "
+                             "fixed draft length) or --prompt-lookup")
         if config.runs_on_engine:
-            return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, config)
+            return self._engine_generate(prompt_ids, max_new_tokens, sampling, seed, config, record_trace)
         if config.uses_drafter:
             return speculative_generate(self.target, self.proposer, prompt_ids, max_new_tokens, sampling,
                                         config.draft_length, self.stop_token_ids, seed)
         return autoregressive_generate(self.target, prompt_ids, max_new_tokens, sampling, self.stop_token_ids, seed)
 
     def _engine_generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int,
-                         speculative: SpeculativeConfig) -> GenerationResult:
+                         speculative: SpeculativeConfig, record_trace: str | Path | None = None) -> GenerationResult:
         # A one-slot engine whose cache fits this request exactly (not the model's whole context).
         widest = max_verified(self.proposer if speculative.uses_drafter else None, speculative.prompt_lookup) + 1
-        config = EngineConfig(speculative, max_batch=1, max_len=len(prompt_ids) + max_new_tokens + widest)
+        config = EngineConfig(speculative, max_batch=1, max_len=len(prompt_ids) + max_new_tokens + widest,
+                              trace_dir=None if record_trace is None else str(record_trace))
         models = self.engine_models()
         policy = self._policy_for(config, models) if speculative.uses_drafter else None
         engine = build_engine(config, models, policy, self._policy_factory.checks if policy is not None else None)

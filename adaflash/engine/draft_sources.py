@@ -22,6 +22,7 @@ from adaflash.models.kv_cache import KVCache, RaggedBatch
 from adaflash.speculative.length_policy import LengthPolicy, LookupLength
 from adaflash.speculative.prompt_lookup import PromptLookup, point_mass
 from adaflash.speculative.proposer import DFlashProposer
+from adaflash.speculative.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,11 @@ class DrafterSource:
     The drafter's context is fed lazily: the target features of committed positions wait, per slot, and are fed in one
     ragged pass just before the slot's next drafter pass, so a request the policy keeps from drafting costs no drafter
     work. `observer` (the engine's recorder) receives the block hidden states of the requests that drafted, with their
-    outcomes; with one, drafts go through `draft_hidden` + `draft_tokens` so those states exist.
+    outcomes; with one, drafts go through `draft_hidden` + `draft_tokens` so those states exist. An observer that
+    `wants_blocks` (a verification trace) also gets each block's whole proposal before the policy's cut: the drafting
+    requests draft the whole block and verify its first k (sampled drafts stay lossless: a prefix of drafts keeps its
+    law, though the generator is drawn further), and a block the head read but did not draft from is drafted greedily
+    for the trace alone.
     """
 
     name = "drafter"
@@ -154,14 +159,19 @@ class DrafterSource:
         sub = [requests[i] for i in step.drafting]
         lengths = [capped[i] for i in step.drafting]
         rest = (lengths, [r.sampling for r in sub], [r.generator for r in sub])
+        whole = self.observer is not None and self.observer.wants_blocks
+        widths = [self.max_draft] * len(lengths) if whole else lengths  # a trace keeps the block before the cut
         if step.hidden or self.observer is not None:  # the block hidden states are wanted: draft from them
-            drafted = self.proposer.draft_tokens(step.hidden_of(step.drafting), *rest,
+            drafted = self.proposer.draft_tokens(step.hidden_of(step.drafting), widths, *rest[1:],
                                                  anchors=[step.anchors[i] for i in step.drafting])
         else:
             slots, anchors = [step.slots[i] for i in step.drafting], [step.anchors[i] for i in step.drafting]
             step.fed = max(step.fed, self.feed_context(slots))
             drafted = self.proposer.propose(self.cache, slots, anchors, *rest)
-        for i, chunk, probs in zip(step.drafting, drafted.tokens.split(lengths), drafted.probs):
+        for i, k, chunk, probs in zip(step.drafting, lengths, drafted.tokens.split(widths), drafted.probs):
+            if whole:
+                step.blocks[i] = tuple(chunk.tolist())
+                chunk, probs = chunk[:k], probs if probs is None else probs[:k]
             drafts[i] = Draft(tuple(chunk.tolist()), probs)
         return drafts
 
@@ -178,8 +188,21 @@ class DrafterSource:
         if self.observer is not None and step.drafting:
             self.observer.on_step(step.hidden_of(step.drafting), [drafted[i] for i in step.drafting],
                                   [accepted[i] for i in step.drafting])
+        if self.observer is not None and self.observer.wants_blocks and step.hidden:
+            self.observer.on_blocks([(requests[i], block) for i, block in sorted(self._whole_blocks(step).items())])
         for r, k, a in zip(requests, drafted, accepted):
             self.policy.feedback(r, k, a)
+
+    def _whole_blocks(self, step: "_DrafterStep") -> dict[int, tuple[int, ...]]:
+        """Every block the drafter ran this step, whole: the drafted ones as proposed, the ones only a head read
+        drafted greedily now (what a trace replays where another policy would have drafted there)."""
+        looked = [i for i in step.hidden if i not in step.blocks]
+        if looked:
+            n = len(looked)
+            tokens = self.proposer.draft_tokens(step.hidden_of(looked), [self.max_draft] * n, [SamplingParams()] * n,
+                                                [None] * n, anchors=[step.anchors[i] for i in looked]).tokens
+            step.blocks.update((i, tuple(chunk.tolist())) for i, chunk in zip(looked, tokens.split(self.max_draft)))
+        return step.blocks
 
     def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
         # The step's cost teaches a cost model only when its drafter work is what its lengths say: not when the drafter
@@ -202,6 +225,7 @@ class _DrafterStep:
         self.hidden: dict[int, torch.Tensor] = {}
         self.fed = 0
         self.drafting: list[int] = []  # the requests given drafts
+        self.blocks: dict[int, tuple[int, ...]] = {}  # whole proposals, kept where the observer wants_blocks
 
     def hidden_of(self, indices: Sequence[int]) -> torch.Tensor:
         """The drafter's block hidden states [len(indices), B, d], one pass for those not yet drafted this step."""

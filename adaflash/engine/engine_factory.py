@@ -42,6 +42,7 @@ class EngineConfig:
     max_len: int = 2048  # KV cache positions per slot (prompt + output + drafts); capped at the model's positions
     max_prefill_tokens: int = 2048  # prompt tokens one prefill pass takes at most (vLLM's max_num_batched_tokens)
     record_dir: str | None = None  # on-policy buffer (engine/recorder.py): trajectories and verification outcomes
+    trace_dir: str | None = None  # verification trace (engine/trace_recorder.py): what the simulator replays
 
     def __post_init__(self) -> None:
         if self.speculative.draft_length is not None:  # the reference loop's; an engine's policy picks its lengths
@@ -128,12 +129,22 @@ def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolic
         checks = DraftingChecks()
     # Positions past the model's trained range would decode garbage, not fail: never cache that far.
     max_len = min(config.max_len, models.target.config.max_position_embeddings)
-    recorder = None
+    recorders = []
     if config.record_dir is not None:
         from adaflash.engine.recorder import TrajectoryRecorder
 
-        recorder = TrajectoryRecorder(Path(config.record_dir), drafter_version=models.drafter_version,
-                                      record_outcomes=proposer is not None)
+        recorders.append(TrajectoryRecorder(Path(config.record_dir), drafter_version=models.drafter_version,
+                                            record_outcomes=proposer is not None))
+    if config.trace_dir is not None:
+        from adaflash.engine.trace_recorder import TraceRecorder
+
+        recorders.append(TraceRecorder(Path(config.trace_dir), proposer.block_size if proposer is not None else 1,
+                                       drafter_version=models.drafter_version))
+    if len(recorders) > 1:
+        from adaflash.engine.recorder import Recorders
+
+        recorders = [Recorders(recorders)]
+    recorder = recorders[0] if recorders else None
     return Engine(models.target, proposer, policy, max_batch=config.max_batch, max_queue=config.max_queue,
                   max_len=max_len, recorder=recorder, prompt_lookup=speculative.prompt_lookup,
                   lookup_cost=lookup_cost(config, models, proposer), max_prefill_tokens=config.max_prefill_tokens,

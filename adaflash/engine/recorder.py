@@ -3,7 +3,8 @@
 `Engine(recorder=TrajectoryRecorder(dir))` appends every finished request to `trajectories.jsonl` (token
 ids; the distillation data) and every verified draft block to `outcomes-NNNNN.safetensors` (the drafter's
 detached block hidden states, drafted and accepted counts: the length head's data). Called only on the
-engine thread.
+engine thread. A verification trace (`--record-trace`, the simulator's replay) is `TraceRecorder`'s
+(trace_recorder.py); `Recorders` puts several behind the engine's one recorder.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ TRAJECTORIES_FILE = "trajectories.jsonl"
 
 
 class TrajectoryRecorder:
+    wants_blocks = False  # the drafter's whole blocks are the trace recorder's (engine/trace_recorder.py)
+
     def __init__(self, out_dir: str | Path, drafter_version: str = "", source: str = "",
                  outcomes_per_shard: int = 2048, record_outcomes: bool = True) -> None:
         self.out_dir = Path(out_dir)
@@ -60,3 +63,37 @@ class TrajectoryRecorder:
         self._shard += 1
         self._hidden, self._drafted, self._accepted = [], [], []
         return path
+
+
+class Recorders:
+    """Several recorders as the engine's one (`--record` with `--record-trace`): each hears every call it takes."""
+
+    def __init__(self, recorders) -> None:
+        self.recorders = tuple(recorders)
+        self.wants_blocks = any(r.wants_blocks for r in self.recorders)
+
+    def on_step(self, hidden: torch.Tensor, drafted: list[int], accepted: list[int]) -> None:
+        for r in self.recorders:
+            r.on_step(hidden, drafted, accepted)
+
+    def on_blocks(self, blocks) -> None:
+        for r in self.recorders:
+            if r.wants_blocks:
+                r.on_blocks(blocks)
+
+    def on_finish(self, request: Request) -> None:
+        for r in self.recorders:
+            r.on_finish(request)
+
+    def flush(self) -> None:
+        for r in self.recorders:
+            r.flush()
+
+    @property
+    def drafter_version(self) -> str:
+        return self.recorders[0].drafter_version
+
+    @drafter_version.setter
+    def drafter_version(self, version: str) -> None:  # a hot swap relabels what every recorder writes next
+        for r in self.recorders:
+            r.drafter_version = version

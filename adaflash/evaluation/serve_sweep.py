@@ -222,6 +222,8 @@ def _cmd(args: argparse.Namespace) -> int:
     cells: list[dict] = []
     with ExitStack() as stack:
         log_dir = Path(args.log_dir)
+        if args.record_trace:  # each server's verification trace in a folder of its own
+            servers = [(n, [*a, "--record-trace", str(Path(args.record_trace) / n)]) for n, a in servers]
         urls = {n: stack.enter_context(launched_server(n, a, args.port + i, args.max_batch, log_dir, args.threads))
                 for i, (n, a) in enumerate(servers)}
         if peers:
@@ -346,6 +348,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="OMP threads per server (pin to 1 when other work shares the machine: OpenMP stalls under contention)")
     p.add_argument("--log-dir", default="runs/logs/sweep", help="server logs")
+    p.add_argument("--record-trace", default=None, metavar="DIR",
+                   help="each of our servers records its verification trace to DIR/NAME (`serve --record-trace`): "
+                   "what `bench simulate --drafter trace:DIR/NAME` replays")
     p.add_argument("--matmul-peak", action=argparse.BooleanOptionalAction, default=True,
                    help="time an fp32 matmul with the servers idle, before and after the cells, and report each "
                    "server's achieved GFLOP/s against it (--no-matmul-peak: skip)")

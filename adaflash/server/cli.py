@@ -20,7 +20,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from adaflash.engine.engine_factory import EngineConfig
 
     return EngineConfig(SpeculativeConfig.parse(args), max_batch=args.max_batch, max_queue=args.max_queue,
-                        max_len=args.max_len, record_dir=args.record, max_prefill_tokens=args.max_prefill_tokens)
+                        max_len=args.max_len, record_dir=args.record, max_prefill_tokens=args.max_prefill_tokens,
+                        trace_dir=args.record_trace)
 
 
 def build_runner(args: argparse.Namespace, config: EngineConfig | None = None):
@@ -156,6 +157,10 @@ def register_cli(subparsers) -> None:
     p.add_argument("--record", default=None, metavar="DIR",
                    help="on-policy buffer: append finished requests to DIR/trajectories.jsonl and verification "
                    "outcomes to DIR/outcomes-*.safetensors (the data of `train distill` and `train length-head`)")
+    p.add_argument("--record-trace", default=None, metavar="DIR",
+                   help="append each finished request's verification trace to DIR/traces.jsonl: prompt and output ids "
+                   "and, per step, the drafter's whole block, drafts verified, accept length and the length head's "
+                   "prediction (what `bench simulate --drafter trace:DIR` replays)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every /v1 request (and /metrics unless --metrics-open); "
                    "default: the ADAFLASH_API_KEY environment variable, which is better than this flag (a command line "

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # the heads import torch.nn modules the rule-based policies n
 # hidden_of(indices) -> the drafter's block hidden states [len(indices), B, d] of those requests (one drafter
 # pass for the ones not yet drafted this step): what a learned head reads before any LM head runs.
 HiddenOf = Callable[[Sequence[int]], torch.Tensor]
+# Where a learned per-position head leaves what it predicted for a request this step (its survival, one value a draft
+# position): the engine's trace recorder reads it (engine/trace_recorder.py); nothing decides on it.
+HEAD_SURVIVAL = "head_survival"
 
 
 class PolicyRequest(Protocol):
@@ -361,6 +364,7 @@ class LearnedThroughputLength:
         if look:
             for i, row in zip(look, self.head.survival(hidden_of(look))[:, :max_draft].tolist()):
                 survival[i] = row
+                requests[i].policy_state[HEAD_SURVIVAL] = row
         lengths = allocate_drafts(survival, self.screen.step_cost, max_draft)
         for i in look:
             if lengths[i] == 0 and survival[i]:
