@@ -1,11 +1,13 @@
 """`adaflash bench simulate`: the engine and its length policies on a GPU's step costs, in virtual time.
 
 Each variant (a method and length policy, as `serve` takes them) runs the real engine built by `build_engine`, over a
-synthetic target and drafter of stated strength, its passes priced by a roofline of the named GPU and model shape
-(`step_cost.py`) on a virtual clock (`clock.py`) that the policies and drafting checks read. `concurrency` clients
-each send their next request when the last one ends (closed loop, as `bench sweep`'s load client) until the workload's
-requests are done; a row's tokens a second are the generated tokens over the virtual seconds, and every output is
-checked against the synthetic target's own greedy decoding. Every row says it is simulated and with what.
+synthetic target and drafter of stated strength (`synthetic.py`) or a replayed trace of a real run (`replay.py`), its
+passes priced by a roofline of the named GPU and model shape, this machine's measured profile or a measured step-cost
+table (`step_cost.py`) on a virtual clock (`clock.py`) that the policies and drafting checks read. `concurrency`
+clients each send their next request when the last one ends (closed loop, as `bench sweep`'s load client) until the
+workload's requests are done; a row's tokens a second are the generated tokens over the virtual seconds, and every
+output is checked against the target it ran over (the synthetic target's greedy decoding, or the recorded output).
+Every row says it is simulated and with what acceptance.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from adaflash.speculative.cost_model import (CalibratedCost, CostModel, profile_
 from adaflash.speculative.drafting_check import DraftingChecks
 from adaflash.speculative.length_policy import build_length_policy, learned_policy
 from adaflash.simulation.clock import CostedProposer, CostedTarget, VirtualClock
-from adaflash.simulation.step_cost import RooflineCost, StepCost
+from adaflash.simulation.step_cost import ProfileCost, RooflineCost, StepCost, TableCost
 from adaflash.simulation.synthetic import (Strength, SyntheticDrafter, SyntheticHead, SyntheticTarget,
                                            synthetic_greedy, synthetic_prompt)
 
@@ -139,30 +141,66 @@ def row_of(variant: Variant, concurrency: int, requests: Sequence[Request], seco
             "drafts_per_pass": statistics.fmean(drafted) if drafted else 0.0}
 
 
+def policy_profile(cost: StepCost, concurrency: int, block_size: int) -> CostModel:
+    """The cost profile the policies read: this machine's own where it prices the passes (as `serve` reads it), else
+    the one they would measure on the priced machine (`profile_of`)."""
+    return cost.profile if isinstance(cost, ProfileCost) else profile_of(cost, concurrency, block_size)
+
+
+def run_engine(variant: Variant, cost: StepCost, clock: VirtualClock, target: CostedTarget, proposer: CostedProposer,
+               head, survival: Sequence[float], concurrency: int, requests: Sequence[Request],
+               expected: Sequence[Sequence[int]]) -> dict:
+    """One variant at one concurrency over costed models (synthetic or replayed): the closed loop over `requests`,
+    each output checked against `expected`; the row of the results table."""
+    max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + proposer.block_size + 1
+    engine = variant_engine(variant, target, proposer, head, policy_profile(cost, concurrency, proposer.block_size),
+                            survival, concurrency, len(requests), max_len, clock)
+    steps = closed_loop(engine, requests, concurrency)
+    row = row_of(variant, concurrency, requests, clock.now)
+    row.update(engine_steps=steps, target_passes=target.passes,
+               drafter_passes=proposer.passes if engine.proposer is not None else 0,
+               lossless=all(r.output_ids == list(e) for r, e in zip(requests, expected)))
+    return row
+
+
 def run_variant(variant: Variant, cost: StepCost, strength: Strength, concurrency: int, workload: Workload) -> dict:
     """One variant at one concurrency over the synthetic models: the row of the results table."""
     clock = VirtualClock()
     target = CostedTarget(SyntheticTarget(), cost, clock)
     proposer = CostedProposer(SyntheticDrafter(target, strength, seed=workload.seed), cost, clock)
     survival = [strength.alpha ** j for j in range(1, strength.block_size)]
-    max_len = workload.prompt_len + workload.output_len + strength.block_size + 1
-    engine = variant_engine(variant, target, proposer, SyntheticHead(),
-                            profile_of(cost, concurrency, strength.block_size), survival, concurrency,
-                            workload.requests, max_len, clock)
     prompts = workload.prompts()
     requests = [Request(f"r{i}", p, workload.output_len) for i, p in enumerate(prompts)]
-    steps = closed_loop(engine, requests, concurrency)
-    row = row_of(variant, concurrency, requests, clock.now)
-    row.update(engine_steps=steps, target_passes=target.passes,
-               drafter_passes=proposer.passes if engine.proposer is not None else 0,
-               lossless=all(r.output_ids == synthetic_greedy(p, workload.output_len)
-                            for r, p in zip(requests, prompts)))
-    return row
+    return run_engine(variant, cost, clock, target, proposer, SyntheticHead(), survival, concurrency, requests,
+                      [synthetic_greedy(p, workload.output_len) for p in prompts])
 
 
-def simulate(variants: Sequence[Variant], concurrencies: Sequence[int], cost: StepCost, strength: Strength,
-             workload: Workload) -> list[dict]:
-    rows = [run_variant(variant, cost, strength, c, workload) for c in concurrencies for variant in variants]
+@dataclass(frozen=True)
+class SyntheticSource:
+    """`bench simulate`'s acceptance from a synthetic drafter of stated strength, over a synthetic workload."""
+
+    strength: Strength
+    workload: Workload
+
+    @property
+    def label(self) -> str:
+        return f"synthetic tau={self.strength.tau}"
+
+    def describe(self) -> str:
+        s = self.strength
+        return (f"synthetic drafter: tau {s.tau} over a block of {s.block_size}, per-request rate spread {s.spread}, "
+                f"head calibration error {s.head_error}")
+
+    def workload_dict(self) -> dict:
+        return vars(self.workload)
+
+    def run(self, variant: Variant, cost: StepCost, concurrency: int) -> dict:
+        return run_variant(variant, cost, self.strength, concurrency, self.workload)
+
+
+def simulate(variants: Sequence[Variant], concurrencies: Sequence[int], cost: StepCost, source) -> list[dict]:
+    """Every variant at every concurrency; `source`: the acceptance (`SyntheticSource`, `replay.TraceSource`)."""
+    rows = [source.run(variant, cost, c) | {"acceptance": source.label} for c in concurrencies for variant in variants]
     for row in rows:  # (AR may be listed anywhere, or not at all)
         base = next((r["tokens_per_s"] for r in rows if r["method"] == "ar" and r["concurrency"] == row["concurrency"]),
                     None)
@@ -170,44 +208,70 @@ def simulate(variants: Sequence[Variant], concurrencies: Sequence[int], cost: St
     return rows
 
 
-def report(rows: list[dict], cost: StepCost, strength: Strength, workload: Workload, command: str) -> dict:
+def report(rows: list[dict], cost: StepCost, source, command: str) -> dict:
     return {"simulated": True, "command": command, "machine": f"virtual time: {cost.describe()}",
-            "cost_model": cost.describe(),
-            "acceptance": f"synthetic drafter: tau {strength.tau} over a block of {strength.block_size}, per-request "
-                          f"rate spread {strength.spread}, head calibration error {strength.head_error}",
-            "workload": vars(workload), "rows": rows}
+            "cost_model": cost.describe(), "acceptance": source.describe(), "workload": source.workload_dict(),
+            "rows": rows}
 
 
 def markdown(result: dict) -> str:
     lines = [f"Simulated (virtual time): {result['cost_model']}; {result['acceptance']}.", "",
              f"`{result['command']}`", "",
-             "| concurrency | variant | tokens/s (simulated) | vs AR | accept length | drafts a pass | lossless |",
-             "|---|---|---|---|---|---|---|"]
+             "| concurrency | variant | tokens/s (simulated) | vs AR | accept length | drafts a pass | lossless | "
+             "acceptance |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         vs = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
         lines.append(f"| {r['concurrency']} | {r['variant']} | {r['tokens_per_s']:.0f} | {vs} | {r['accept_len']:.2f} "
-                     f"| {r['drafts_per_pass']:.2f} | {'yes' if r['lossless'] else 'NO'} |")
+                     f"| {r['drafts_per_pass']:.2f} | {'yes' if r['lossless'] else 'NO'} | {r['acceptance']} |")
     return "\n".join(lines) + "\n"
+
+
+def cost_of(spec: str, drafter_layers: int, model: str, dtype: str, concurrency: int) -> StepCost:
+    """`--cost-model`: gpu:GPU:SHAPE (a roofline), profile (this machine's measured profile of `model` and its shipped
+    drafter, the one the throughput policy reads: loaded or profiled once, `cost_model_for`) or a step-cost table
+    FILE (`make gpu-check`'s JSON)."""
+    if spec.startswith("gpu:"):
+        gpu, _, shape = spec.removeprefix("gpu:").partition(":")
+        return RooflineCost.of(gpu, shape, drafter_layers)
+    if spec == "profile":
+        import torch
+
+        from adaflash.models.device import describe
+        from adaflash.models.registry import resolve_drafter
+        from adaflash.pipeline import Pipeline
+        from adaflash.speculative.cost_model import cost_model_for
+
+        pipeline = Pipeline.load(model, resolve_drafter(model, None), dtype)
+        profile = cost_model_for(pipeline.target, pipeline.proposer, model,
+                                 max_tokens=concurrency * pipeline.proposer.block_size)
+        return ProfileCost(profile, f"{model} on {describe(pipeline.target.device)}, {torch.get_num_threads()} "
+                                    f"threads, {pipeline.target.numerics}")
+    return TableCost.load(spec)
 
 
 def _cmd(args) -> int:
     import sys
 
     try:
-        gpu, _, shape = args.cost_model.removeprefix("gpu:").partition(":")
-        cost = RooflineCost.of(gpu, shape, args.drafter_layers)
-        strength = Strength.parse(args.drafter.removeprefix("synthetic:"))
         variants = [VARIANTS[name] if name in VARIANTS else Variant(name, "dflash", name)
                     for name in args.variants.split(",")]
         concurrencies = [int(c) for c in args.concurrency.split(",")]
         for variant in variants:
             SpeculativeConfig.of(variant.method, variant.policy)  # a bad policy fails before any run
-    except ValueError as exc:
+        if args.drafter.startswith("trace:"):
+            from adaflash.simulation.replay import Trace, TraceSource
+
+            trace = Trace.load(args.drafter.removeprefix("trace:"))
+            source = TraceSource(trace, args.requests or len(trace.records))
+        else:
+            workload = Workload(args.requests or Workload.requests, args.prompt_len, args.output_len, args.seed)
+            source = SyntheticSource(Strength.parse(args.drafter.removeprefix("synthetic:")), workload)
+        cost = cost_of(args.cost_model, args.drafter_layers, args.model, args.dtype, max(concurrencies))
+    except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    workload = Workload(args.requests, args.prompt_len, args.output_len, args.seed)
-    rows = simulate(variants, concurrencies, cost, strength, workload)
-    result = report(rows, cost, strength, workload, "adaflash bench simulate " + " ".join(sys.argv[3:]))
+    rows = simulate(variants, concurrencies, cost, source)
+    result = report(rows, cost, source, "adaflash bench simulate " + " ".join(sys.argv[3:]))
     text = markdown(result)
     print(text)
     if args.json:
@@ -219,20 +283,31 @@ def _cmd(args) -> int:
 
 def register_cli(subparsers) -> None:
     from adaflash.cli_args import command_group
+    from adaflash.models.registry import DEFAULT_TARGET
 
     p = command_group(subparsers, "bench", help="benchmarks").add_parser(
         "simulate", help="the engine and its length policies on a GPU's step costs, in virtual time")
-    p.add_argument("--cost-model", default="gpu:h100:qwen3-8b", help="gpu:GPU:SHAPE (gpus h100, h200, b200; shapes "
-                   "qwen3-8b, qwen3-coder-30b-a3b)")
+    p.add_argument("--cost-model", default="gpu:h100:qwen3-8b",
+                   help="what a pass costs: gpu:GPU:SHAPE (a roofline; gpus h100, h200, b200; shapes qwen3-8b, "
+                   "qwen3-coder-30b-a3b), profile (this machine's measured profile of --model and its shipped "
+                   "drafter, as the throughput policy reads it) or FILE (a step-cost table as `make gpu-check` writes "
+                   "it: verify_cost.json / gpu_check.json, interpolated in tokens and batch size)")
     p.add_argument("--drafter", default="synthetic:tau=6.5,block=16",
-                   help="synthetic:tau=T[,block=B,spread=S,head_error=E]: a drafter of stated strength")
-    p.add_argument("--drafter-layers", type=int, default=5, help="the drafter's layers (its pass's cost)")
+                   help="synthetic:tau=T[,block=B,spread=S,head_error=E]: a drafter of stated strength; or trace:DIR: "
+                   "replay a recorded trace (`--record-trace DIR` on generate, serve, bench sweep): its prompts and "
+                   "outputs are the workload, its recorded blocks the drafts (simulation/replay.py states the rule)")
+    p.add_argument("--drafter-layers", type=int, default=5, help="the drafter's layers (its pass's cost; gpu: only)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated: {', '.join(VARIANTS)}, or a length policy (fixed:K, heuristic, ...)")
     p.add_argument("--concurrency", default="1,8,32,64")
-    p.add_argument("--requests", type=int, default=64, help="requests per cell (closed loop)")
-    p.add_argument("--prompt-len", type=int, default=233)
-    p.add_argument("--output-len", type=int, default=221)
+    p.add_argument("--requests", type=int, default=None,
+                   help=f"requests per cell (closed loop; default {Workload.requests}, or a trace's recorded requests; "
+                   "a trace's are cycled to make more)")
+    p.add_argument("--prompt-len", type=int, default=233, help="synthetic prompts' tokens (a trace's are recorded)")
+    p.add_argument("--output-len", type=int, default=221, help="synthetic outputs' tokens (a trace's are recorded)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=DEFAULT_TARGET, help="with --cost-model profile: the target whose profile prices "
+                   "the passes (with its shipped drafter)")
+    p.add_argument("--dtype", default="auto", help="with --cost-model profile: the target's dtype")
     p.add_argument("--json", help="write the rows here (and a markdown table beside it)")
     p.set_defaults(func=_cmd)

@@ -1,5 +1,6 @@
 """What a pass costs on a machine this process is not running on: the target's and the drafter's passes priced from
-a model shape and a GPU (an analytic roofline), or from this machine's measured profile.
+a model shape and a GPU (an analytic roofline), from this machine's measured profile, or from a measured step-cost
+table (`make gpu-check`'s, `TableCost`).
 
 A pass reads the weights it needs once (a dense model all of them; a mixture of experts the attention, the router and
 the experts its tokens route to, which grow with the batch), every request's KV cache, and does 2 FLOPs a weight a
@@ -16,7 +17,10 @@ reports the error against every published figure, the fitted ones included).
 
 from __future__ import annotations
 
+import bisect
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from adaflash.speculative.cost_model import CostModel
@@ -170,6 +174,7 @@ class ProfileCost(StepCost):
     pass by its width; contexts are not in the profile."""
 
     profile: CostModel
+    machine: str = ""  # what was profiled, where (the report's label)
 
     def target_s(self, query_lens, contexts, logits):
         return self.profile.verify(sum(query_lens))
@@ -178,4 +183,73 @@ class ProfileCost(StepCost):
         return sum(self.profile.draft(width - 1) for _ in contexts)
 
     def describe(self) -> str:
-        return "this machine's measured profile"
+        return "this machine's measured profile" + (f" ({self.machine})" if self.machine else "")
+
+
+def _axis(xs: Sequence[float], x: float) -> tuple[int, int, float]:
+    """The two grid points around x on a sorted axis (the last two past its end) and x's weight on the second."""
+    i = max(1, min(bisect.bisect_left(xs, x), len(xs) - 1))
+    return i - 1, i, (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+@dataclass(frozen=True)
+class TableCost(StepCost):
+    """A measured step-cost table, as `make gpu-check` writes it (gpu/check.py: `verify_cost.json` or
+    `gpu_check.json`): the target's forward ms over a grid of batch sizes x new tokens a sequence (every sequence at
+    the table's context), and the batch-1 profile with its drafter (`cost_model`: the drafter's pass by width and, on
+    CUDA, by drafting requests).
+
+    A target pass is priced at its number of sequences and their mean new tokens, bilinear between the grid's points
+    (exact at them), linear past its edges from the last two points (a prefill of hundreds of tokens is extrapolated
+    from the 8- and 16-token columns); contexts are the table's, whatever the requests hold. A drafter pass is the
+    profile's (`CostModel.draft_pass` where it batches requests, else per request)."""
+
+    batches: tuple[int, ...]
+    new_tokens: tuple[int, ...]
+    ms: tuple[tuple[float, ...], ...]  # [batch][new tokens]
+    drafter: CostModel
+    source: str = ""
+
+    def target_s(self, query_lens, contexts, logits):
+        b, n = len(query_lens), sum(query_lens) / len(query_lens)
+        i0, i1, wb = _axis(self.batches, b)
+        j0, j1, wn = _axis(self.new_tokens, n)
+        row = [(1 - wn) * self.ms[i][j0] + wn * self.ms[i][j1] for i in (i0, i1)]
+        return max(0.0, (1 - wb) * row[0] + wb * row[1]) / 1e3
+
+    def drafter_s(self, width, contexts, logits):
+        if self.drafter.batched_drafter:
+            return self.drafter.draft_pass(len(contexts), width - 1)
+        return len(contexts) * self.drafter.draft(width - 1)
+
+    def describe(self) -> str:
+        return f"measured step-cost table {self.source}"
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TableCost":
+        """From a `make gpu-check` JSON file (its top-level, Qwen3-8B-shaped table); a malformed file is an error
+        naming it."""
+        path = Path(path)
+        try:
+            report = json.loads(path.read_text())
+            cells = report["verify_cost"]["cells"]
+            ms = {(int(c["batch"]), int(c["new_tokens"])): float(c["ms"]) for c in cells}
+            batches, widths = sorted({b for b, _ in ms}), sorted({n for _, n in ms})
+            if len(batches) < 2 or len(widths) < 2:
+                raise ValueError("the grid needs at least two batch sizes and two new-token counts")
+            missing = [(b, n) for b in batches for n in widths if (b, n) not in ms]
+            if missing:
+                raise ValueError(f"the grid lacks cells (batch, new tokens) {missing[:4]}")
+            if min(ms.values()) <= 0 or min(batches) < 1 or min(widths) < 1:
+                raise ValueError("batches, new tokens and ms must be positive")
+            if "cost_model" not in report:
+                raise ValueError("no drafter costs (its 'cost_model')")
+            drafter = CostModel.from_json(json.dumps(report["cost_model"]))
+            if drafter.draft_s <= 0 and not drafter.draft_widths:
+                raise ValueError("the 'cost_model' has no drafter pass")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no step-cost table at {path}") from None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{path}: not a step-cost table as `make gpu-check` writes it ({exc})") from None
+        grid = tuple(tuple(ms[b, n] for n in widths) for b in batches)
+        return cls(tuple(batches), tuple(widths), grid, drafter, str(path))
