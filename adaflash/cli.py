@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         configure_process(args.threads, args.device)
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad input or a file that cannot be read or written: the message says which
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -41,3 +41,16 @@ def markdown_table(headers: Sequence[Any], rows: Iterable[Sequence[Any]], align:
         raise ValueError(f"align {align!r} names {len(align)} columns, the table has {len(headers)}")
     rule = "|" + "".join("---:|" if a == "r" else "---|" for a in (align or "l" * len(headers)))
     return "\n".join([line(headers), rule, *map(line, rows)])
+
+
+def verdict_page(title: str, command: str, machine: str, results: dict[str, dict[str, Any]]) -> str:
+    """A page of scenarios, each a dict with `fault`, `expected`, `observed`, `passed` and optional `details`: one
+    table of verdicts, then each scenario's details as JSON."""
+    rows = [[name, r["fault"], r["expected"], r["observed"], "pass" if r["passed"] else "**FAIL**"]
+            for name, r in results.items()]
+    lines = [f"# {title}", "", f"`{command}`", "", machine, "",
+             markdown_table(["scenario", "fault", "expected", "observed", "verdict"], rows), ""]
+    for name, r in results.items():
+        if r.get("details"):
+            lines += [f"## {name}", "", "```json", json.dumps(r["details"], indent=1), "```", ""]
+    return "\n".join(lines)

@@ -1,15 +1,17 @@
-"""`adaflash bench load`: many concurrent streams for a fixed time, then check nothing leaked.
+"""`adaflash bench load`: many concurrent clients for a fixed time, then check nothing was lost or leaked.
 
     adaflash bench load --base-url http://127.0.0.1:8000 --streams 128 --duration 120
-    adaflash bench load --base-url http://127.0.0.1:8000 --streams 8 --duration 600 --max-tokens 32 --soak \
-        --disconnect-rate 0.1 --json docs/results/serving/soak.json --markdown docs/results/serving/soak.md
+    adaflash bench load --base-url http://127.0.0.1:8000 --streams 64 --duration 1800 --mixed --disconnect-rate 0.1 \
+        --soak --json soak.json --markdown soak.md
 
-Every request must end answered in full (200, a finish reason, usage, `data: [DONE]`, no error event) or
-cleanly refused (429/503); anything else is a lost request. Afterwards the server's /metrics must show no
-running or queued request and every slot free. `--soak` also samples the server's resident memory through
-the run (its own `process_resident_memory_bytes` from /metrics, or /proc/PID with `--server-pid`) and fails
-if it still grows over the last half of the run by more than `--max-rss-growth-mb`: a memory plateau.
-`--disconnect-rate P` makes that fraction of requests hang up after their first token (the abort path).
+Every request must end answered in full or cleanly refused (429/503 with Retry-After), see load_client.py; anything
+else is a lost request, and a completion id seen twice is a duplicated one. Afterwards the server's /metrics must
+show no running or queued request and every slot free. `--mixed` draws each request's kind at random: streaming or
+not, chat or completions. `--disconnect-rate P` makes that fraction of streams hang up after their first token (the
+abort path). `--soak` also samples the server's resident memory (its `process_resident_memory_bytes`, or /proc/PID
+with `--server-pid`) and compares the first and the last windows after warm-up: the run fails if memory grew more
+than `--max-rss-growth-pct` after warm-up or the last window's p99 latency is more than `--max-p99-drift-pct` above
+the first's.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import httpx
 
 from adaflash.cli_args import command_group
+from adaflash.evaluation.load_client import Call, Outcome, send
 from adaflash.report import markdown_table, write_json
 
 PROMPTS = ["Explain caching in one paragraph.", "Write a haiku about GPUs.", "What is 17 * 23? Show the steps.",
@@ -35,10 +39,29 @@ PROMPTS = ["Explain caching in one paragraph.", "Write a haiku about GPUs.", "Wh
 
 
 @dataclass(frozen=True)
+class Traffic:
+    """What the clients send: each request a prompt drawn from `prompts` (message lists) and 1..max_tokens."""
+
+    prompts: tuple[tuple[dict, ...], ...] = tuple(({"role": "user", "content": p},) for p in PROMPTS)
+    max_tokens: int = 64
+    disconnect_rate: float = 0.0  # of streams, hung up after the first token
+    mixed: bool = False  # streaming or not, chat or completions, at random; else chat streams only
+
+    def call(self, rng: random.Random) -> Call:
+        stream = not self.mixed or rng.random() < 0.5
+        chat = not self.mixed or rng.random() < 0.5
+        return Call(rng.choice(self.prompts), rng.randint(1, self.max_tokens), stream, chat,
+                    stream and rng.random() < self.disconnect_rate)
+
+
+@dataclass(frozen=True)
 class SoakConfig:
     rss_interval_s: float = 10.0
     server_pid: int | None = None  # read /proc/PID/status instead of the server's /metrics
-    max_rss_growth_mb: float = 64.0  # allowed growth over the last half of the run
+    warmup_s: float = 120.0  # the allocator meets new shapes at first: memory and latency are compared after this
+    window_s: float = 300.0  # the first and the last windows after warm-up whose p99 latencies are compared
+    max_rss_growth_pct: float = 5.0
+    max_p99_drift_pct: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -56,12 +79,18 @@ class LoadReport:
     rss_before_mb: float | None
     rss_after_mb: float | None
     hung_up: int = 0  # the client's own disconnects (--disconnect-rate), not failures
+    duplicated: int = 0  # completions whose id an earlier one had
+    server_errors: int = 0  # 5xx answers that were not a refusal with Retry-After
     lost_reasons: dict[str, int] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)  # completed requests by kind (chat/completions, stream or not)
+    completion_tokens: int = 0  # of the completed requests, as their usage says
     rss_samples: tuple[tuple[float, float], ...] = ()  # (seconds since the start, MB), soak only
     rss_peak_mb: float | None = None
-    rss_growth_last_half_mb: float | None = None
-    rss_slope_last_half_mb_per_min: float | None = None
-    max_rss_growth_mb: float | None = None
+    rss_at_warmup_mb: float | None = None
+    rss_growth_pct: float | None = None  # from the end of warm-up to the end of the run
+    p99_first_s: float | None = None  # latency of the requests started in the first window after warm-up
+    p99_last_s: float | None = None  # ... and in the run's last window
+    soak: SoakConfig | None = None
 
     @property
     def leaked_slots(self) -> float | None:
@@ -70,60 +99,38 @@ class LoadReport:
         return self.max_slots - self.free_slots_after
 
     @property
-    def plateaued(self) -> bool | None:
-        if self.rss_growth_last_half_mb is None or self.max_rss_growth_mb is None:
+    def p99_drift_pct(self) -> float | None:
+        if self.p99_first_s is None or self.p99_last_s is None or self.p99_first_s <= 0:
             return None
-        return self.rss_growth_last_half_mb <= self.max_rss_growth_mb
+        return 100.0 * (self.p99_last_s / self.p99_first_s - 1.0)
+
+    @property
+    def plateaued(self) -> bool | None:
+        if self.rss_growth_pct is None or self.soak is None:
+            return None
+        return self.rss_growth_pct <= self.soak.max_rss_growth_pct
+
+    @property
+    def latency_steady(self) -> bool | None:
+        if self.p99_drift_pct is None or self.soak is None:
+            return None
+        return self.p99_drift_pct <= self.soak.max_p99_drift_pct
 
     @property
     def clean(self) -> bool:
         leaked = self.running_after not in (None, 0) or self.queued_after not in (None, 0)
         slots_back = self.leaked_slots in (None, 0)
-        return self.failed == 0 and not leaked and slots_back and self.plateaued is not False
+        return (self.failed == 0 and self.duplicated == 0 and not leaked and slots_back
+                and self.plateaued is not False and self.latency_steady is not False)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "leaked_slots": self.leaked_slots, "plateaued": self.plateaued, "clean": self.clean}
+        return {**asdict(self), "leaked_slots": self.leaked_slots, "p99_drift_pct": self.p99_drift_pct,
+                "plateaued": self.plateaued, "latency_steady": self.latency_steady, "clean": self.clean}
 
 
 def _gauge(text: str, name: str) -> float | None:
     m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else None
-
-
-async def _request(client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int,
-                   hang_up: bool) -> tuple[str, str]:
-    """(status, outcome): outcome is completed, refused, hung_up, or `lost: why`."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-            status = str(resp.status_code)
-            if resp.status_code != 200:
-                await resp.aread()
-                return status, "refused" if resp.status_code in (429, 503) else f"lost: HTTP {status}"
-            finish = usage = None
-            done = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return status, f"lost: error event {event['error'].get('code')}"
-                usage = event.get("usage") or usage
-                for choice in event.get("choices", []):
-                    finish = choice.get("finish_reason") or finish
-                    if hang_up and choice.get("delta", {}).get("content"):
-                        return status, "hung_up"  # leaving the stream unread closes the connection
-        if not done or finish is None:
-            return status, "lost: stream ended without " + ("[DONE]" if not done else "a finish reason")
-        if usage is None or not 1 <= usage.get("completion_tokens", 0) <= max_tokens:
-            return status, "lost: missing or wrong usage"
-        return status, "completed"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        return "error", f"lost: {type(exc).__name__}"
 
 
 async def _rss_mb(client: httpx.AsyncClient, server_pid: int | None) -> float | None:
@@ -136,23 +143,37 @@ async def _rss_mb(client: httpx.AsyncClient, server_pid: int | None) -> float | 
     return v / 2**20 if v is not None else None
 
 
-def _last_half(samples: list[tuple[float, float]], duration_s: float) -> tuple[float | None, float | None]:
-    """(growth in MB, least-squares slope in MB/min) over the samples of the run's second half."""
-    half = [(t, mb) for t, mb in samples if duration_s / 2 <= t <= duration_s]
-    if len(half) < 2:
-        return None, None
-    n, mt, mm = len(half), sum(t for t, _ in half) / len(half), sum(mb for _, mb in half) / len(half)
-    var = sum((t - mt) ** 2 for t, _ in half)
-    slope = sum((t - mt) * (mb - mm) for t, mb in half) / var * 60 if var > 0 else 0.0
-    return half[-1][1] - half[0][1], slope
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def run_load(base_url: str, model: str, streams: int, duration_s: float, max_tokens: int, settle_s: float = 30.0,
-                   *, soak: SoakConfig | None = None, api_key: str | None = None,
-                   disconnect_rate: float = 0.0) -> LoadReport:
+def soak_figures(samples: Sequence[tuple[float, float]], latencies: Sequence[tuple[float, float]], duration_s: float,
+                 soak: SoakConfig) -> dict:
+    """Memory at the end of warm-up and its growth to the run's last sample (%); the p99 latency of the requests
+    started in the first window after warm-up and in the run's last window (`latencies`: (start s, latency s))."""
+    after = [(t, mb) for t, mb in samples if t >= soak.warmup_s]
+    at_warmup = after[0][1] if after else None
+    growth = 100.0 * (after[-1][1] / at_warmup - 1.0) if len(after) >= 2 and at_warmup else None
+    window = min(soak.window_s, max(0.0, (duration_s - soak.warmup_s) / 2))
+    first = [lat for t, lat in latencies if soak.warmup_s <= t < soak.warmup_s + window]
+    last = [lat for t, lat in latencies if t >= duration_s - window]
+    return {"rss_at_warmup_mb": at_warmup, "rss_growth_pct": growth,
+            "p99_first_s": percentile(first, 0.99) if window > 0 else None,
+            "p99_last_s": percentile(last, 0.99) if window > 0 else None}
+
+
+async def run_load(base_url: str, model: str, streams: int, duration_s: float, traffic: Traffic = Traffic(),
+                   settle_s: float = 30.0, *, soak: SoakConfig | None = None, api_key: str | None = None) -> LoadReport:
     statuses: Counter = Counter()
     outcomes: Counter = Counter()
+    kinds: Counter = Counter()
+    ids: set[str] = set()
+    duplicated = server_errors = tokens = 0
     samples: list[tuple[float, float]] = []
+    latencies: list[tuple[float, float]] = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=streams + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits, headers=headers) as client:
@@ -160,15 +181,26 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, m
         start = time.perf_counter()
         deadline = start + duration_s
 
-        async def stream_loop(i: int) -> None:
+        def tally(call: Call, sent_at: float, out: Outcome) -> None:
+            nonlocal duplicated, server_errors, tokens
+            statuses[out.status] += 1
+            outcomes[out.kind] += 1
+            server_errors += out.status.startswith("5") and out.kind != "refused"
+            if out.kind == "completed":
+                duplicated += out.completion_id in ids
+                tokens += out.tokens
+                ids.add(out.completion_id)
+                latencies.append((round(sent_at - start, 3), out.latency_s))
+                kinds[("chat" if call.chat else "completions") + (" stream" if call.stream else "")] += 1
+
+        async def client_loop(i: int) -> None:
             rng = random.Random(i)
             while time.perf_counter() < deadline:
-                messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
-                hang_up = rng.random() < disconnect_rate
-                status, outcome = await _request(client, model, messages, rng.randint(1, max_tokens), hang_up)
-                statuses[status] += 1
-                outcomes[outcome] += 1
-                if outcome == "refused":
+                call = traffic.call(rng)
+                sent_at = time.perf_counter()
+                out = await send(client, model, call)
+                tally(call, sent_at, out)
+                if out.kind == "refused":
                     await asyncio.sleep(0.2)  # a well-behaved client backs off (Retry-After)
 
         async def sample_rss() -> None:
@@ -180,7 +212,7 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, m
                     return
                 await asyncio.sleep(min(soak.rss_interval_s, max(0.0, deadline - time.perf_counter())))
 
-        tasks = [stream_loop(i) for i in range(streams)] + ([sample_rss()] if soak else [])
+        tasks = [client_loop(i) for i in range(streams)] + ([sample_rss()] if soak else [])
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         # Let the engine drain, then read the gauges that prove nothing leaked.
@@ -194,7 +226,6 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, m
         rss_after = await _rss_mb(client, soak.server_pid) if soak else None
     rss = lambda text: (v / 2**20) if (v := _gauge(text, "process_resident_memory_bytes")) is not None else None  # noqa: E731
     lost = {k[len("lost: "):]: v for k, v in outcomes.items() if k.startswith("lost: ")}
-    growth, slope = _last_half(samples, duration_s)
     return LoadReport(
         streams=streams, duration_s=duration, statuses=dict(statuses), completed=outcomes["completed"],
         refused=outcomes["refused"], failed=sum(lost.values()),
@@ -203,30 +234,43 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, m
         max_slots=_gauge(before, "adaflash_batch_slots") or _gauge(before, "adaflash_free_slots"),
         rss_before_mb=samples[0][1] if samples else rss(before),
         rss_after_mb=rss_after if rss_after is not None else rss(after),
-        hung_up=outcomes["hung_up"], lost_reasons=lost, rss_samples=tuple(samples),
-        rss_peak_mb=max((mb for _, mb in samples), default=None), rss_growth_last_half_mb=growth,
-        rss_slope_last_half_mb_per_min=slope, max_rss_growth_mb=soak.max_rss_growth_mb if soak else None,
+        hung_up=outcomes["hung_up"], duplicated=duplicated, server_errors=server_errors, lost_reasons=lost,
+        kinds=dict(kinds), completion_tokens=tokens, rss_samples=tuple(samples),
+        rss_peak_mb=max((mb for _, mb in samples), default=None), soak=soak,
+        **(soak_figures(samples, latencies, duration_s, soak) if soak else {}),
     )
 
 
 def soak_markdown(report: LoadReport, command: str, note: str = "") -> str:
     f = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
-    lines = ["# Soak test", "", f"`{command}`", ""]
+    lines = ["# Load test" + (" (soak)" if report.soak else ""), "", f"`{command}`", ""]
     if note:
         lines += [note, ""]
-    lines += [markdown_table(["", ""], [
-        ["duration", f"{report.duration_s:.0f} s, {report.streams} streams"],
-        ["requests", f"{report.completed} completed, {report.refused} refused (503/429), {report.hung_up} hung up "
-                     f"by the client, **{report.failed} lost**"],
+    rows = [
+        ["duration", f"{report.duration_s:.0f} s, {report.streams} concurrent clients"],
+        ["requests", f"{report.completed} completed ({report.completion_tokens} tokens), {report.refused} refused "
+                     f"(429/503 with Retry-After), {report.hung_up} hung up by the client, **{report.failed} lost**, "
+                     f"**{report.duplicated} duplicated**"],
+        ["completed by kind", ", ".join(f"{k} {v}" for k, v in sorted(report.kinds.items())) or "-"],
+        ["HTTP statuses", ", ".join(f"{k} x{v}" for k, v in sorted(report.statuses.items())) +
+                          f" (**{report.server_errors} server errors**)"],
         ["after the run", f"{f(report.running_after, 'g')} running, {f(report.queued_after, 'g')} queued, "
                           f"{f(report.free_slots_after, 'g')} of {f(report.max_slots, 'g')} slots free "
                           f"(**{f(report.leaked_slots, 'g')} leaked**)"],
-        ["resident memory", f"{f(report.rss_before_mb)} MB first sample, {f(report.rss_peak_mb)} MB peak, "
-                            f"{f(report.rss_after_mb)} MB after"],
-        ["growth over the last half", f"**{f(report.rss_growth_last_half_mb)} MB** "
-                                      f"({f(report.rss_slope_last_half_mb_per_min, '.2f')} MB/min; bound "
-                                      f"{f(report.max_rss_growth_mb)} MB)"],
-        ["verdict", "clean" if report.clean else "NOT clean"]]), ""]
+    ]
+    if report.soak:
+        s = report.soak
+        rows += [
+            ["resident memory", f"{f(report.rss_before_mb)} MB first sample, {f(report.rss_at_warmup_mb)} MB after "
+                                f"{s.warmup_s:.0f} s of warm-up, {f(report.rss_peak_mb)} MB peak, "
+                                f"{f(report.rss_after_mb)} MB after"],
+            ["growth after warm-up", f"**{f(report.rss_growth_pct, '.2f')}%** (bound {s.max_rss_growth_pct:g}%)"],
+            ["p99 latency", f"{f(report.p99_first_s, '.2f')} s in the first {s.window_s:.0f} s after warm-up, "
+                            f"{f(report.p99_last_s, '.2f')} s in the last: **{f(report.p99_drift_pct, '+.1f')}%** "
+                            f"(bound +{s.max_p99_drift_pct:g}%)"],
+        ]
+    rows.append(["verdict", "clean" if report.clean else "NOT clean"])
+    lines += [markdown_table(["", ""], rows), ""]
     if report.lost_reasons:
         lines += ["Lost: " + ", ".join(f"{k} x{v}" for k, v in report.lost_reasons.items()), ""]
     if report.rss_samples:
@@ -238,10 +282,16 @@ def _command_line(args: argparse.Namespace, keyed: bool) -> str:
     """The run's settings as a command line; the API key masked (it never goes into a file)."""
     parts = ["adaflash bench load", f"--base-url {args.base_url}", f"--streams {args.streams}",
              f"--duration {args.duration:g}", f"--max-tokens {args.max_tokens}"]
+    if args.prompt_set:
+        parts.append(f"--prompt-set {args.prompt_set}")
+    if args.mixed:
+        parts.append("--mixed")
     if args.disconnect_rate:
         parts.append(f"--disconnect-rate {args.disconnect_rate:g}")
     if args.soak:
-        parts += ["--soak", f"--rss-interval {args.rss_interval:g}", f"--max-rss-growth-mb {args.max_rss_growth_mb:g}"]
+        parts += ["--soak", f"--rss-interval {args.rss_interval:g}", f"--warmup {args.warmup:g}",
+                  f"--window {args.window:g}", f"--max-rss-growth-pct {args.max_rss_growth_pct:g}",
+                  f"--max-p99-drift-pct {args.max_p99_drift_pct:g}"]
     if args.server_pid is not None:
         parts.append("--server-pid PID")
     if keyed:
@@ -253,9 +303,16 @@ def _cmd(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("ADAFLASH_API_KEY") or None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    soak = SoakConfig(args.rss_interval, args.server_pid, args.max_rss_growth_mb) if args.soak else None
-    report = asyncio.run(run_load(args.base_url, model, args.streams, args.duration, args.max_tokens, soak=soak,
-                                  api_key=api_key, disconnect_rate=args.disconnect_rate))
+    traffic = Traffic(max_tokens=args.max_tokens, disconnect_rate=args.disconnect_rate, mixed=args.mixed)
+    if args.prompt_set:
+        from adaflash.evaluation.serve_sweep import prompt_pool
+
+        traffic = Traffic(tuple(tuple(m) for m in prompt_pool(args.prompt_set)), args.max_tokens, args.disconnect_rate,
+                          args.mixed)
+    soak = SoakConfig(args.rss_interval, args.server_pid, args.warmup, args.window, args.max_rss_growth_pct,
+                      args.max_p99_drift_pct) if args.soak else None
+    report = asyncio.run(run_load(args.base_url, model, args.streams, args.duration, traffic, soak=soak,
+                                  api_key=api_key))
     result = report.as_dict()
     print(json.dumps({k: v for k, v in result.items() if k != "rss_samples"}, indent=2))
     if args.json:
@@ -269,19 +326,30 @@ def _cmd(args: argparse.Namespace) -> int:
 def register_cli(subparsers) -> None:
     p = command_group(subparsers, "bench", help="benchmarks").add_parser("load", help="soak a server and check for leaks")
     p.add_argument("--base-url", required=True)
-    p.add_argument("--streams", type=int, default=128)
+    p.add_argument("--streams", type=int, default=128, help="concurrent clients, each sending its next request "
+                   "when the last one ends")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     p.add_argument("--max-tokens", type=int, default=64, help="each request asks for 1..this many tokens")
+    p.add_argument("--prompt-set", default=None, metavar="NAME",
+                   help="a registered dataset's eval prompts, or six-mix (default: five short chat prompts)")
+    p.add_argument("--mixed", action="store_true",
+                   help="each request streaming or not, chat or completions, at random (default: chat streams)")
     p.add_argument("--model", default=None)
     p.add_argument("--api-key", default=None, help="bearer key of the server (default: $ADAFLASH_API_KEY)")
     p.add_argument("--disconnect-rate", type=float, default=0.0,
-                   help="fraction of requests whose client hangs up after the first token")
-    p.add_argument("--soak", action="store_true", help="sample the server's resident memory and require a plateau")
+                   help="fraction of streams whose client hangs up after the first token")
+    p.add_argument("--soak", action="store_true",
+                   help="sample the server's resident memory and compare the first and last windows after warm-up")
     p.add_argument("--rss-interval", type=float, default=10.0, help="seconds between memory samples (--soak)")
     p.add_argument("--server-pid", type=int, default=None,
                    help="read the server's memory from /proc/PID (same machine) instead of its /metrics")
-    p.add_argument("--max-rss-growth-mb", type=float, default=64.0,
-                   help="--soak fails if memory grows more than this over the last half of the run")
+    p.add_argument("--warmup", type=float, default=120.0, help="seconds before memory and latency are compared (--soak)")
+    p.add_argument("--window", type=float, default=300.0,
+                   help="the first and last windows (s) whose p99 latencies --soak compares")
+    p.add_argument("--max-rss-growth-pct", type=float, default=5.0,
+                   help="--soak fails if memory grows more than this after warm-up")
+    p.add_argument("--max-p99-drift-pct", type=float, default=20.0,
+                   help="--soak fails if the last window's p99 latency is more than this above the first's")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None, help="also write a short markdown summary here")
     p.add_argument("--note", default="", help="a line on the conditions, kept in the JSON and the markdown")

@@ -171,7 +171,7 @@ def prompt_pool(name: str) -> list[list[dict]]:
     return [list(s[i].messages) for i in range(min(map(len, sets))) for s in sets]
 
 
-def _prompt_size(model: str) -> Callable[[list[dict]], int]:
+def prompt_size(model: str) -> Callable[[list[dict]], int]:
     """A prompt's chat-templated length in --model's tokens."""
     from adaflash.models.registry import load_tokenizer, resolve_target
 
@@ -210,7 +210,7 @@ def _cmd(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     prompts = {ds: prompt_pool(ds) for ds in datasets}
-    size = _prompt_size(args.model)
+    size = prompt_size(args.model)
     if args.max_prompt_tokens:
         prompts = {ds: _fitting(pool, size, args.max_prompt_tokens) for ds, pool in prompts.items()}
     peaks: list[float] = []

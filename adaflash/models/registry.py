@@ -143,7 +143,11 @@ def _converted(gguf: Path, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(out_dir.parent / f".{out_dir.name}.lock"):
         if not (out_dir / "model.safetensors").is_file():
-            _convert_gguf(gguf, out_dir)
+            try:
+                _convert_gguf(gguf, out_dir)
+            except Exception as exc:  # gguf / transformers raise what their parsing met: name the file instead
+                raise ValueError(f"{gguf} is not a readable GGUF checkpoint (truncated or corrupt?): "
+                                 f"{type(exc).__name__}: {exc}") from exc
     return out_dir
 
 

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 from adaflash.models.device import current_device
@@ -183,12 +184,32 @@ def lr_factor(step: int, total: int, warmup_frac: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+@contextlib.contextmanager
+def _writing(out_dir: Path, what: str):
+    """A write that fails (a full disk, a quota) stops the run naming what it could not write and the checkpoint
+    that is still whole, which the same command resumes from."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:  # safetensors reports the OS's error (ENOSPC) as its own
+        state = out_dir / "checkpoint" / "trainer_state.pt"
+        intact = (f"{state.parent} (step {torch.load(state, weights_only=False, mmap=True)['step']}) is intact: free "
+                  "space and run the same command to resume from it" if state.is_file() else "no checkpoint yet")
+        if isinstance(exc, OSError) and exc.errno:
+            raise OSError(exc.errno, f"could not write {what}: {exc.strerror}; {intact}") from exc
+        raise OSError(f"could not write {what}: {exc}; {intact}") from exc
+
+
 def _save_checkpoint(out_dir: Path, drafter: DFlashDrafter, optimizer, step: int, cfg: TrainConfig) -> None:
     """Weights (fp32, exact) + optimizer + step, published by an atomic directory rename."""
     tmp, final = out_dir / "checkpoint.tmp", out_dir / "checkpoint"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(drafter, tmp, dtype=torch.float32)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": asdict(cfg)}, tmp / "trainer_state.pt")
+    with _writing(out_dir, f"the step {step} checkpoint to {tmp}"):
+        try:
+            save_drafter(drafter, tmp, dtype=torch.float32)
+            torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": asdict(cfg)}, tmp / "trainer_state.pt")
+        except (OSError, SafetensorError):
+            shutil.rmtree(tmp, ignore_errors=True)  # the half-written copy's space back
+            raise
     old = out_dir / "checkpoint.old"
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
@@ -423,7 +444,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
             record["train_tokens_seen"] = step * cfg.sequences_per_step * mean_response
             if due_holdout:
                 record.update(holdout())
-            with metrics_file.open("a") as f:
+            with _writing(out_dir, f"{metrics_file}"), metrics_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             if due_log:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['accuracy'][0]:.2f}")
@@ -445,7 +466,8 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     bar.close()
     final = out_dir / "drafter"
     if rank == 0:
-        save_drafter(drafter, final, dtype=torch.bfloat16)
+        with _writing(out_dir, f"the trained drafter to {final}"):
+            save_drafter(drafter, final, dtype=torch.bfloat16)
     if distributed:
         dist.barrier()
     return final

@@ -16,15 +16,18 @@ from adaflash.models.drafter_checkpoint import load_drafter
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _make(*args: str) -> None:
+    run = subprocess.run(["make", "-s", *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"make {' '.join(args)} exited {run.returncode}:\n{(run.stdout + run.stderr)[-3000:]}"
+
+
 def test_gpu_drafter_dry_run(tmp_path):
     stage, out = tmp_path / "stage", tmp_path / "out"
-    run = dict(cwd=ROOT, check=True, capture_output=True, timeout=900)
-    subprocess.run(["make", "-s", "gpu-stage", "TINY=1", f"STAGE={stage}"], **run)
+    _make("gpu-stage", "TINY=1", f"STAGE={stage}")
     parts = sorted(stage.iterdir())
     assert len(parts) >= 4 and all(p.stat().st_size <= 25e6 for p in parts)  # each travels beside the working tree
     assert any(w.name.startswith("pytest-") for w in (stage / "check-wheels").iterdir())  # for `make gpu-check`
-    subprocess.run(["make", "-s", "gpu-drafter", "FAKE_CUDA=1", "TINY=1", f"STAGE={stage}", f"GPU_OUT={out}",
-                    "BUDGET_S=300"], **run)
+    _make("gpu-drafter", "FAKE_CUDA=1", "TINY=1", f"STAGE={stage}", f"GPU_OUT={out}", "BUDGET_S=300")
     report = json.loads((out / "burst.json").read_text())
     assert report["machine_at_start"]["packages"]["torch"] == torch.__version__  # logged before the payload's unpacking
     assert report["phases"]["data"]["response_tokens"] > 0

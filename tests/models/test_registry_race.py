@@ -1,5 +1,5 @@
 """A GGUF target resolved by several processes at once (torchrun's ranks) is converted once, and every process gets
-the finished directory."""
+the finished directory; a truncated GGUF is refused naming the file."""
 
 from __future__ import annotations
 
@@ -48,3 +48,15 @@ def test_ranks_racing_on_one_gguf_convert_it_once(tmp_path, monkeypatch):
     assert got == [str(out_dir)] * 3
     assert (out_dir / "model.safetensors").read_text() == "weights"
     assert (out_dir.parent / "conversions.log").read_text().splitlines() == [str(gguf)]
+
+
+def test_a_truncated_gguf_is_refused_naming_the_file_and_nothing_is_cached(tmp_path, monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "cut.gguf"
+    data = registry.target_gguf().read_bytes()
+    gguf.write_bytes(data[: len(data) // 2])  # an interrupted download
+    with pytest.raises(ValueError, match=f"{gguf} is not a readable GGUF checkpoint"):
+        registry.resolve_target(str(gguf))
+    assert not (tmp_path / "cache" / "targets" / "cut-fp32").exists()

@@ -86,9 +86,9 @@ def test_short_soak_every_request_answered_or_refused_and_no_slot_leaks(base_url
     """A miniature of `adaflash bench load`: 12 streams on 2 slots + a queue of 4 for a few seconds."""
     import asyncio
 
-    from adaflash.evaluation.load_test import run_load
+    from adaflash.evaluation.load_test import Traffic, run_load
 
-    report = asyncio.run(run_load(base_url, MODEL, streams=12, duration_s=4.0, max_tokens=8))
+    report = asyncio.run(run_load(base_url, MODEL, streams=12, duration_s=4.0, traffic=Traffic(max_tokens=8)))
     assert report.completed > 0 and report.refused > 0  # the queue bound was hit and answered with 503
     assert report.failed == 0, report.statuses
     assert report.running_after == 0 and report.queued_after == 0
