@@ -271,7 +271,9 @@ def _cmd(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rows = simulate(variants, concurrencies, cost, source)
-    result = report(rows, cost, source, "adaflash bench simulate " + " ".join(sys.argv[3:]))
+    argv = sys.argv[1:]  # (after any top-level flags: --threads N bench simulate ...)
+    argv = argv[argv.index("simulate") + 1:] if "simulate" in argv else argv
+    result = report(rows, cost, source, "adaflash bench simulate " + " ".join(argv))
     text = markdown(result)
     print(text)
     if args.json:
