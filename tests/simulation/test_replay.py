@@ -270,3 +270,35 @@ def test_generate_records_a_trace_that_bench_simulate_replays(tiny_chat_checkpoi
     assert main(["bench", "simulate", "--drafter", f"trace:{tmp_path / 'trace'}", "--variants", "ar,fixed:7",
                  "--concurrency", "1,2", "--requests", "3"]) == 0
     assert "trace " in capsys.readouterr().out
+
+
+def test_serve_and_the_factory_record_a_trace_beside_the_on_policy_buffer(target, tmp_path):
+    """`serve --record --record-trace` builds one engine recorder for both (`Recorders`): each writes its own file, and a
+    hot swap's version label reaches both."""
+    from adaflash.cli import build_parser
+    from adaflash.engine.engine_factory import EngineModels, build_engine
+    from adaflash.engine.recorder import Recorders
+    from adaflash.formats.trajectories import read_trajectories
+    from adaflash.models.drafter import DrafterConfig
+    from adaflash.models.drafter_checkpoint import init_drafter
+    from adaflash.server.cli import engine_config
+    from adaflash.speculative.proposer import DFlashProposer
+
+    args = build_parser().parse_args(["serve", "--method", "dflash", "--length-policy", "fixed:3", "--record",
+                                      str(tmp_path / "buffer"), "--record-trace", str(tmp_path / "trace")])
+    config = engine_config(args)
+    assert config.trace_dir == str(tmp_path / "trace")
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=8)
+    engine = build_engine(config, EngineModels(target, DFlashProposer(init_drafter(cfg, seed=2), target), None, "tiny",
+                                               "v3"))
+    assert isinstance(engine.recorder, Recorders) and engine.recorder.wants_blocks
+    engine.add_request(Request("a", [3, 14, 15], 12))
+    while engine.has_work():
+        engine.step()
+    engine.recorder.drafter_version = "v4"
+    assert {r.drafter_version for r in engine.recorder.recorders} == {"v4"}
+    (trajectory,) = read_trajectories(tmp_path / "buffer")
+    (record,) = read_traces(tmp_path / "trace")
+    assert record.output_ids == trajectory.output_ids and record.drafter_version == "v3"
+    assert record.steps[0].verified == 3 and max(s.verified for s in record.steps) == 3  # (fewer where the budget cuts)
+    assert all(len(s.block) == 7 for s in record.steps if s.verified)
