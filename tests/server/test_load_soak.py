@@ -24,7 +24,7 @@ def test_mixed_soak_samples_memory_hangs_up_and_finds_nothing_lost_or_leaked(pip
     soak = SoakConfig(rss_interval_s=0.5, warmup_s=1.0, window_s=1.0)
     traffic = Traffic(max_tokens=12, disconnect_rate=0.3, mixed=True)
     with app_over_engine(pipeline, max_batch=2, max_queue=2, step_delay=0.005) as (app, _), live_server(app) as url:
-        report = asyncio.run(run_load(url, MODEL, streams=6, duration_s=4.0, traffic=traffic, settle_s=10, soak=soak))
+        report = asyncio.run(run_load(url, MODEL, streams=6, duration_s=5.0, traffic=traffic, settle_s=10, soak=soak))
         disconnects = metric(httpx.Client(base_url=url), "adaflash_client_disconnects_total")
     assert report.completed > 0 and report.refused > 0 and report.hung_up > 0, report.statuses
     # Every kind of request ran and completed: chat and completions, streamed and not.
@@ -32,8 +32,8 @@ def test_mixed_soak_samples_memory_hangs_up_and_finds_nothing_lost_or_leaked(pip
     assert report.failed == 0 and report.lost_reasons == {} and report.duplicated == 0 and report.server_errors == 0
     assert report.leaked_slots == 0 and report.running_after == 0 and report.queued_after == 0
     assert report.completion_tokens >= report.completed
-    assert len(report.rss_samples) >= 5 and report.rss_samples[-1][0] >= 4.0  # through the whole run, to its end
-    assert report.rss_growth_pct is not None and report.p99_first_s is not None and report.p99_last_s is not None
+    assert len(report.rss_samples) >= 5 and report.rss_samples[-1][0] >= 5.0  # through the whole run, to its end
+    assert report.rss_growth_pct is not None and report.p99_first_s is not None  # (soak_figures: the next test)
     assert disconnects >= 1  # some hang-ups reached the server while their request still ran: the abort path ran
 
 
