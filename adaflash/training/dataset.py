@@ -113,10 +113,11 @@ def first_anchor(sample: TrainSample) -> int:
 
 def sample_anchors(sample: TrainSample, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
     """Sorted random anchor positions inside the response (each predicts at least one response token); all of them,
-    from `first_anchor` on, when there are no more than `num_anchors`."""
+    from `first_anchor` on, when there are no more than `num_anchors`, or when `num_anchors` <= 0 ("anchors
+    everywhere": every valid position of the sequence, issue 52's ablation arm)."""
     last = len(sample.tokens) - 2
     candidates = torch.arange(first_anchor(sample), last + 1)
-    if len(candidates) > num_anchors:
+    if 0 < num_anchors < len(candidates):
         candidates = candidates[torch.randperm(len(candidates), generator=generator)[:num_anchors]]
     return candidates.sort().values
 

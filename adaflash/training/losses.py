@@ -25,6 +25,25 @@ def position_weights(num_positions: int, gamma: float, device=None) -> torch.Ten
     return torch.exp(-k / gamma) if gamma > 0 and math.isfinite(gamma) else torch.ones(num_positions, device=device)
 
 
+def dpace_weights(per_token_ce: torch.Tensor, labels: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE position weights [A, K], detached, from the drafter's own per-token CE [A, K] (labels mark validity).
+
+    Source: NVIDIA Model-Optimizer, modelopt/torch/speculative/plugins/hf_dflash.py (`_dpace_position_weights`,
+    `dflash_loss_objective = "dpace"`, default `dflash_dpace_alpha = 0.5`), after D-PACE (arXiv:2605.18810, Eqs. 7-9):
+    confidence q_j = exp(-CE_j) on the target's token, smoothed q~_j = alpha + (1 - alpha) q_j, cumulative confidence
+    C_j = prod_{i<=j} q~_i, weight w_j = sum_{m>=j} C_m (C_j times the expected continuation). It replaces the gamma
+    decay there, and so here. Positions past the sequence end (IGNORE) are no-ops in the product and weigh 0; a token
+    outside the trimmed draft vocabulary (MISS) has q = 0, a certain rejection (the head cannot name it)."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"dpace_alpha must be in (0, 1], got {alpha}")
+    with torch.no_grad():
+        keep = labels != IGNORE
+        q = torch.exp(-per_token_ce.detach().float()) * (labels >= 0)
+        smoothed = torch.where(keep, alpha + (1.0 - alpha) * q, torch.ones_like(q))
+        cum = torch.cumprod(smoothed, dim=1) * keep
+        return cum.flip(1).cumsum(1).flip(1) * keep
+
+
 def _greedy_stats(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> dict:
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
@@ -48,17 +67,32 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BlockCrossEntropy:
-    """DFlash's objective: position-weighted cross-entropy against the target's own (regenerated) tokens."""
+    """DFlash's objective: position-weighted cross-entropy against the target's own (regenerated) tokens.
+    `weighting`: "decay" (exp(-(k-1)/gamma), DFlash's) or "dpace" (`dpace_weights`, gamma unused)."""
 
     gamma: float = 7.0
     name: str = "ce"
+    weighting: str = "decay"
+    dpace_alpha: float = 0.5
     needs_teacher = False
     needs_soft_targets = False
+
+    def __post_init__(self) -> None:
+        if self.weighting not in ("decay", "dpace"):
+            raise ValueError(f"unknown position weighting {self.weighting!r}; expected decay or dpace")
+        if self.weighting == "dpace" and not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None = None):
         """logits [A, K, V] (fp32), labels [A, K] with IGNORE where the block runs past the sequence end."""
         valid = labels != IGNORE
-        return _weighted_mean(_cross_entropy(logits, labels), labels >= 0, self.gamma), _greedy_stats(logits, labels, valid)
+        ce = _cross_entropy(logits, labels)
+        if self.weighting == "dpace":
+            weights = dpace_weights(ce, labels, self.dpace_alpha) * (labels >= 0)
+            loss = (ce * weights).sum() / weights.sum().clamp_min(1e-8)
+        else:
+            loss = _weighted_mean(ce, labels >= 0, self.gamma)
+        return loss, _greedy_stats(logits, labels, valid)
 
 
 @dataclass(frozen=True)
@@ -167,11 +201,13 @@ LOSSES = {"ce": BlockCrossEntropy, "ce+kl": BlockSoftTargets, "rkl": BlockDistil
 
 
 def build_loss(name: str, gamma: float = 7.0, alpha: float = 0.8, tau: float = 0.01, temperature: float = 1.0,
-               soft_weight: float = 1.0):
+               soft_weight: float = 1.0, weighting: str = "decay", dpace_alpha: float = 0.5):
     """`ce` (DFlash), `ce+kl` (CE plus KL to the stored top-k soft targets), or a distillation divergence
-    `rkl` / `fkl` / `tv` with AdaFlash's alpha, tau, temperature."""
+    `rkl` / `fkl` / `tv` with AdaFlash's alpha, tau, temperature. `weighting = "dpace"` only with `ce`."""
+    if weighting != "decay" and name != "ce":
+        raise ValueError(f"position weighting {weighting!r} is implemented for the ce loss only, not {name!r}")
     if name == "ce":
-        return BlockCrossEntropy(gamma=gamma)
+        return BlockCrossEntropy(gamma=gamma, weighting=weighting, dpace_alpha=dpace_alpha)
     if name == "ce+kl":
         return BlockSoftTargets(weight=soft_weight, gamma=gamma)
     if name in ("rkl", "fkl", "tv"):

@@ -73,6 +73,9 @@ class TrainConfig:
     # scores finished drafters so.
     holdout_decoded: bool = False
     gamma: float = 7.0
+    # "decay" (exp(-(k-1)/gamma)) or "dpace" (losses.dpace_weights, NVIDIA Model-Optimizer's D-PACE; ce loss only)
+    position_weighting: str = "decay"
+    dpace_alpha: float = 0.5
     alpha: float = 0.8  # distillation: weight of CE to the target argmax
     tau: float = 0.01  # distillation: per-token divergence floor
     temperature: float = 1.0  # distillation: softmax temperature of both distributions
@@ -82,7 +85,7 @@ class TrainConfig:
     epochs: int = 1
     max_steps: int | None = None
     sequences_per_step: int = 4  # global, across all ranks
-    anchors_per_sequence: int = 32
+    anchors_per_sequence: int = 32  # 0: every valid position of the sequence ("anchors everywhere")
     grad_clip: float = 1.0
     autocast_bf16: bool = False  # for CPUs with native bf16 (always on CUDA)
     # Keep each sample's target pass (features, final states) in memory for later epochs and held-out scoring. Off for
@@ -360,7 +363,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     # The frozen target: fp32 on a CPU (exact features, our kernels), bf16 on a GPU.
     target = load_target(resolve_target(cfg.model), torch.float32 if device.type == "cpu" else torch.bfloat16, device)
     loss_fn = build_loss(cfg.loss, gamma=cfg.gamma, alpha=cfg.alpha, tau=cfg.tau, temperature=cfg.temperature,
-                         soft_weight=cfg.soft_weight)
+                         soft_weight=cfg.soft_weight, weighting=cfg.position_weighting, dpace_alpha=cfg.dpace_alpha)
 
     def make_optimizer(model):
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
