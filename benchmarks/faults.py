@@ -341,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {'pass' if results[name]['passed'] else 'FAIL'}: {results[name]['observed']}", flush=True)
     results = {name: results[name] for name in SCENARIOS if name in results}
     command = "python benchmarks/faults.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    machine = f"Machine: {cpu_model()}, {args.threads} threads, fp32 (serve's auto on this CPU); clients on the same cores."
+    machine = f"{cpu_model()}, {args.threads} threads, fp32 (serve's auto on this CPU); clients on the same cores"
     write_report(args.out, {"command": command, "machine": machine, "results": results},
-                 verdict_page("Faults", command, machine, results))
+                 verdict_page("Faults", command, f"Machine: {machine}.", results))
     return 0 if all(r["passed"] for r in results.values()) else 1
 
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "docs" / "results"
-TOPICS = ("runtime", "drafter", "serving", "adaflash", "peers", "simulation")
+TOPICS = ("runtime", "drafter", "serving", "adaflash", "peers", "simulation", "reliability")
 MARKER = "<!-- tables below are written by benchmarks/results_tables.py; edit above this line -->"
 
 # What a JSON does not record about itself, and the results that are not JSON: stem -> fields.
@@ -67,9 +67,17 @@ NOTES: dict[str, dict[str, str]] = {
                                "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
                                "command": "python benchmarks/holdout.py --data-dir runs/data/smollm2-v4 "
                                           "runs/data/smollm2-v5 --holdout 64 --drafter DIR --json OUT"},
-    "serving/load_test": {"what": "overload: 128 streams against 32 slots and a queue of 64",
-                          "command": "adaflash serve --method dflash --length-policy throughput --max-batch 32 --max-queue 64; "
-                                     "adaflash bench load --streams 128 --duration 120 --max-tokens 64 --json OUT"},
+    "reliability/schemathesis": {"what": "schemathesis, every check, against a real `adaflash serve` (the OpenAPI contract)",
+                                 "headline": "1025 requests, 0 failures, 0 errors",
+                                 "machine": "AMD EPYC, 2 threads",
+                                 "command": "schemathesis run http://127.0.0.1:18431/openapi.json --checks all "
+                                            "--max-examples 50 --seed 53 --workers 1 (the file has the full command)"},
+    "reliability/soak": {"what": "soak: concurrent clients for 30 minutes, mixed streaming / non-streaming, chat / "
+                                 "completions, the drafter with prompt lookup, 10% hang-ups",
+                         "machine": "AMD EPYC, 2 threads, fp32; the client on the same cores"},
+    "reliability/faults": {"what": "faults done for real: SIGKILL mid-stream and mid-training-step, a full disk at a "
+                                   "checkpoint, truncated drafter / length head / GGUF, a hot swap to a truncated drafter"},
+    "reliability/overload": {"what": "overload: 4x the batch limit of clients with --max-queue, against the batch limit"},
     "serving/prompt_lookup_served": {"what": "served prompt lookups sized by the throughput policy vs verified whole "
                                              "(gsm8k, 3 rounds, max batch 8)"},
     "serving/prefill_pass_size": {"what": "prefill tok/s by the size of a prefill pass (64 prompts, 7250 tokens)",
@@ -295,6 +303,14 @@ def _headline(d: dict) -> str:
                            for r in d["rounds"][1:]) + f"; {sum(bool(r.get('promoted')) for r in d['rounds'][1:])} promoted"),
               ("distillation", lambda d: "gsm8k accept length by alpha: " + ", ".join(
                   f"{a['value']}: {_f(a['gsm8k_accept_len'])}" for a in d["distillation"].get("alpha", []))),
+              ("rss_growth_pct", lambda d: f"{d['completed']} completed, {d['failed']} lost, {d['duplicated']} duplicated, "
+               f"{d['server_errors']} server errors, {_f(d.get('leaked_slots', 0), 0)} slots leaked; RSS "
+               f"{_f(d['rss_growth_pct'], 2)}% after warm-up; p99 latency {_f(d['p99_drift_pct'], 1)}% last window vs first"),
+              ("results", lambda d: f"{sum(r['passed'] for r in d['results'].values())} of {len(d['results'])} pass: "
+               + ", ".join(f"{k} {'pass' if r['passed'] else 'FAIL'}" for k, r in d["results"].items())),
+              ("ratios", lambda d: f"{d['phases'][1]['load'] if d['phases'][0]['load'] == 'batch limit' else d['phases'][0]['load']} "
+               f"load: {_f(d['ratio'], 3)}x the batch limit's tok/s, {d['lost']} lost, "
+               f"{sum(q['refused'] for q in d['phases'])} refused with Retry-After"),
               ("rss_growth_last_half_mb", lambda d: f"{d['completed']} completed, {d['refused']} refused, {d['failed']} failed, "
                f"{_f(d.get('leaked_slots', 0), 0)} slots leaked; RSS +{_f(d['rss_growth_last_half_mb'], 1)} MB over the last half"),
               ("rss_after_mb", lambda d: f"{d['completed']} completed, {d['refused']} refused, {d['failed']} failed; "

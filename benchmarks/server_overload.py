@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     passed = lost == 0 and all(q["refused"] > 0 for q in over_phases) and all(q["clean"] for q in phases) and ratio >= 0.9
     command = "python benchmarks/server_overload.py " + " ".join(sys.argv[1:] if argv is None else argv)
     serve = " ".join([f"OMP_NUM_THREADS={args.threads} adaflash serve", *serve_args, "--max-batch", str(args.max_batch)])
-    machine = f"Machine: {cpu_model()}, {args.threads} threads, fp32 (serve's auto here); the clients on the same cores."
+    machine = f"{cpu_model()}, {args.threads} threads, fp32 (serve's auto here); the clients on the same cores"
     rows = [[q["round"], q["load"], q["clients"], f"{q['tokens_per_s']:.1f}", q["completed"], q["refused"], q["failed"],
              ", ".join(f"{k} x{v}" for k, v in sorted(q["statuses"].items())), f"{q['leaked_slots']:g}"] for q in phases]
     md = "\n".join([
-        "# Overload", "", f"`{command}`", "", f"Server: `{serve}`. {machine}", "",
+        "# Overload", "", f"`{command}`", "", f"Server: `{serve}`. Machine: {machine}.", "",
         markdown_table(["round", "load", "clients", "tok/s", "completed", "refused", "lost", "statuses",
                         "slots leaked"], rows, "rlrrrrrlr"), "",
         f"Tokens a second at {over} over the batch limit: **{ratio:.3f}x** (median of rounds: "

@@ -55,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         report = asyncio.run(run_load(url, model, args.streams, args.duration, traffic, soak=soak))
     serve = " ".join([f"OMP_NUM_THREADS={args.threads} adaflash serve", *serve_args, "--max-batch", str(args.streams)])
     command = "python benchmarks/server_soak.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    note = (f"Server: `{serve}` ({len(prompts)} six-mix prompts; dtype {args.dtype}: "
-            f"{str(resolve_dtype(args.dtype)).removeprefix('torch.')}). Machine: {cpu_model()}, {args.threads} threads, "
-            f"the client on the same cores. 5xx answers of any kind: "
+    machine = (f"{cpu_model()}, {args.threads} threads, {str(resolve_dtype(args.dtype)).removeprefix('torch.')} "
+               f"(--dtype {args.dtype}); the client on the same cores")
+    note = (f"Server: `{serve}` ({len(prompts)} six-mix prompts). Machine: {machine}. 5xx answers of any kind: "
             f"{sum(v for k, v in report.statuses.items() if k.startswith('5'))}.")
-    result = {**report.as_dict(), "command": command, "note": note}
+    result = {**report.as_dict(), "command": command, "machine": machine, "note": note}
     write_json(result, args.out.with_suffix(".json"))
     args.out.with_suffix(".md").write_text(soak_markdown(report, command, note))
-    print(json.dumps({k: v for k, v in result.items() if k != "rss_samples"}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rss_samples", "load_samples", "latencies")}, indent=2))
     return 0 if report.clean and report.refused == 0 and report.server_errors == 0 else 1
 
 

@@ -85,6 +85,10 @@ class LoadReport:
     kinds: dict[str, int] = field(default_factory=dict)  # completed requests by kind (chat/completions, stream or not)
     completion_tokens: int = 0  # of the completed requests, as their usage says
     rss_samples: tuple[tuple[float, float], ...] = ()  # (seconds since the start, MB), soak only
+    # soak only: (s, running, queued) from /metrics beside each memory sample, and per completed request (start s,
+    # latency s): where latency goes when it drifts
+    load_samples: tuple[tuple[float, float | None, float | None], ...] = ()
+    latencies: tuple[tuple[float, float], ...] = ()
     rss_peak_mb: float | None = None
     rss_at_warmup_mb: float | None = None
     rss_growth_pct: float | None = None  # from the end of warm-up to the end of the run
@@ -173,6 +177,7 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, t
     ids: set[str] = set()
     duplicated = server_errors = tokens = 0
     samples: list[tuple[float, float]] = []
+    gauges: list[tuple[float, float | None, float | None]] = []
     latencies: list[tuple[float, float]] = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=streams + 4)
@@ -208,6 +213,8 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, t
                 t = time.perf_counter() - start
                 if (mb := await _rss_mb(client, soak.server_pid)) is not None:
                     samples.append((round(t, 1), round(mb, 1)))
+                text = (await client.get("/metrics")).text
+                gauges.append((round(t, 1), _gauge(text, "adaflash_running_requests"), _gauge(text, "adaflash_queue_depth")))
                 if t >= duration_s:
                     return
                 await asyncio.sleep(min(soak.rss_interval_s, max(0.0, deadline - time.perf_counter())))
@@ -236,9 +243,27 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, t
         rss_after_mb=rss_after if rss_after is not None else rss(after),
         hung_up=outcomes["hung_up"], duplicated=duplicated, server_errors=server_errors, lost_reasons=lost,
         kinds=dict(kinds), completion_tokens=tokens, rss_samples=tuple(samples),
+        load_samples=tuple(gauges) if soak else (), latencies=tuple((t, round(x, 3)) for t, x in latencies) if soak else (),
         rss_peak_mb=max((mb for _, mb in samples), default=None), soak=soak,
         **(soak_figures(samples, latencies, duration_s, soak) if soak else {}),
     )
+
+
+def windows_table(report: LoadReport, width_s: float = 300.0) -> str:
+    """Per window of the run: requests started there, their p50 / p99 latency, and the server's mean running and
+    queued requests there (its gauges, sampled with memory)."""
+    rows = []
+    for k in range(int(report.duration_s // width_s) + 1):
+        lo, hi = k * width_s, (k + 1) * width_s
+        lat = [x for t, x in report.latencies if lo <= t < hi]
+        gauges = [(r, q) for t, r, q in report.load_samples if lo <= t < hi and r is not None and q is not None]
+        if not lat:
+            continue
+        mean = lambda xs: f"{sum(xs) / len(xs):.1f}" if xs else "-"  # noqa: E731
+        rows.append([f"{lo:.0f}-{hi:.0f}", len(lat), f"{percentile(lat, 0.5):.1f}", f"{percentile(lat, 0.99):.1f}",
+                     mean([r for r, _ in gauges]), mean([q for _, q in gauges])])
+    return markdown_table(["window (s)", "requests started", "p50 latency (s)", "p99 latency (s)", "running",
+                           "queued"], rows, "lrrrrr")
 
 
 def soak_markdown(report: LoadReport, command: str, note: str = "") -> str:
@@ -273,6 +298,8 @@ def soak_markdown(report: LoadReport, command: str, note: str = "") -> str:
     lines += [markdown_table(["", ""], rows), ""]
     if report.lost_reasons:
         lines += ["Lost: " + ", ".join(f"{k} x{v}" for k, v in report.lost_reasons.items()), ""]
+    if report.latencies:
+        lines += [windows_table(report), ""]
     if report.rss_samples:
         lines += ["RSS samples (s: MB): " + ", ".join(f"{t:.0f}: {mb:.0f}" for t, mb in report.rss_samples), ""]
     return "\n".join(lines)
@@ -314,7 +341,7 @@ def _cmd(args: argparse.Namespace) -> int:
     report = asyncio.run(run_load(args.base_url, model, args.streams, args.duration, traffic, soak=soak,
                                   api_key=api_key))
     result = report.as_dict()
-    print(json.dumps({k: v for k, v in result.items() if k != "rss_samples"}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rss_samples", "load_samples", "latencies")}, indent=2))
     if args.json:
         write_json({**result, "command": _command_line(args, bool(api_key)), "note": args.note}, args.json)
     if args.markdown:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import time
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
@@ -22,12 +21,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import SafetensorError
 from tqdm import tqdm
 
 from adaflash.models.device import current_device
 from adaflash.models.drafter import DFlashDrafter, DrafterConfig
 from adaflash.models.drafter_checkpoint import as_dflash2, deepen_drafter, init_drafter, load_drafter, save_drafter
+from adaflash.training.checkpoint import load_checkpoint, save_checkpoint, writing
 from adaflash.models.registry import resolve_target
 from adaflash.models.target import TargetModel, load_target
 from adaflash.models.kv_cache import RaggedBatch
@@ -187,63 +186,6 @@ def lr_factor(step: int, total: int, warmup_frac: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-@contextlib.contextmanager
-def _writing(out_dir: Path, what: str):
-    """A write that fails (a full disk, a quota) stops the run naming what it could not write and the checkpoint
-    that is still whole, which the same command resumes from."""
-    try:
-        yield
-    except (OSError, SafetensorError) as exc:  # safetensors reports the OS's error (ENOSPC) as its own
-        state = out_dir / "checkpoint" / "trainer_state.pt"
-        intact = (f"{state.parent} (step {torch.load(state, weights_only=False, mmap=True)['step']}) is intact: free "
-                  "space and run the same command to resume from it" if state.is_file() else "no checkpoint yet")
-        if isinstance(exc, OSError) and exc.errno:
-            raise OSError(exc.errno, f"could not write {what}: {exc.strerror}; {intact}") from exc
-        raise OSError(f"could not write {what}: {exc}; {intact}") from exc
-
-
-def _save_checkpoint(out_dir: Path, drafter: DFlashDrafter, optimizer, step: int, cfg: TrainConfig) -> None:
-    """Weights (fp32, exact) + optimizer + step, published by an atomic directory rename."""
-    tmp, final = out_dir / "checkpoint.tmp", out_dir / "checkpoint"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with _writing(out_dir, f"the step {step} checkpoint to {tmp}"):
-        try:
-            save_drafter(drafter, tmp, dtype=torch.float32)
-            torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": asdict(cfg)}, tmp / "trainer_state.pt")
-        except (OSError, SafetensorError):
-            shutil.rmtree(tmp, ignore_errors=True)  # the half-written copy's space back
-            raise
-    old = out_dir / "checkpoint.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _load_checkpoint(out_dir: Path, optimizer_factory,
-                     device: torch.device) -> tuple[DFlashDrafter, torch.optim.Optimizer, int] | None:
-    ckpt, old = out_dir / "checkpoint", out_dir / "checkpoint.old"
-    if not (ckpt / "trainer_state.pt").is_file() and (old / "trainer_state.pt").is_file():
-        # A kill between _save_checkpoint's two renames: the previous checkpoint is whole under its old name. Put it
-        # back first, so the next save's clean-up of checkpoint.old cannot delete the only one. (Under torchrun every
-        # rank gets here: the rename is atomic, and a rank that loses the race finds the checkpoint in place.)
-        try:
-            old.rename(ckpt)
-        except OSError:
-            pass
-    if not (ckpt / "trainer_state.pt").is_file():
-        return None
-    drafter = load_drafter(ckpt, dtype=torch.float32, device=device).train()
-    try:
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=False, map_location=device)
-    except Exception as exc:
-        raise ValueError(f"{ckpt / 'trainer_state.pt'} is corrupt: {exc}") from exc
-    optimizer = optimizer_factory(drafter)
-    optimizer.load_state_dict(state["optimizer"])
-    return drafter, optimizer, int(state["step"])
-
-
 def teacher_pass(target: TargetModel, tokens: torch.Tensor, capture_layers) -> tuple[torch.Tensor, torch.Tensor]:
     """The target over a whole trajectory: the drafter's context features of every position but the last
     [L-1, n*d], and the target's final-layer states [L, d] (its logits at any position, see `teacher_logits`).
@@ -368,7 +310,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     def make_optimizer(model):
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
-    resumed = _load_checkpoint(out_dir, make_optimizer, device)
+    resumed = load_checkpoint(out_dir, make_optimizer, device)
     if resumed is None:
         if cfg.init_from:
             drafter = continued_drafter(cfg, target)
@@ -447,13 +389,13 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
             record["train_tokens_seen"] = step * cfg.sequences_per_step * mean_response
             if due_holdout:
                 record.update(holdout())
-            with _writing(out_dir, f"{metrics_file}"), metrics_file.open("a") as f:
+            with writing(out_dir, f"{metrics_file}"), metrics_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             if due_log:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['accuracy'][0]:.2f}")
                 window = {}
         if rank == 0 and due_save:
-            _save_checkpoint(out_dir, drafter, optimizer, step, cfg)
+            save_checkpoint(out_dir, drafter, optimizer, step, asdict(cfg))
             if on_checkpoint is not None:
                 on_checkpoint(out_dir / "checkpoint")
             last_save = time.perf_counter()
@@ -463,13 +405,13 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
             break
         if stop_after is not None and step >= stop_after and step < total:
             if rank == 0:
-                _save_checkpoint(out_dir, drafter, optimizer, step, cfg)
+                save_checkpoint(out_dir, drafter, optimizer, step, asdict(cfg))
             bar.close()
             return out_dir / "checkpoint"
     bar.close()
     final = out_dir / "drafter"
     if rank == 0:
-        with _writing(out_dir, f"the trained drafter to {final}"):
+        with writing(out_dir, f"the trained drafter to {final}"):
             save_drafter(drafter, final, dtype=torch.bfloat16)
     if distributed:
         dist.barrier()

@@ -76,4 +76,6 @@ def test_bench_load_cli_with_a_key_writes_json_and_markdown(pipeline, tmp_path, 
     assert result["note"] == "a test run" and "--api-key ***" in result["command"]
     text = md.read_text()
     assert "**0 lost**" in text and "**0 duplicated**" in text and "**0 leaked**" in text and "a test run" in text
+    assert "| window (s) | requests started | p50 latency (s) | p99 latency (s) |" in text  # where latency went
+    assert len(result["latencies"]) == result["completed"] and result["load_samples"]
     assert KEY not in out.read_text() and KEY not in text

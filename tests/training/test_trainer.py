@@ -229,11 +229,11 @@ def test_a_full_disk_at_a_checkpoint_names_the_intact_one_which_resumes(tiny_che
     checkpoint, whose half-written successor is cleaned away; with space again it resumes to an unbroken run's weights."""
     import errno
 
-    from adaflash.training import trainer
+    from adaflash.training import checkpoint
 
     kw = dict(max_steps=12, save_every=4)
     train(_config(tiny_checkpoints, tiny_data, tmp_path / "a", **kw), progress=False)
-    real_save, saves = trainer.save_drafter, []
+    real_save, saves = checkpoint.save_drafter, []
 
     def full_disk_at_the_second_checkpoint(drafter, path, **kwargs):
         saves.append(path)
@@ -241,13 +241,13 @@ def test_a_full_disk_at_a_checkpoint_names_the_intact_one_which_resumes(tiny_che
         if len(saves) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(trainer, "save_drafter", full_disk_at_the_second_checkpoint)
+    monkeypatch.setattr(checkpoint, "save_drafter", full_disk_at_the_second_checkpoint)
     out = tmp_path / "b"
     with pytest.raises(OSError, match=rf"could not write the step 8 checkpoint .*No space left on device; "
                                       rf"{out / 'checkpoint'} \(step 4\) is intact"):
         train(_config(tiny_checkpoints, tiny_data, out, **kw), progress=False)
     assert not (out / "checkpoint.tmp").exists() and torch.load(out / "checkpoint" / "trainer_state.pt",
                                                                 weights_only=False)["step"] == 4
-    monkeypatch.setattr(trainer, "save_drafter", real_save)
+    monkeypatch.setattr(checkpoint, "save_drafter", real_save)
     train(_config(tiny_checkpoints, tiny_data, out, **kw), progress=False)
     _assert_same_weights(_fp32_checkpoint(tmp_path / "a"), _fp32_checkpoint(out))
