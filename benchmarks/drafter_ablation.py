@@ -4,6 +4,8 @@ on the same data for the same steps and sequences, and scored on the same held-o
     python benchmarks/drafter_ablation.py --data-dir runs/data/ablation --steps 150 --jobs 2 \
         --out docs/results/drafter/ablation            # write configs, train every arm (resumable), score, report
     python benchmarks/drafter_ablation.py ... --arms baseline,dpace --stage score   # one stage, some arms
+    python benchmarks/drafter_ablation.py ... --combine anchors_dpace=anchors_all+dpace   # an arm merging others'
+    python benchmarks/drafter_ablation.py ... --stage score --watch   # (another process) score arms as they finish
 
 A rerun on a bigger budget is the same command with another --steps / --data-dir (arms live under
 runs/ablation/<steps>/<arm>, so budgets never mix). Each arm's config is written to configs/ablation/<steps>/<arm>.toml
@@ -13,7 +15,9 @@ Scores (per domain + all, on the trainer's held-out split, `holdout_samples` of 
 - `decoded`: tokens per target pass of greedy decoding walked over each held-out response, full block
   (training/validation.py's decoded accept length);
 - `decoded_k3` / `decoded_k7`: the same walk with at most 3 / 7 drafts a pass (the block's later drafts dropped; greedy
-  acceptance is a prefix, so this is exact for a drafter that drafts the whole block at once);
+  acceptance is a prefix, so this is exact for a drafter that drafts the whole block at once): fixed lengths standing in
+  for the throughput policy's, which picks a length per step from live costs and is measured live
+  (benchmarks/adaptive_vs_ar.py), not here;
 - `holdout`: the expected accept length at 32 random anchors a sample (the training curves' number).
 """
 
@@ -56,7 +60,7 @@ ARMS: dict[str, tuple[dict, str]] = {
 def arm_config(arm: str, data_dirs: list[str], steps: int, holdout: int, overrides: dict | None = None) -> dict:
     raw = tomllib.loads(V9.read_text())
     raw.update(data_dir=data_dirs, out_dir=f"runs/ablation/{steps}/{arm}", max_steps=steps, holdout_samples=holdout,
-               save_every=max(25, steps // 4), log_every=10)
+               save_every=max(25, steps // 2), log_every=10)
     raw.update(overrides if overrides is not None else ARMS[arm][0])
     return {k: v for k, v in raw.items() if v is not None}
 
@@ -73,6 +77,8 @@ def _toml_value(v) -> str:
 
 def write_config(arm: str, cfg: dict, steps: int) -> Path:
     path = ROOT / "configs" / "ablation" / str(steps) / f"{arm}.toml"
+    if path.is_file():
+        return path  # an arm keeps the config it started with (a resumed run must not change recipe): delete to redo
     path.parent.mkdir(parents=True, exist_ok=True)
     note = ARMS[arm][1] if arm in ARMS else "combination"
     lines = [f"# Issue 52 ablation arm {arm!r}: {note}.", "# Written by benchmarks/drafter_ablation.py; the v9 recipe otherwise."]
@@ -110,8 +116,10 @@ def _walk(runs, k: int | None) -> dict[str, float]:
     return {key: t / max(1, p) for key, (t, p) in sorted(sums.items())}
 
 
-def score(drafters: dict[str, str], data_dirs: list[str], holdout: int, threads: int) -> dict[str, dict]:
-    """{name: {decoded, decoded_k3, decoded_k7}} on the trainer's held-out split of data_dirs."""
+def score(drafters, data_dirs: list[str], holdout: int, threads: int, on_score=None) -> dict[str, dict]:
+    """{name: {decoded, decoded_k3, decoded_k7}} on the trainer's held-out split of data_dirs. `drafters`: {name:
+    path}, or a callable returning the next such dict ({} to stop) so arms are scored as they finish training;
+    on_score(name, result) after each."""
     import torch
 
     from adaflash.models.draft_vocab import DraftHead
@@ -130,19 +138,24 @@ def score(drafters: dict[str, str], data_dirs: list[str], holdout: int, threads:
     cfg = TrainConfig(data_dir=tuple(data_dirs), out_dir="")
     teachers, loss = TeacherCache(target, (1, 14, 27)), build_loss("ce")
     results = {}
-    for name, path in drafters.items():
-        drafter = load_drafter(path, dtype=torch.float32).eval()
-        head = DraftHead(target.lm_head, drafter.draft_vocab)
-        runs = []
-        with torch.no_grad():
-            for i in ids:
-                s = dataset.samples[i]
-                _, stats = _sequence_loss(drafter, drafter.config, target, head, i, s, cfg, loss, torch.Generator(),
-                                          teachers, len(s.tokens))
-                runs.append((s.domain, DecodedRun(stats["run_lengths"], first_anchor(s), s.prompt_len, len(s.tokens))))
-        results[name] = {"decoded": _walk(runs, None), "decoded_k3": _walk(runs, 3), "decoded_k7": _walk(runs, 7),
-                         "samples": {d: sum(1 for dom, _ in runs if dom == d) for d in sorted({d for d, _ in runs})}}
-        print(name, {k: round(v, 3) for k, v in results[name]["decoded"].items()}, flush=True)
+    pending = (lambda: drafters) if isinstance(drafters, dict) else drafters
+    while batch := {n: p for n, p in pending().items() if n not in results}:
+        for name, path in batch.items():
+            drafter = load_drafter(path, dtype=torch.float32).eval()
+            head = DraftHead(target.lm_head, drafter.draft_vocab)
+            runs = []
+            with torch.no_grad():
+                for i in ids:
+                    s = dataset.samples[i]
+                    _, stats = _sequence_loss(drafter, drafter.config, target, head, i, s, cfg, loss,
+                                              torch.Generator(), teachers, len(s.tokens))  # every anchor
+                    runs.append((s.domain, DecodedRun(stats["run_lengths"], first_anchor(s), s.prompt_len,
+                                                      len(s.tokens))))
+            results[name] = {"decoded": _walk(runs, None), "decoded_k3": _walk(runs, 3), "decoded_k7": _walk(runs, 7),
+                             "samples": {d: sum(1 for dom, _ in runs if dom == d) for d in sorted({d for d, _ in runs})}}
+            print(name, {k: round(v, 3) for k, v in results[name]["decoded"].items()}, flush=True)
+            if on_score:
+                on_score(name, results[name])
     return results
 
 
@@ -153,9 +166,10 @@ def main(argv=None) -> None:
     parser.add_argument("--holdout", type=int, default=64)
     parser.add_argument("--arms", default="all", help="comma-separated arm names, or all")
     parser.add_argument("--combine", default="", help="a combination arm: name=arm1+arm2 (their overrides merged)")
-    parser.add_argument("--stage", choices=["configs", "train", "score", "all"], default="all")
+    parser.add_argument("--stage", choices=["configs", "train", "score", "report", "all"], default="all")
     parser.add_argument("--jobs", type=int, default=1, help="arms trained at once (each with --threads threads)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--watch", action="store_true", help="score arms as they finish training (another process)")
     parser.add_argument("--out", default="docs/results/drafter/ablation", help="scores: OUT.scores.json (merged)")
     args = parser.parse_args(argv)
     arms = dict(ARMS) if args.arms == "all" else {a: ARMS[a] for a in args.arms.split(",") if a}
@@ -176,14 +190,28 @@ def main(argv=None) -> None:
     if args.stage in ("score", "all"):
         out = ROOT / f"{args.out}.scores.json"
         held = json.loads(out.read_text()) if out.is_file() else {}
-        todo = {a: f"runs/ablation/{args.steps}/{a}/drafter" for a in configs}
-        key = lambda a: f"{args.steps}/{a}"  # noqa: E731
-        todo = {key(a): p for a, p in todo.items() if key(a) not in held and (ROOT / p).is_dir()}
-        if "shipped" not in held:
-            todo["shipped"] = SHIPPED
-        held.update(score(todo, args.data_dir, args.holdout, max(1, args.threads * args.jobs)))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(held, indent=1, sort_keys=True) + "\n")
+        runs = {f"{args.steps}/{a}": ROOT / f"runs/ablation/{args.steps}/{a}" for a in configs}
+
+        def todo() -> dict:
+            """Arms trained and not yet scored; with --watch, waits while arms are still training."""
+            while True:
+                ready = {k: str(r / "drafter") for k, r in runs.items() if k not in held and (r / "drafter").is_dir()}
+                if "shipped" not in held:
+                    ready["shipped"] = SHIPPED
+                if ready or not args.watch or all(k in held for k in runs):
+                    return ready
+                time.sleep(20)
+
+        def save(name: str, result: dict) -> None:
+            held[name] = result
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(held, indent=1, sort_keys=True) + "\n")
+
+        score(todo, args.data_dir, args.holdout, max(1, args.threads * args.jobs), save)
+    if args.stage in ("report", "all"):
+        from drafter_ablation_report import write_report  # (benchmarks/: the script's own directory is on sys.path)
+
+        write_report(args.steps, args.data_dir, args.holdout, ARMS, args.out, sys.argv)
 
 
 if __name__ == "__main__":
