@@ -48,7 +48,8 @@ def _data_summary(data_dirs: list[str]) -> dict:
     return {"dirs": data_dirs, "samples": samples, "response_tokens": tokens, "samples_per_domain": per_domain,
             "prompts_skipped_too_long": skipped,
             "command": "adaflash data export --mix gsm-symbolic:300,mgsm-symbolic:300,sharegpt-chat:300,"
-                       "sharegpt-code:300 --seed 11 --out runs/data/ablation_prompts.jsonl; adaflash data generate "
+                       "sharegpt-code:300 --seed 11 --out runs/data/ablation_prompts_seq.jsonl (re-ordered round-robin by set into "
+                       "runs/data/ablation_prompts.jsonl, so a stopped run keeps all four); adaflash data generate "
                        "--out runs/data/ablation --prompts-file runs/data/ablation_prompts.jsonl --capture-layers "
                        "1,14,27 --dtype int8 --seed 11 --max-new-tokens 192 --max-prompt-tokens 256 --batch-size 64 "
                        "--shard-size 64 (train split; nice -n 10 beside another job: 120 tok/s, 23 minutes)"}
@@ -88,11 +89,20 @@ def write_report(steps: int, data_dirs: list[str], holdout: int, ARMS: dict, out
                    "thread with 2-4 processes (arms, scoring) sharing the 2 cores, so training seconds do not compare "
                    "across arms",
         "data": _data_summary(data_dirs), "holdout_samples": holdout,
-        "command": "python " + " ".join(argv),
+        "command": "python benchmarks/drafter_ablation.py --data-dir " + " ".join(data_dirs) + f" --steps {steps} "
+                   f"--holdout {holdout} --jobs 2 --out {out}   (every stage; this report: python " + " ".join(argv) + ")",
+        "not_run": {a: ARMS[a][1] for a in ARMS if a not in rows},
+        "findings": _notes(out),
         "shipped_drafter": shipped,
         "shipped_random_anchors": (rows.get("baseline") or {}).get("holdout_random_anchors_at_step0"), "arms": rows, "baseline_seed_spread": noise, "targets_full_block": TARGETS,
     }
     write_files(ROOT / out, report, _markdown(report, steps))
+
+
+def _notes(out: str) -> str:
+    """The hand-written findings (OUT.notes.md), kept apart so a rerun of the report does not lose them."""
+    path = ROOT / f"{out}.notes.md"
+    return path.read_text() if path.is_file() else ""
 
 
 def _fmt(v):
@@ -145,5 +155,9 @@ def _markdown(r: dict, steps: int) -> str:
     for arm, row in r["arms"].items():
         lines.append(f"- `{arm}`: {row['what']}. `{row['command']}` ({_fmt(row['train_s'])} s of training). "
                      f"Cost: {row['drafting_cost_source']}.")
+    for arm, what in r["not_run"].items():
+        lines.append(f"- `{arm}` (not in the table: not trained and scored in this run): {what}.")
     lines += ["", f"Data: `{d['command']}`.", "", f"Command: `{r['command']}`.", ""]
+    if r["findings"]:
+        lines += ["## Findings (written by hand from the table above)", "", r["findings"]]
     return "\n".join(lines)
