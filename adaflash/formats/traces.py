@@ -18,11 +18,11 @@ Only token ids and counts are kept, so a trace is small and replays without the 
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+
+from adaflash.formats.json_lines import append_lines, read_lines
 
 TRACE_FILE = "traces.jsonl"
 
@@ -69,11 +69,11 @@ class TraceRecord:
                 raise ValueError(f"step anchored at output index {step.anchor}, past the {len(self.output_ids)} "
                                  "tokens output")
 
-    def to_json(self) -> str:
+    def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "steps"}
         d["steps"] = [{"anchor": s.anchor, "verified": s.verified, "accept_length": s.accept_length,
                        "block": list(s.block), "head": list(s.head)} for s in self.steps]
-        return json.dumps(d)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TraceRecord":
@@ -90,16 +90,7 @@ class TraceRecord:
 
 def append_traces(path: str | Path, records: Iterable[TraceRecord]) -> int:
     """Append as JSON lines, flushed to disk (a crash loses at most the line being written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
-    with path.open("a") as f:
-        for record in records:
-            f.write(record.to_json() + "\n")
-            n += 1
-        f.flush()
-        os.fsync(f.fileno())
-    return n
+    return append_lines(path, (r.as_dict() for r in records))
 
 
 def trace_files(path: str | Path) -> list[Path]:
@@ -117,16 +108,4 @@ def trace_files(path: str | Path) -> list[Path]:
 def read_traces(path: str | Path) -> list[TraceRecord]:
     """Every record of a trace file or folder. A torn last line (a killed writer) is skipped; any other bad line is an
     error naming the file and line."""
-    out: list[TraceRecord] = []
-    for file in trace_files(path):
-        lines = file.read_text().splitlines()
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(TraceRecord.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-                if lineno == len(lines) and not line.endswith("}"):
-                    continue  # torn final line from an interrupted append
-                raise ValueError(f"{file}:{lineno}: not a trace record ({exc})") from exc
-    return out
+    return read_lines(trace_files(path), TraceRecord.from_dict, "a trace record")

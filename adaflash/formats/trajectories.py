@@ -8,11 +8,11 @@ buffer stays small and never goes stale when the capture layers change.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
+
+from adaflash.formats.json_lines import append_lines, read_lines
 
 TRAJECTORY_GLOB = "*.jsonl"
 
@@ -32,16 +32,7 @@ class Trajectory:
 
 def append_trajectories(path: str | Path, trajectories: Iterable[Trajectory]) -> int:
     """Append as JSON lines, flushed to disk (a crash loses at most the line being written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
-    with path.open("a") as f:
-        for t in trajectories:
-            f.write(json.dumps(asdict(t)) + "\n")
-            n += 1
-        f.flush()
-        os.fsync(f.fileno())
-    return n
+    return append_lines(path, (asdict(t) for t in trajectories))
 
 
 def _files(path: Path) -> list[Path]:
@@ -55,21 +46,12 @@ def _files(path: Path) -> list[Path]:
 def read_trajectories(path: str | Path) -> list[Trajectory]:
     """One JSONL file or every *.jsonl under a directory. A torn last line (killed writer) is skipped; any other
     bad line is an error naming the file and line."""
-    out: list[Trajectory] = []
-    for file in _files(Path(path)):
-        lines = file.read_text().splitlines()
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                out.append(Trajectory(
-                    prompt_ids=tuple(int(t) for t in d["prompt_ids"]), output_ids=tuple(int(t) for t in d["output_ids"]),
-                    source=str(d.get("source", "")), drafter_version=str(d.get("drafter_version", "")),
-                    accept_lengths=tuple(int(a) for a in d.get("accept_lengths", ())),
-                ))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                if lineno == len(lines) and not line.endswith("}"):
-                    continue  # torn final line from an interrupted append
-                raise ValueError(f"{file}:{lineno}: not a trajectory record ({exc})") from exc
-    return out
+    return read_lines(_files(Path(path)), _trajectory, "a trajectory record")
+
+
+def _trajectory(d: dict) -> Trajectory:
+    return Trajectory(
+        prompt_ids=tuple(int(t) for t in d["prompt_ids"]), output_ids=tuple(int(t) for t in d["output_ids"]),
+        source=str(d.get("source", "")), drafter_version=str(d.get("drafter_version", "")),
+        accept_lengths=tuple(int(a) for a in d.get("accept_lengths", ())),
+    )
