@@ -5,7 +5,7 @@ batch limit's own figure, the two loads alternating on one server:
         --out docs/results/reliability/overload
 
 At the batch limit every client has a slot; at 4x, max_batch run, max_queue wait and the rest are refused (429 / 503
-with Retry-After; a refusal without it counts as lost) and back off 0.2 s before asking again. Judged: no request
+with Retry-After; a refusal without it counts as lost) and wait what Retry-After says before asking again. Judged: no request
 lost (none times out silently: every one is answered in full or refused), and the tokens a second of the completed
 requests at 4x within 10% of the batch limit's (the median over rounds of each round's ratio).
 """

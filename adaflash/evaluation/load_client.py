@@ -34,6 +34,7 @@ class Outcome:
     latency_s: float | None = None  # send to last byte, completed requests only
     completion_id: str | None = None
     tokens: int = 0  # completion tokens of a completed request (its usage)
+    retry_after_s: float | None = None  # a refusal's Retry-After
 
 
 def _body(model: str, call: Call) -> dict:
@@ -47,10 +48,14 @@ def _body(model: str, call: Call) -> dict:
     return body
 
 
-def _refusal(resp: httpx.Response) -> str:
+def _refusal(resp: httpx.Response) -> Outcome:
+    status = str(resp.status_code)
     if resp.status_code not in (429, 503):
-        return f"lost: HTTP {resp.status_code}"
-    return "refused" if resp.headers.get("retry-after") else f"lost: {resp.status_code} without Retry-After"
+        return Outcome(status, f"lost: HTTP {status}")
+    try:
+        return Outcome(status, "refused", retry_after_s=float(resp.headers["retry-after"]))
+    except (KeyError, ValueError):
+        return Outcome(status, f"lost: {status} without Retry-After in seconds")
 
 
 def _finished(usage: dict | None, finishes: list[str], ids: set[str], max_tokens: int) -> str | None:
@@ -99,13 +104,13 @@ async def send(client: httpx.AsyncClient, model: str, call: Call) -> Outcome:
                 status = str(resp.status_code)
                 if resp.status_code != 200:
                     await resp.aread()
-                    return Outcome(status, _refusal(resp))
+                    return _refusal(resp)
                 kind, cid, usage = await _stream(resp, call)
         else:
             resp = await client.post(path, json=_body(model, call))
             status = str(resp.status_code)
             if resp.status_code != 200:
-                return Outcome(status, _refusal(resp))
+                return _refusal(resp)
             body = resp.json()
             finishes = [c["finish_reason"] for c in body.get("choices", []) if c.get("finish_reason")]
             usage = body.get("usage")

@@ -34,6 +34,7 @@ from adaflash.cli_args import command_group
 from adaflash.evaluation.load_client import Call, Outcome, send
 from adaflash.report import markdown_table, write_json
 
+MAX_BACKOFF_S = 5.0  # a client waits what Retry-After says, up to this
 PROMPTS = ["Explain caching in one paragraph.", "Write a haiku about GPUs.", "What is 17 * 23? Show the steps.",
            "List three prime numbers.", "Summarise the plot of Hamlet."]
 
@@ -205,8 +206,8 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, t
                 sent_at = time.perf_counter()
                 out = await send(client, model, call)
                 tally(call, sent_at, out)
-                if out.kind == "refused":
-                    await asyncio.sleep(0.2)  # a well-behaved client backs off (Retry-After)
+                if out.kind == "refused":  # a well-behaved client comes back when the server said
+                    await asyncio.sleep(min(out.retry_after_s, MAX_BACKOFF_S))
 
         async def sample_rss() -> None:
             while True:
