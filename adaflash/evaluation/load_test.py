@@ -4,8 +4,8 @@
     adaflash bench load --base-url http://127.0.0.1:8000 --streams 64 --duration 1800 --mixed --disconnect-rate 0.1 \
         --soak --json soak.json --markdown soak.md
 
-Every request must end answered in full or cleanly refused (429/503 with Retry-After), see load_client.py; anything
-else is a lost request, and a completion id seen twice is a duplicated one. Afterwards the server's /metrics must
+Every request must end answered in full or cleanly refused (429/503 with Retry-After, which its client then waits),
+see load_client.py; anything else is a lost request, and a completion id seen twice is a duplicated one. Afterwards the server's /metrics must
 show no running or queued request and every slot free. `--mixed` draws each request's kind at random: streaming or
 not, chat or completions. `--disconnect-rate P` makes that fraction of streams hang up after their first token (the
 abort path). `--soak` also samples the server's resident memory (its `process_resident_memory_bytes`, or /proc/PID

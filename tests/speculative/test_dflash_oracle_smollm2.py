@@ -16,11 +16,10 @@ from tests.dflash_oracle import hf_target, ours_generate, ref, reference_generat
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]
 DRAFTER = "adaflash/assets/drafters/smollm2-135m"
-# Held out of every training mix: one per domain.
+# Held out of every training mix: math (where drafts are kept most) and multilingual; two prompts keep the reference's
+# transformers passes within the suite's time (the tiny-model oracle tests cover the code paths).
 PROMPTS = (
     "A baker sells 23 loaves on Monday and twice as many on Tuesday. How many loaves did she sell in total?",
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "What should I pack for a weekend hiking trip in the mountains?",
     "Ein Zug fährt 60 km pro Stunde. Wie weit fährt er in drei Stunden?",
 )
 
