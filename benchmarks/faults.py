@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from adaflash.evaluation.load_test import gauge
 from adaflash.evaluation.peer import launched_process
 from adaflash.models.drafter_checkpoint import WEIGHTS_FILE, load_drafter, publish_version
 from adaflash.models.kernels.selection import cpu_model
@@ -150,10 +151,8 @@ def _refused_at_start(args, name: str, *serve_args: str) -> dict:
 
 
 def _metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return float("nan")
+    value = gauge(httpx.get(f"{url}/metrics", timeout=30).text, name)
+    return float("nan") if value is None else value
 
 
 def _hot_swap_to_corrupt(args) -> dict:

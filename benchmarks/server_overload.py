@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from adaflash.evaluation.load_test import Traffic, run_load
-from adaflash.evaluation.serve_sweep import SIX_MIX, launched_server, prompt_pool, prompt_size
+from adaflash.evaluation.serve_sweep import SIX_MIX, fitting_prompts, launched_server
 from adaflash.models.kernels.selection import cpu_model
 from adaflash.report import markdown_table, write_report
 
@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/results/reliability/overload"))
     args = p.parse_args(argv)
 
-    size = prompt_size(MODEL)
-    traffic = Traffic(tuple(tuple(m) for m in prompt_pool(SIX_MIX) if size(m) <= 384), args.max_tokens)
+    traffic = Traffic(tuple(tuple(m) for m in fitting_prompts(SIX_MIX, MODEL, 384)), args.max_tokens)
     serve_args = ["--model", MODEL, "--method", args.method, "--max-queue", str(args.max_queue), "--max-len", "512"]
     loads = {"batch limit": args.max_batch, f"{args.factor}x": args.factor * args.max_batch}
     phases: list[dict] = []

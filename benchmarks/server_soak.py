@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from adaflash.evaluation.load_test import SoakConfig, Traffic, run_load, soak_markdown
-from adaflash.evaluation.serve_sweep import SIX_MIX, launched_server, prompt_pool, prompt_size
+from adaflash.evaluation.serve_sweep import SIX_MIX, fitting_prompts, launched_server
 from adaflash.models.dtype import resolve_dtype
 from adaflash.models.kernels.selection import cpu_model
 from adaflash.report import write_json
@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/results/reliability/soak"), help="writes OUT.json, OUT.md")
     args = p.parse_args(argv)
 
-    size = prompt_size(MODEL)
-    prompts = tuple(tuple(m) for m in prompt_pool(SIX_MIX) if size(m) <= 384)
+    prompts = tuple(tuple(m) for m in fitting_prompts(SIX_MIX, MODEL, 384))
     serve_args = ["--model", MODEL, "--method", "dflash", "--prompt-lookup", "8", "--dtype", args.dtype,
                   "--max-queue", str(args.streams), "--max-len", "512"]
     traffic = Traffic(prompts, args.max_tokens, args.disconnect_rate, mixed=True)

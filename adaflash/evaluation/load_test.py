@@ -32,6 +32,7 @@ import httpx
 
 from adaflash.cli_args import command_group
 from adaflash.evaluation.load_client import Call, Outcome, send
+from adaflash.evaluation.serve_bench import percentile
 from adaflash.report import markdown_table, write_json
 
 MAX_BACKOFF_S = 5.0  # a client waits what Retry-After says, up to this
@@ -133,26 +134,21 @@ class LoadReport:
                 "plateaued": self.plateaued, "latency_steady": self.latency_steady, "clean": self.clean}
 
 
-def _gauge(text: str, name: str) -> float | None:
+def gauge(text: str, name: str) -> float | None:
+    """A metric's value in a Prometheus text page (its first sample, labels ignored); None if absent."""
     m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else None
 
 
-async def _rss_mb(client: httpx.AsyncClient, server_pid: int | None) -> float | None:
+def _rss_mb(metrics: str, server_pid: int | None) -> float | None:
+    """The server's resident memory: /proc/PID with a pid, else its own gauge in the /metrics page `metrics`."""
     if server_pid is not None:
         for line in Path(f"/proc/{server_pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         return None
-    v = _gauge((await client.get("/metrics")).text, "process_resident_memory_bytes")
+    v = gauge(metrics, "process_resident_memory_bytes")
     return v / 2**20 if v is not None else None
-
-
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def soak_figures(samples: Sequence[tuple[float, float]], latencies: Sequence[tuple[float, float]], duration_s: float,
@@ -212,10 +208,10 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, t
         async def sample_rss() -> None:
             while True:
                 t = time.perf_counter() - start
-                if (mb := await _rss_mb(client, soak.server_pid)) is not None:
-                    samples.append((round(t, 1), round(mb, 1)))
                 text = (await client.get("/metrics")).text
-                gauges.append((round(t, 1), _gauge(text, "adaflash_running_requests"), _gauge(text, "adaflash_queue_depth")))
+                if (mb := _rss_mb(text, soak.server_pid)) is not None:
+                    samples.append((round(t, 1), round(mb, 1)))
+                gauges.append((round(t, 1), gauge(text, "adaflash_running_requests"), gauge(text, "adaflash_queue_depth")))
                 if t >= duration_s:
                     return
                 await asyncio.sleep(min(soak.rss_interval_s, max(0.0, deadline - time.perf_counter())))
@@ -227,21 +223,20 @@ async def run_load(base_url: str, model: str, streams: int, duration_s: float, t
         settle_until = time.perf_counter() + settle_s
         while True:
             after = (await client.get("/metrics")).text
-            idle = _gauge(after, "adaflash_running_requests") in (None, 0) and _gauge(after, "adaflash_queue_depth") in (None, 0)
+            idle = gauge(after, "adaflash_running_requests") in (None, 0) and gauge(after, "adaflash_queue_depth") in (None, 0)
             if idle or time.perf_counter() > settle_until:
                 break
             await asyncio.sleep(0.5)
-        rss_after = await _rss_mb(client, soak.server_pid) if soak else None
-    rss = lambda text: (v / 2**20) if (v := _gauge(text, "process_resident_memory_bytes")) is not None else None  # noqa: E731
+        rss_after = _rss_mb(after, soak.server_pid) if soak else None
     lost = {k[len("lost: "):]: v for k, v in outcomes.items() if k.startswith("lost: ")}
     return LoadReport(
         streams=streams, duration_s=duration, statuses=dict(statuses), completed=outcomes["completed"],
         refused=outcomes["refused"], failed=sum(lost.values()),
-        running_after=_gauge(after, "adaflash_running_requests"), queued_after=_gauge(after, "adaflash_queue_depth"),
-        free_slots_after=_gauge(after, "adaflash_free_slots"),
-        max_slots=_gauge(before, "adaflash_batch_slots") or _gauge(before, "adaflash_free_slots"),
-        rss_before_mb=samples[0][1] if samples else rss(before),
-        rss_after_mb=rss_after if rss_after is not None else rss(after),
+        running_after=gauge(after, "adaflash_running_requests"), queued_after=gauge(after, "adaflash_queue_depth"),
+        free_slots_after=gauge(after, "adaflash_free_slots"),
+        max_slots=gauge(before, "adaflash_batch_slots") or gauge(before, "adaflash_free_slots"),
+        rss_before_mb=samples[0][1] if samples else _rss_mb(before, None),
+        rss_after_mb=rss_after if rss_after is not None else _rss_mb(after, None),
         hung_up=outcomes["hung_up"], duplicated=duplicated, server_errors=server_errors, lost_reasons=lost,
         kinds=dict(kinds), completion_tokens=tokens, rss_samples=tuple(samples),
         load_samples=tuple(gauges) if soak else (), latencies=tuple((t, round(x, 3)) for t, x in latencies) if soak else (),

@@ -49,7 +49,7 @@ class LevelResult:
     verify_len_mean: float | None
 
 
-def _percentile(xs: Sequence[float], q: float) -> float | None:
+def percentile(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None
     xs = sorted(xs)
@@ -149,8 +149,8 @@ async def run_level(
     return LevelResult(
         concurrency=concurrency, num_requests=len(timings), failed=len(timings) - len(ok), duration_s=duration,
         output_tokens_per_s=tokens / duration, requests_per_s=len(ok) / duration,
-        ttft_p50_s=_percentile(ttfts, 0.5), ttft_p99_s=_percentile(ttfts, 0.99),
-        tpot_p50_s=_percentile(tpots, 0.5), tpot_p99_s=_percentile(tpots, 0.99),
+        ttft_p50_s=percentile(ttfts, 0.5), ttft_p99_s=percentile(ttfts, 0.99),
+        tpot_p50_s=percentile(tpots, 0.5), tpot_p99_s=percentile(tpots, 0.99),
         accept_len_mean=_window_mean(before, after, "accept_length"),
         verify_len_mean=_window_mean(before, after, "verify_length"),
     )

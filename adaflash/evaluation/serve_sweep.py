@@ -184,6 +184,11 @@ def _fitting(pool: list[list[dict]], size: Callable[[list[dict]], int], max_toke
     return [m for m in pool if size(m) <= max_tokens]
 
 
+def fitting_prompts(name: str, model: str, max_tokens: int) -> list[list[dict]]:
+    """`prompt_pool(name)`'s prompts whose chat-templated length in `model`'s tokens is at most `max_tokens`."""
+    return _fitting(prompt_pool(name), prompt_size(model), max_tokens)
+
+
 def _cmd(args: argparse.Namespace) -> int:
     servers = [_parse_server(s) for s in args.server]
     peers = [_parse_server(s) for s in args.peer or []]

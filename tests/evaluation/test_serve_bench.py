@@ -6,7 +6,7 @@ import json
 
 import httpx
 
-from adaflash.evaluation.serve_bench import _percentile, run_sweep
+from adaflash.evaluation.serve_bench import percentile, run_sweep
 
 METRICS = ["adaflash_accept_length_sum 30\nadaflash_accept_length_count 10\n", "adaflash_accept_length_sum 90\nadaflash_accept_length_count 30\n"]
 
@@ -38,8 +38,8 @@ def test_sweep_counts_tokens_failures_and_scrapes_accept_length():
 
 
 def test_percentile():
-    assert _percentile([3, 1, 2], 0.5) == 2 and _percentile([], 0.5) is None
-    assert _percentile(list(range(101)), 0.99) == 99
+    assert percentile([3, 1, 2], 0.5) == 2 and percentile([], 0.5) is None
+    assert percentile(list(range(101)), 0.99) == 99
 
 
 def test_vllm_counters_give_the_window_accept_and_verify_length():
