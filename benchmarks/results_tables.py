@@ -278,7 +278,10 @@ def _context(d: dict) -> str:
 def _headline(d: dict) -> str:
     if isinstance(d, dict) and "cells" in d and "servers" in d:
         return _sweep(d)
-    shapes = [("summary", lambda d: f"median |error| {_f(100 * d['summary']['median_abs_error'], 1)}%, "
+    shapes = [("cost_models", lambda d: "; ".join(
+                  f"{m}: median |error| {_f(100 * x['median_abs_error'], 1)}%, largest {_f(100 * x['max_abs_error'], 1)}%, "
+                  f"{x['within_10_percent']} of {len(d['rows'])} cells within 10%" for m, x in d["summary"].items())),
+              ("summary", lambda d: f"median |error| {_f(100 * d['summary']['median_abs_error'], 1)}%, "
                f"largest {_f(100 * d['summary']['max_abs_error'], 1)}%, {d['summary']['within_15_percent']} of "
                f"{d['summary']['cells']} cells within 15%"),
               ("acceptance", _simulated),

@@ -1,14 +1,23 @@
 """The simulator against this CPU: the same engine, policies and prompts run in wall time (measured) and in virtual
-time priced by this machine's profile (predicted), both with live acceptance (the real target and shipped drafter run).
+time (predicted), both with live acceptance (the real target and shipped drafter run), so only the cost model differs.
 
-    python benchmarks/simulation_validation.py --dtype int8 --threads 2 --concurrency 1,8 --requests 16 \
-        --max-tokens 64 --rounds 3 --out docs/results/simulation/validation_cpu_int8
+    python benchmarks/simulation_validation.py --dtype int8 --threads 2 --concurrency 1,8,32,64 --rounds 3 \
+        --out docs/results/simulation/validation_cpu_int8
 
-Each round runs every (concurrency, variant) cell twice, measured then predicted or the reverse by turns, over the
-same six-mix eval prompts in a closed loop (`simulate.closed_loop`). The prediction prices each target pass by its
-tokens from the profile the throughput policy reads (`cost_model_for`: one sequence at 128 positions of context) and
-each drafter pass per drafting request, as a CPU runs it; the engine's Python between passes is not priced. The error
-table says how far that is from this machine.
+Two cost models predict each cell:
+- `table`: what the simulator is given for a machine it does not run on, measured here first - the target's forward
+  over contexts x batch sizes x new tokens (`measure_step_table`), the drafter's pass by width and by drafting
+  requests (`profile_cost_model`), and what the engine's own run adds (`fit_engine`: each kind of pass's seconds in
+  place over the table's, and the engine's own time around a pass), fitted on calibration runs over other prompts
+  than the cells'. Written to STEM_table.json, which `adaflash bench simulate --cost-model FILE` reads.
+- `profile`: the profile the throughput policy reads (`cost_model_for`: a pass by its total tokens, one sequence at
+  128 positions of context; the drafter per drafting request; no host time) - the simulator's `--cost-model profile`.
+
+Each round runs every (concurrency, variant) cell measured and predicted, in turns, over the same six-mix eval prompts
+in a closed loop (`simulate.closed_loop`); a cell at concurrency c serves max(--requests, 2c) requests. The measured
+runs also time every pass (`PassLog`), so each cell says how much of the wall time the engine's own work took and,
+per kind of pass, how far the table's price of those very passes is from their measured seconds
+(`measured_passes`: [measured, priced] seconds a round).
 """
 
 from __future__ import annotations
@@ -28,16 +37,25 @@ from adaflash.models.registry import DEFAULT_TARGET, resolve_drafter
 from adaflash.pipeline import Pipeline
 from adaflash.simulation.clock import CostedProposer, CostedTarget, VirtualClock
 from adaflash.simulation.simulate import Variant, closed_loop, row_of, variant_engine
-from adaflash.simulation.step_cost import ProfileCost
-from adaflash.speculative.cost_model import cost_model_for
+from adaflash.simulation.step_cost import ProfileCost, TableCost
+from adaflash.simulation.step_table import PassLog, fit_engine, host_gaps, seconds_by_kind
+from adaflash.speculative.cost_model import cost_model_for, measure_step_table, profile_cost_model
+
+CONTEXTS = (128, 512)
+NEW_TOKENS = (1, 2, 4, 8, 16)
+PREFILL_BATCHES = (1, 2, 4, 8)  # the engine prefills up to 2048 tokens a pass
+PREFILL_TOKENS = (32, 128, 384)  # the prompts' range (--max-prompt-tokens)
 
 
 def cell(variant: Variant, pipeline: Pipeline, profile, prompts: list[list[int]], max_tokens: int, concurrency: int,
-         predicted: bool) -> dict:
+         cost=None, log: PassLog | None = None) -> dict:
+    """One closed-loop run: in wall time (`cost` None; its passes timed into `log` if given) or priced by `cost`."""
     target, proposer, clock = pipeline.target, pipeline.proposer, time.perf_counter
-    if predicted:
-        clock, cost = VirtualClock(), ProfileCost(profile)
+    if cost is not None:
+        clock = VirtualClock()
         target, proposer = CostedTarget(target, cost, clock), CostedProposer(proposer, cost, clock)
+    elif log is not None:
+        target, proposer = log.target(target), log.proposer(proposer)
     max_len = max(map(len, prompts)) + max_tokens + proposer.block_size + 1
     engine = variant_engine(variant, target, proposer, pipeline.length_head, profile, (), concurrency, len(prompts),
                             max_len, clock)
@@ -47,17 +65,44 @@ def cell(variant: Variant, pipeline: Pipeline, profile, prompts: list[list[int]]
     return row_of(variant, concurrency, requests, clock() - start) | {"outputs": [r.output_ids for r in requests]}
 
 
+def measure_table(pipeline: Pipeline, concurrencies: list[int], calibration: list[list[int]], max_tokens: int,
+                  variants: list[Variant], profile, repeats: int, path: Path) -> TableCost:
+    """This machine's step-cost table, fitted to the engine's runs over `calibration` prompts; written to `path`
+    (TableCost.load's format) and read back."""
+    batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max(concurrencies)} | {1, 2})
+    started = time.perf_counter()
+    table = measure_step_table(pipeline.target, batches, NEW_TOKENS, CONTEXTS, repeats, PREFILL_BATCHES,
+                               PREFILL_TOKENS, burst=3)
+    drafter = profile_cost_model(pipeline.target, pipeline.proposer, max(concurrencies) * pipeline.proposer.block_size,
+                                 repeats=repeats, batched_drafter=True)
+    report = {"verify_cost": table, "cost_model": json.loads(drafter.to_json()),
+              "machine": describe(pipeline.target.device), "calibration": {
+                  "prompts": len(calibration), "max_tokens": max_tokens, "variants": [v.name for v in variants]}}
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    logs = []
+    for c in sorted({1, min(8, max(concurrencies))}):
+        for variant in variants:
+            logs.append(PassLog())
+            cell(variant, pipeline, profile, calibration, max_tokens, c, log=logs[-1])
+    fit = fit_engine(logs, TableCost.load(path))
+    print(f"table measured and fitted in {time.perf_counter() - started:.0f} s: {fit}", flush=True)
+    path.write_text(json.dumps(report | {"engine_fit": fit.to_dict()}, indent=2) + "\n")
+    return TableCost.load(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="int8")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--variants", default="ar,fixed:3,throughput,adaflash")
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--requests", type=int, default=16, help="requests a cell, at least twice its concurrency")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--calibration-requests", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=5, help="timings a table cell")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", required=True, help="path stem: STEM.json and STEM.md")
+    p.add_argument("--out", required=True, help="path stem: STEM.json, STEM.md and STEM_table.json")
     args = p.parse_args(argv)
     configure_process(args.threads)
     pipeline = Pipeline.load(DEFAULT_TARGET, resolve_drafter(DEFAULT_TARGET, None), args.dtype)
@@ -66,57 +111,93 @@ def main(argv: list[str] | None = None) -> int:
     if pipeline.length_head is None:
         variants = [v for v in variants if v.method != "adaflash"]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    prompts = [ids for ids in (pipeline.encode(messages=m) for m in prompt_pool(SIX_MIX))
-               if len(ids) <= args.max_prompt_tokens][: args.requests]
+    pool = [ids for ids in (pipeline.encode(messages=m) for m in prompt_pool(SIX_MIX))
+            if len(ids) <= args.max_prompt_tokens]
+    most = max(args.requests, 2 * max(concurrencies))
+    if len(pool) < most + args.calibration_requests:
+        raise SystemExit(f"{len(pool)} prompts fit; {most} cells' and {args.calibration_requests} calibration's needed")
+    calibration = pool[-args.calibration_requests:]  # never a cell's
     profile = cost_model_for(pipeline.target, pipeline.proposer, DEFAULT_TARGET,
                              max_tokens=max(concurrencies) * pipeline.proposer.block_size)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table_file = out.with_name(out.name + "_table.json")
+    table = measure_table(pipeline, concurrencies, calibration, args.max_tokens, variants, profile, args.repeats,
+                          table_file)
+    models = {"table": table, "profile": ProfileCost(profile)}
+    sides = ["measured", *models]
     cells: dict[str, dict] = {}
     for r in range(args.rounds):
         for c in concurrencies:
+            prompts = pool[:max(args.requests, 2 * c)]
             for variant in variants:
-                key = f"{c}/{variant.name}"
-                for predicted in ((False, True) if (r + c) % 2 == 0 else (True, False)):
-                    row = cell(variant, pipeline, profile, prompts, args.max_tokens, c, predicted)
-                    got = cells.setdefault(key, {"concurrency": c, "variant": variant.name, "measured": [],
-                                                 "predicted": [], "accept_len": {"measured": [], "predicted": []},
-                                                 "same_outputs": True})
-                    side = "predicted" if predicted else "measured"
+                got = cells.setdefault(f"{c}/{variant.name}", {"concurrency": c, "variant": variant.name,
+                                                               "requests": len(prompts), "host_share": [],
+                                                               "measured_passes": [],
+                                                               "same_outputs": True} | {s: [] for s in sides})
+                turn = sides[r % len(sides):] + sides[:r % len(sides)]  # who runs first moves round by round
+                for side in turn:
+                    log = PassLog() if side == "measured" else None
+                    row = cell(variant, pipeline, profile, prompts, args.max_tokens, c, models.get(side), log)
                     got[side].append(row["tokens_per_s"])
-                    got["accept_len"][side].append(row["accept_len"])
+                    got.setdefault("accept_len", row["accept_len"])
                     got.setdefault("outputs", row["outputs"])
                     got["same_outputs"] &= row["outputs"] == got["outputs"]
-                print(key, f"round {r}", {k: [round(x, 1) for x in got[k]] for k in ("measured", "predicted")},
-                      flush=True)
+                    if log is not None:
+                        got["host_share"].append(sum(s for _, _, s in host_gaps(log)) / row["seconds"])
+                        # Where the table misses, apart from any run's own course: its price of the measured passes.
+                        got["measured_passes"].append(seconds_by_kind([log], table))
+                print(f"{c}/{variant.name} round {r}", {s: round(got[s][-1], 1) for s in sides}, flush=True)
     rows = []
     for got in cells.values():
         got.pop("outputs")
-        measured, predicted = statistics.median(got["measured"]), statistics.median(got["predicted"])
-        rows.append(got | {"measured_tokens_per_s": measured, "predicted_tokens_per_s": predicted,
-                           "error": predicted / measured - 1})
-    errors = [abs(r["error"]) for r in rows]
+        medians = {s: statistics.median(got[s]) for s in sides}
+        rows.append(got | {f"{s}_tokens_per_s": medians[s] for s in sides}
+                    | {f"error_{m}": medians[m] / medians["measured"] - 1 for m in models})
+    summary = {m: {"median_abs_error": statistics.median(abs(r[f"error_{m}"]) for r in rows),
+                   "max_abs_error": max(abs(r[f"error_{m}"]) for r in rows),
+                   "within_5_percent": sum(abs(r[f"error_{m}"]) <= 0.05 for r in rows),
+                   "within_10_percent": sum(abs(r[f"error_{m}"]) <= 0.10 for r in rows)} for m in models}
     result = {"simulated": True, "command": "python benchmarks/simulation_validation.py " + " ".join(sys.argv[1:]),
-              "machine": f"{describe('cpu')}, {args.threads} threads, {args.dtype}", "cost_model": "this machine's "
-              "measured profile (cost_model_for)", "acceptance": "live: the shipped drafter on SmolLM2-135M-Instruct",
-              "rows": rows, "summary": {"cells": len(rows), "median_abs_error": statistics.median(errors),
-                                        "max_abs_error": max(errors),
-                                        "within_15_percent": sum(e <= 0.15 for e in errors)}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+              "machine": f"{describe('cpu')}, {args.threads} threads, {args.dtype}",
+              "cost_models": {m: cost.describe() for m, cost in models.items()},
+              "acceptance": "live: the shipped drafter on SmolLM2-135M-Instruct", "rows": rows, "summary": summary}
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"Predicted (virtual time, {result['cost_model']}, live acceptance) against measured (wall time) on "
-             f"{result['machine']}; medians of {args.rounds} rounds.", "", f"`{result['command']}`", "",
-             "| concurrency | variant | measured tok/s | predicted tok/s | error | accept length (measured) | "
-             "same outputs |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['concurrency']} | {r['variant']} | {r['measured_tokens_per_s']:.1f} | "
-                     f"{r['predicted_tokens_per_s']:.1f} | {100 * r['error']:+.1f}% | "
-                     f"{statistics.median(r['accept_len']['measured']):.2f} | {'yes' if r['same_outputs'] else 'NO'} |")
-    s = result["summary"]
-    lines += ["", f"median |error| {100 * s['median_abs_error']:.1f}%, largest {100 * s['max_abs_error']:.1f}%, "
-              f"{s['within_15_percent']} of {s['cells']} cells within 15%."]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    out.with_suffix(".md").write_text(markdown(result, args.rounds, table_file.name))
+    print(markdown(result, args.rounds, table_file.name))
     return 0
+
+
+def markdown(result: dict, rounds: int, table_name: str) -> str:
+    lines = [f"Predicted (virtual time, live acceptance) against measured (wall time) served throughput on "
+             f"{result['machine']}; medians of {rounds} rounds. Cost models: `table`, this machine's step-cost table "
+             f"fitted to the engine's runs on other prompts ([{table_name}]({table_name})); `profile`, the throughput policy's own "
+             "profile (a pass by its total tokens, no host time).", "", f"`{result['command']}`", "",
+             "| concurrency | variant | requests | measured tok/s | host share (measured) | table tok/s | error | "
+             "profile tok/s | error | accept length | same outputs |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['concurrency']} | {r['variant']} | {r['requests']} | {r['measured_tokens_per_s']:.1f} | "
+                     f"{100 * statistics.median(r['host_share']):.0f}% | {r['table_tokens_per_s']:.1f} | "
+                     f"{100 * r['error_table']:+.1f}% | {r['profile_tokens_per_s']:.1f} | "
+                     f"{100 * r['error_profile']:+.1f}% | {r['accept_len']:.2f} | "
+                     f"{'yes' if r['same_outputs'] else 'NO'} |")
+    lines += ["", "The table's price of the measured runs' own passes, by kind (priced / measured - 1, medians over rounds; "
+              "share: of the run's wall time):", "",
+              "| concurrency | variant | decode / verify | prefill | drafter | host |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        cells = []
+        for kind in ("step", "prefill", "drafter", "host"):
+            runs = [(m, p, row_s) for m, p, row_s in ((x[kind][0], x[kind][1], sum(v[0] for v in x.values()))
+                                                       for x in r["measured_passes"]) if m > 0]
+            cells.append("-" if not runs else f"{100 * statistics.median(p / m - 1 for m, p, _ in runs):+.0f}% "
+                         f"(share {100 * statistics.median(m / t for m, _, t in runs):.0f}%)")
+        lines.append(f"| {r['concurrency']} | {r['variant']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for m, s in result["summary"].items():
+        lines.append(f"- `{m}`: median |error| {100 * s['median_abs_error']:.1f}%, largest "
+                     f"{100 * s['max_abs_error']:.1f}%, {s['within_5_percent']} of {len(result['rows'])} cells within "
+                     f"5%, {s['within_10_percent']} within 10%.")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from adaflash.models.drafter import DrafterConfig  # noqa: E402
 from adaflash.models.drafter_checkpoint import init_drafter  # noqa: E402
 from adaflash.models.kv_cache import RaggedBatch  # noqa: E402
 from adaflash.models.target import TargetModel, random_target, target_from_hf_tensors  # noqa: E402
+from adaflash.speculative.cost_model import measure_step_table  # noqa: E402
 from adaflash.speculative.cost_model import profile_cost_model  # noqa: E402
 from adaflash.speculative.proposer import DFlashProposer  # noqa: E402
 
@@ -76,27 +77,8 @@ def timed_ms(run, device: torch.device, repeats: int) -> float:
 
 
 def verify_cost_table(target, device: torch.device, grid: dict) -> dict:
-    """Forward ms of every (batch, new tokens) cell with each sequence at `context` cached positions (random K/V: the
-    attention reads them whatever they hold) and logits for every new row, as a verify pass needs."""
-    context, widest = grid["context"], max(grid["new_tokens"])
-    cache = target.new_cache(max(grid["batches"]), context + widest)
-    cache.k.normal_(0, 1)
-    cache.v.normal_(0, 1)
-    vocab = target.config.vocab_size
-    rows = []
-    for b in grid["batches"]:
-        for n in grid["new_tokens"]:
-            batch = RaggedBatch.build(list(range(b)), [context] * b, [n] * b)
-            ids = torch.randint(100, vocab, (b * n,), device=device)
-
-            def run() -> None:
-                cache.lengths[:b] = [context] * b
-                target(ids, batch, cache)
-
-            rows.append({"batch": b, "new_tokens": n, "total_tokens": b * n,
-                         "ms": timed_ms(run, device, grid["repeats"])})
-    one = {r["new_tokens"]: r["ms"] for r in rows if r["batch"] == 1}
-    return {"context": context, "cells": rows, "verify16_over_decode_batch1": one[widest] / one[1]}
+    """Forward ms of every (batch, new tokens) cell with each sequence at the grid's context (`measure_step_table`)."""
+    return measure_step_table(target, grid["batches"], grid["new_tokens"], (grid["context"],), grid["repeats"])
 
 
 def ar_against_transformers(hf_config: dict, device: torch.device, dtype: torch.dtype, grid: dict) -> dict:

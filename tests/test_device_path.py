@@ -93,6 +93,21 @@ def test_speculative_greedy_is_lossless(tiny_checkpoints, device, draft_length):
     assert max(passes) > 1  # drafts were accepted, not only corrected
 
 
+def test_cost_profile_on_the_device(tiny_checkpoints, device):
+    """The throughput policy's profile: on CUDA its drafter by requests and its verify by requests x new tokens too
+    (a grid the policies read), on the CPU by total tokens alone."""
+    from adaflash.speculative.cost_model import profile_cost_model
+
+    target = load_target(tiny_checkpoints["qwen3-tied"], dtype=torch.float32, device=device)
+    model = profile_cost_model(target, _proposer(target), max_tokens=64, context=16, repeats=1)
+    assert model.verify(8) > 0 and model.draft(3) > 0
+    if device.type == "cuda":
+        assert model.verify_batches == (1, 2, 4, 8) and model.verify_widths == (1, 2, 4, 8)
+        assert model.batched_drafter and model.verify(32, requests=4) > 0
+    else:
+        assert not model.verify_grid_s and not model.batched_drafter
+
+
 @pytest.mark.parametrize("policy", ["fixed:3", "heuristic"])
 def test_engine_batch_equals_reference(tiny_checkpoints, device, policy):
     """Four requests verified in one pass, drafted by a mostly-right drafter: each is the target's greedy output."""

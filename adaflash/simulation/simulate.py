@@ -69,13 +69,19 @@ class Workload:
 
 def profile_of(cost: StepCost, max_batch: int, block_size: int, context: int = 128) -> CostModel:
     """The profile the throughput policies would measure on the simulated GPU (`profile_cost_model`'s points, priced
-    instead of timed; the drafter's pass by its requests too, as it is profiled on CUDA)."""
+    instead of timed; as on CUDA, the drafter's pass by its requests and the verify by requests x new tokens too)."""
     points, widths = profile_points(max_batch * block_size), profile_widths(block_size)
     batches = profile_batches(max_batch)
+    grid_batches = tuple(b for b in profile_batches(max_batch) if b <= 32)
+    grid_widths = tuple(w for w in (1, 2, 4, 8, 16) if w <= block_size)
+    grid = tuple(tuple(cost.target_s([w] * b, [context] * b, b * w) for w in grid_widths) for b in grid_batches)
+    if len(grid_batches) < 2:
+        grid_batches, grid_widths, grid = (), (), ()
     return CostModel(tuple(points), tuple(cost.target_s([n], [context], n) for n in points),
                      cost.drafter_s(block_size, [context], block_size - 1), tuple(widths),
                      tuple(cost.drafter_s(w, [context], w - 1) for w in widths), tuple(batches),
-                     tuple(cost.drafter_s(block_size, [context] * n, n * (block_size - 1)) for n in batches))
+                     tuple(cost.drafter_s(block_size, [context] * n, n * (block_size - 1)) for n in batches),
+                     grid_batches, grid_widths, grid)
 
 
 @dataclass

@@ -17,13 +17,12 @@ reports the error against every published figure, the fitted ones included).
 
 from __future__ import annotations
 
-import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from adaflash.speculative.cost_model import CostModel
+from adaflash.speculative.cost_model import CostModel, axis_point, bilinear
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,10 @@ class GPU:
     layer_overhead_s: float = 20e-6
     request_overhead_s: float = 25e-6  # a sequence's share of a pass (its metadata, sampling, ragged attention)
     expert_layer_overhead_s: float = 28e-6  # a mixture layer's routing and grouped-GEMM launches
+    # A verify pass's cost beyond its forward, a pass and a verified token: the serving engine's speculative path
+    # (its verify kernels and masks outside the decode's CUDA graphs, acceptance, the drafter's hand-off).
+    verify_pass_s: float = 0.0
+    verify_token_s: float = 0.0
     source: str = ""
 
 
@@ -158,7 +161,10 @@ class RooflineCost(StepCost):
         return cls(Roofline(GPUS[gpu], model), Roofline(GPUS[gpu], model.drafter(drafter_layers)))
 
     def target_s(self, query_lens, contexts, logits):
-        return self.target.pass_s(query_lens, contexts, logits)
+        tokens, g = sum(query_lens), self.target.gpu
+        verify = len(query_lens) < tokens == logits  # drafts in it, and not a prefill (which projects its last rows)
+        extra = g.verify_pass_s + g.verify_token_s * tokens if verify else 0.0
+        return self.target.pass_s(query_lens, contexts, logits) + extra
 
     def drafter_s(self, width, contexts, logits):
         return self.drafter.pass_s([width] * len(contexts), contexts, logits)
@@ -186,41 +192,92 @@ class ProfileCost(StepCost):
         return "this machine's measured profile" + (f" ({self.machine})" if self.machine else "")
 
 
-def _axis(xs: Sequence[float], x: float) -> tuple[int, int, float]:
-    """The two grid points around x on a sorted axis (the last two past its end) and x's weight on the second."""
-    i = max(1, min(bisect.bisect_left(xs, x), len(xs) - 1))
-    return i - 1, i, (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+@dataclass(frozen=True)
+class EngineFit:
+    """What a standalone table misses of the engine's own run, fitted from a timed run of the real engine
+    (`step_table.fit_engine`): each pass's seconds in place over the table's (`step_scale` for decode and verify
+    passes, `prefill_scale`, `drafter_scale` with the drafter's context feeds: caches, threads and the passes before it
+    make a pass in the engine cost other than alone), and the engine's own seconds around a target pass (scheduling,
+    the drafting checks, verifying, committing, rolling caches back): `pass_s` a pass, `request_s` a request in it,
+    `draft_token_s` a drafted token it verifies (none in a prefill)."""
+
+    pass_s: float = 0.0
+    request_s: float = 0.0
+    draft_token_s: float = 0.0
+    step_scale: float = 1.0
+    prefill_scale: float = 1.0
+    drafter_scale: float = 1.0
+    steps: int = 0  # the timed steps it was fitted on
+
+    def host_s(self, requests: int, drafted: int) -> float:
+        return self.pass_s + self.request_s * requests + self.draft_token_s * drafted
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("pass_s", "request_s", "draft_token_s", "step_scale", "prefill_scale",
+                                              "drafter_scale", "steps")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineFit":
+        fit = cls(**{k: (int if k == "steps" else float)(v) for k, v in d.items()})
+        if min(fit.pass_s, fit.request_s, fit.draft_token_s) < 0:
+            raise ValueError("the host's seconds must not be negative")
+        if min(fit.step_scale, fit.prefill_scale, fit.drafter_scale) <= 0:
+            raise ValueError("the in-engine scales must be positive")
+        return fit
 
 
 @dataclass(frozen=True)
 class TableCost(StepCost):
     """A measured step-cost table, as `make gpu-check` writes it (gpu/check.py: `verify_cost.json` or
-    `gpu_check.json`): the target's forward ms over a grid of batch sizes x new tokens a sequence (every sequence at
-    the table's context), and the batch-1 profile with its drafter (`cost_model`: the drafter's pass by width and, on
-    CUDA, by drafting requests).
+    `gpu_check.json`) or `benchmarks/simulation_validation.py` measures on this machine: the target's forward ms over a
+    grid of batch sizes x new tokens a sequence at one context or more, and the batch-1 profile with its drafter
+    (`cost_model`: the drafter's pass by width and, where timed, by drafting requests); optionally what the engine's
+    own run adds (`engine_fit`).
 
     A target pass is priced at its number of sequences and their mean new tokens, bilinear between the grid's points
-    (exact at them), linear past its edges from the last two points (a prefill of hundreds of tokens is extrapolated
-    from the 8- and 16-token columns); contexts are the table's, whatever the requests hold. A drafter pass is the
-    profile's (`CostModel.draft_pass` where it batches requests, else per request)."""
+    (exact at them), linear past its edges from the last two points, and linear in the sequences' mean context between
+    the table's contexts (the table's one context, whatever the requests hold, where it has one); a prefill (a pass
+    whose logits are its last rows only) from the table's prefill grid where it has one (batch x prompt tokens, from
+    an empty cache), else as any pass (hundreds of tokens extrapolated from the widest two columns); then scaled and
+    plus the host's seconds as `engine_fit` says. A drafter pass is the profile's (`CostModel.draft_pass` where it batches requests, else per request),
+    scaled."""
 
     batches: tuple[int, ...]
     new_tokens: tuple[int, ...]
-    ms: tuple[tuple[float, ...], ...]  # [batch][new tokens]
+    ms: tuple[tuple[tuple[float, ...], ...], ...]  # [context][batch][new tokens]
     drafter: CostModel
     source: str = ""
+    contexts: tuple[int, ...] = (0,)
+    engine_fit: EngineFit = EngineFit()
+    # A prefill grid ([batch][prompt tokens] ms over these axes), or none.
+    prefill_batches: tuple[int, ...] = ()
+    prefill_tokens: tuple[int, ...] = ()
+    prefill_ms: tuple[tuple[float, ...], ...] = ()
 
     def target_s(self, query_lens, contexts, logits):
+        b, tokens = len(query_lens), sum(query_lens)
+        fit = self.engine_fit
+        prefill = logits < tokens  # a prefill projects its last rows only; a decode or verify pass every row
+        scale, host = (fit.prefill_scale, fit.host_s(b, 0)) if prefill else (fit.step_scale, fit.host_s(b, tokens - b))
+        return scale * self.standalone_target_s(query_lens, contexts, prefill) + host
+
+    def standalone_target_s(self, query_lens, contexts, prefill: bool = False) -> float:
+        """The table's own seconds for a target pass (no in-engine fit)."""
         b, n = len(query_lens), sum(query_lens) / len(query_lens)
-        i0, i1, wb = _axis(self.batches, b)
-        j0, j1, wn = _axis(self.new_tokens, n)
-        row = [(1 - wn) * self.ms[i][j0] + wn * self.ms[i][j1] for i in (i0, i1)]
-        return max(0.0, (1 - wb) * row[0] + wb * row[1]) / 1e3
+        if prefill and self.prefill_ms:
+            return bilinear(self.prefill_batches, self.prefill_tokens, self.prefill_ms, b, n) / 1e3
+        k0, k1, wc = axis_point(self.contexts, sum(contexts) / b)
+        at = [bilinear(self.batches, self.new_tokens, self.ms[k], b, n) for k in (k0, k1)]
+        return max(0.0, (1 - wc) * at[0] + wc * at[1]) / 1e3
 
     def drafter_s(self, width, contexts, logits):
+        return self.engine_fit.drafter_scale * self.standalone_drafter_s(width, len(contexts))
+
+    def standalone_drafter_s(self, width: int, requests: int) -> float:
+        """The profile's own seconds for a drafter pass of `requests` blocks `width` wide (no in-engine fit)."""
         if self.drafter.batched_drafter:
-            return self.drafter.draft_pass(len(contexts), width - 1)
-        return len(contexts) * self.drafter.draft(width - 1)
+            return self.drafter.draft_pass(requests, width - 1)
+        return requests * self.drafter.draft(width - 1)
 
     def describe(self) -> str:
         return f"measured step-cost table {self.source}"
@@ -232,14 +289,17 @@ class TableCost(StepCost):
         path = Path(path)
         try:
             report = json.loads(path.read_text())
-            cells = report["verify_cost"]["cells"]
-            ms = {(int(c["batch"]), int(c["new_tokens"])): float(c["ms"]) for c in cells}
-            batches, widths = sorted({b for b, _ in ms}), sorted({n for _, n in ms})
+            table = report["verify_cost"]
+            context = int(table["context"])
+            ms = {(int(c.get("context", context)), int(c["batch"]), int(c["new_tokens"])): float(c["ms"])
+                  for c in table["cells"]}
+            contexts = sorted({c for c, _, _ in ms})
+            batches, widths = sorted({b for _, b, _ in ms}), sorted({n for _, _, n in ms})
             if len(batches) < 2 or len(widths) < 2:
                 raise ValueError("the grid needs at least two batch sizes and two new-token counts")
-            missing = [(b, n) for b in batches for n in widths if (b, n) not in ms]
+            missing = [(c, b, n) for c in contexts for b in batches for n in widths if (c, b, n) not in ms]
             if missing:
-                raise ValueError(f"the grid lacks cells (batch, new tokens) {missing[:4]}")
+                raise ValueError(f"the grid lacks cells (context, batch, new tokens) {missing[:4]}")
             if min(ms.values()) <= 0 or min(batches) < 1 or min(widths) < 1:
                 raise ValueError("batches, new tokens and ms must be positive")
             if "cost_model" not in report:
@@ -247,9 +307,18 @@ class TableCost(StepCost):
             drafter = CostModel.from_json(json.dumps(report["cost_model"]))
             if drafter.draft_s <= 0 and not drafter.draft_widths:
                 raise ValueError("the 'cost_model' has no drafter pass")
+            fit = EngineFit.from_dict(report.get("engine_fit", {}))
+            prefill = {(int(c["batch"]), int(c["new_tokens"])): float(c["ms"]) for c in table.get("prefill", [])}
+            prefill_batches, prefill_tokens = sorted({b for b, _ in prefill}), sorted({n for _, n in prefill})
+            if prefill and ([(b, n) for b in prefill_batches for n in prefill_tokens if (b, n) not in prefill]
+                            or min(prefill.values()) <= 0 or len(prefill_batches) < 2 or len(prefill_tokens) < 2):
+                raise ValueError("the prefill grid needs positive ms at every cell of two batch sizes or more x two "
+                                 "prompt lengths or more")
         except FileNotFoundError:
             raise FileNotFoundError(f"no step-cost table at {path}") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{path}: not a step-cost table as `make gpu-check` writes it ({exc})") from None
-        grid = tuple(tuple(ms[b, n] for n in widths) for b in batches)
-        return cls(tuple(batches), tuple(widths), grid, drafter, str(path))
+        grid = tuple(tuple(tuple(ms[c, b, n] for n in widths) for b in batches) for c in contexts)
+        prefill_grid = tuple(tuple(prefill[b, n] for n in prefill_tokens) for b in prefill_batches)
+        return cls(tuple(batches), tuple(widths), grid, drafter, str(path), tuple(contexts), fit,
+                   tuple(prefill_batches), tuple(prefill_tokens), prefill_grid)

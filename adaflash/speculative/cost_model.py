@@ -19,15 +19,16 @@ import torch
 
 # The profiling method's version, part of a cached profile's file name: a profile taken by an older method is not read.
 # 2: round-robin over the points after a warm-up round, where 1 timed them one after another. 3: on CUDA, the drafter's
-# pass by its number of requests too.
-PROFILE_VERSION = 3
+# pass by its number of requests too. 4: on CUDA, the verify by requests x new tokens too.
+PROFILE_VERSION = 4
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds of one target verify pass as a function of the batch's total tokens, plus the drafter's
-    cost per drafting request: `draft_s` for a whole block, or by draft length where `draft_widths` were profiled
-    (the proposer runs a block only as wide as the drafts it is asked for).
+    """Seconds of one target verify pass as a function of the batch's total tokens (and of its requests, where a grid
+    of requests x new tokens was profiled), plus the drafter's cost per drafting request: `draft_s` for a whole block,
+    or by draft length where `draft_widths` were profiled (the proposer runs a block only as wide as the drafts it is
+    asked for).
 
     Profiled on the running machine (`profile_cost_model`), piecewise-linear in between the measured points.
     """
@@ -41,9 +42,19 @@ class CostModel:
     # about what one does). Empty: n requests cost n times one (a CPU's compute-bound pass).
     draft_batches: tuple[int, ...] = ()
     draft_batch_s: tuple[float, ...] = ()
+    # The verify pass by its requests too, where profiled (a GPU's: its step grows with every request's KV reads, which
+    # one sequence's total-token curve never sees): seconds at verify_batches[i] requests of verify_widths[j] new
+    # tokens each. Empty: by total tokens alone (a CPU's, whose pass is its tokens' compute).
+    verify_batches: tuple[int, ...] = ()
+    verify_widths: tuple[int, ...] = ()
+    verify_grid_s: tuple[tuple[float, ...], ...] = ()
 
-    def verify(self, tokens: int) -> float:
-        return _interpolate(self.total_tokens, self.verify_s, tokens)
+    def verify(self, tokens: int, requests: int = 1) -> float:
+        """A verify pass of `tokens` new tokens over `requests` requests."""
+        if not self.verify_grid_s:
+            return _interpolate(self.total_tokens, self.verify_s, tokens)
+        return bilinear(self.verify_batches, self.verify_widths, self.verify_grid_s, requests,
+                        tokens / max(1, requests))
 
     def draft(self, num_draft: int) -> float:
         """The drafter's seconds for one request drafting `num_draft` tokens (0: not drafting)."""
@@ -68,14 +79,18 @@ class CostModel:
     def to_json(self) -> str:
         return json.dumps({"total_tokens": self.total_tokens, "verify_s": self.verify_s, "draft_s": self.draft_s,
                            "draft_widths": self.draft_widths, "draft_width_s": self.draft_width_s,
-                           "draft_batches": self.draft_batches, "draft_batch_s": self.draft_batch_s})
+                           "draft_batches": self.draft_batches, "draft_batch_s": self.draft_batch_s,
+                           "verify_batches": self.verify_batches, "verify_widths": self.verify_widths,
+                           "verify_grid_s": self.verify_grid_s})
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
         d = json.loads(text)
         return cls(tuple(d["total_tokens"]), tuple(d["verify_s"]), float(d["draft_s"]),
                    tuple(d.get("draft_widths", ())), tuple(d.get("draft_width_s", ())),
-                   tuple(d.get("draft_batches", ())), tuple(d.get("draft_batch_s", ())))
+                   tuple(d.get("draft_batches", ())), tuple(d.get("draft_batch_s", ())),
+                   tuple(d.get("verify_batches", ())), tuple(d.get("verify_widths", ())),
+                   tuple(tuple(row) for row in d.get("verify_grid_s", ())))
 
 
 class CalibratedCost:
@@ -117,7 +132,7 @@ class CalibratedCost:
 
     def predicted(self, lengths: Sequence[int]) -> float:
         """The profile's seconds for a step that verifies these draft lengths (one per request, 0: plain)."""
-        verify = self.profile.verify(len(lengths) + sum(lengths))
+        verify = self.profile.verify(len(lengths) + sum(lengths), len(lengths))
         if not any(lengths):
             return verify
         if self.profile.batched_drafter:
@@ -143,8 +158,8 @@ class CalibratedCost:
             self._d_excess, self._e_excess = f * self._d_excess + drafting * excess, f * self._e_excess + extra * excess
         self._solve()
 
-    def verify(self, tokens: int) -> float:
-        return self.scale * self.profile.verify(tokens)
+    def verify(self, tokens: int, requests: int = 1) -> float:
+        return self.scale * self.profile.verify(tokens, requests)
 
     def draft(self, num_draft: int) -> float:
         if num_draft <= 0:
@@ -163,6 +178,23 @@ class CalibratedCost:
             return 0.0
         return max(0.0, self.scale * self.profile.draft_pass(requests, widest)
                    + requests * (self.per_draft_s + self.per_extra_draft_s * (widest - 1)))
+
+
+def axis_point(xs: Sequence[float], x: float) -> tuple[int, int, float]:
+    """The two grid points around x on a sorted axis (the last two past its end) and x's weight on the second; on an
+    axis of one point, that point."""
+    if len(xs) == 1:
+        return 0, 0, 0.0
+    i = max(1, min(bisect.bisect_left(xs, x), len(xs) - 1))
+    return i - 1, i, (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def bilinear(xs: Sequence[float], ys: Sequence[float], grid, x: float, y: float) -> float:
+    """grid[i][j] at (xs[i], ys[j]), bilinear between points and linear past the edges, never below 0."""
+    i0, i1, wx = axis_point(xs, x)
+    j0, j1, wy = axis_point(ys, y)
+    row = [(1 - wy) * grid[i][j0] + wy * grid[i][j1] for i in (i0, i1)]
+    return max(0.0, (1 - wx) * row[0] + wx * row[1])
 
 
 def _interpolate(xs: tuple, ys: tuple, x: float, through_zero: bool = True) -> float:
@@ -192,13 +224,17 @@ def profile_batches(most: int) -> list[int]:
     return sorted({1, 2, 4, 8, 16, 32, 64, 128, most} & set(range(1, most + 1)))
 
 
-def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 7) -> CostModel:
+def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, repeats: int = 7,
+                       batched_drafter: bool | None = None) -> CostModel:
     """Measure verify time at a few total-token counts and the drafter's step at a few widths, on this machine.
 
     Round-robin, after one warm-up round: each repeat times every point once, so a slow stretch of the machine (these
     VMs drift by tens of percent within a minute) falls on all points alike instead of bending the curve; medians.
     Timed one point after another, a profile had a 2-token verify cheaper than a 1-token one (4.75 vs 4.78 ms, session
-    20's Xeon), and the throughput policy, reading the extra tokens as free, drafted where drafting lost."""
+    20's Xeon), and the throughput policy, reading the extra tokens as free, drafted where drafting lost.
+
+    `batched_drafter`: time the drafter's pass by its number of drafting requests too (default: on CUDA, where a pass
+    batches them; the simulator's measured tables ask for it on a CPU as well, to price what a CPU's batch costs)."""
     from adaflash.models.kv_cache import RaggedBatch
     from adaflash.speculative.sampling import SamplingParams
 
@@ -234,7 +270,9 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
 
         width_s = _round_robin(draft_step, widths, repeats)
     batches, batch_s = [], []
-    if proposer is not None and target.device.type == "cuda":  # a GPU runs the drafting requests in one pass
+    if batched_drafter is None:
+        batched_drafter = target.device.type == "cuda"  # a GPU runs the drafting requests in one pass
+    if proposer is not None and batched_drafter:
         most = max(1, max_tokens // proposer.block_size)
         batches = profile_batches(most)
         slots = list(range(most))
@@ -251,8 +289,77 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
             synchronize(target.device)
 
         batch_s = _round_robin(draft_batch, batches, repeats)
+    grid_batches, grid_widths, grid_s = (), (), ()
+    if target.device.type == "cuda":  # a GPU's step grows with its requests' KV reads: the verify by requests too
+        widest = proposer.block_size if proposer is not None else 16
+        grid_batches = tuple(b for b in profile_batches(max(1, max_tokens // widest)) if b <= 32)
+        grid_widths = tuple(w for w in (1, 2, 4, 8, 16) if w <= widest)
+        if len(grid_batches) >= 2 and len(grid_widths) >= 2:
+            cells = measure_step_table(target, grid_batches, grid_widths, (context,), repeats, burst=2)["cells"]
+            ms = {(c["batch"], c["new_tokens"]): c["ms"] for c in cells}
+            grid_s = tuple(tuple(ms[b, w] / 1e3 for w in grid_widths) for b in grid_batches)
+        else:
+            grid_batches, grid_widths = (), ()
     return CostModel(tuple(points), tuple(times), width_s[-1] if width_s else 0.0, tuple(widths), tuple(width_s),
-                     tuple(batches), tuple(batch_s))
+                     tuple(batches), tuple(batch_s), grid_batches, grid_widths, grid_s)
+
+
+def measure_step_table(target, batches: Sequence[int], new_tokens: Sequence[int], contexts: Sequence[int],
+                       repeats: int = 5, prefill_batches: Sequence[int] = (), prefill_tokens: Sequence[int] = (),
+                       burst: int = 1) -> dict:
+    """Forward ms of every (context, batch, new tokens) cell, each sequence at `context` cached positions (random K/V:
+    attention reads them whatever they hold) and logits for every new row, as a verify pass needs; and, where
+    `prefill_batches` and `prefill_tokens` are given, of every prefill cell (batch x prompt tokens from an empty cache,
+    logits for each sequence's last row). The format `TableCost.load` reads under "verify_cost" ("context": the first
+    context, for readers of one-context tables; "prefill": its own grid).
+
+    Round-robin over the cells, `repeats` rounds, medians. In each round a cell runs once untimed and then `burst`
+    times back to back, timed together: an engine runs passes of one shape in a row, warm, where one timed call after
+    a pass of another shape pays for the switch (on a CPU, a decode step alone cost 1.2x what it costs in a decode
+    loop)."""
+    from adaflash.models.device import synchronize
+    from adaflash.models.kv_cache import RaggedBatch
+
+    widest, device = max(new_tokens), target.device
+    longest = max([max(contexts) + widest, *prefill_tokens])
+    cache = target.new_cache(max([*batches, *prefill_batches]), longest)
+    cache.k.normal_(0, 1)
+    cache.v.normal_(0, 1)
+    vocab = target.config.vocab_size
+    low = min(100, vocab // 2)
+    cells = [(c, b, n, False) for c in contexts for b in batches for n in new_tokens]
+    cells += [(0, b, n, True) for b in prefill_batches for n in prefill_tokens]
+    inputs = {}
+    for c, b, n, prefill in cells:
+        batch = RaggedBatch.build(list(range(b)), [c] * b, [n] * b)
+        inputs[c, b, n, prefill] = (torch.randint(low, vocab, (b * n,), device=device), batch,
+                                    batch.last_token_indices() if prefill else None)
+
+    def run(cell: tuple) -> None:
+        ids, batch, logit_rows = inputs[cell]
+        cache.lengths[:cell[1]] = [cell[0]] * cell[1]
+        target(ids, batch, cache, (), logit_rows)
+
+    samples: list[list[float]] = [[] for _ in cells]
+    for _ in range(repeats):
+        for i, cell in enumerate(cells):
+            run(cell)
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(burst):
+                run(cell)
+            synchronize(device)  # a pass is over when the device has run it
+            samples[i].append((time.perf_counter() - start) / burst)
+    ms = [statistics.median(s) * 1e3 for s in samples]
+    rows = [{"context": c, "batch": b, "new_tokens": n, "total_tokens": b * n, "ms": m}
+            for (c, b, n, prefill), m in zip(cells, ms) if not prefill]
+    one = {r["new_tokens"]: r["ms"] for r in rows if r["batch"] == min(batches) and r["context"] == contexts[0]}
+    table = {"context": contexts[0], "contexts": list(contexts), "cells": rows,
+             "verify16_over_decode_batch1": one[widest] / one[min(new_tokens)]}
+    if prefill_batches and prefill_tokens:
+        table["prefill"] = [{"batch": b, "new_tokens": n, "total_tokens": b * n, "ms": m}
+                            for (_, b, n, prefill), m in zip(cells, ms) if prefill]
+    return table
 
 
 def _round_robin(run, points: Sequence[int], repeats: int) -> list[float]:

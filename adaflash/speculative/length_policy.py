@@ -116,7 +116,8 @@ def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | Calib
     lengths = [0] * len(survival)
     expected = float(len(survival))  # every request commits at least the target's own token
     tokens, drafter_s = len(survival), 0.0
-    best = expected / cost.verify(tokens)
+    requests = len(survival)
+    best = expected / cost.verify(tokens, requests)
     heap = [(-float(s[0]), i) for i, s in enumerate(survival) if max_draft > 0 and len(s)]
     heapq.heapify(heap)
     # A batched drafter (a GPU's) costs one pass for every drafting request: its first request pays the whole pass,
@@ -127,7 +128,7 @@ def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | Calib
     # Every gain still to take: the path's rate cannot beat (expected + these) / its cost now, as costs only grow.
     left = sum(float(x) for s in survival for x in s[:max_draft]) if batched else 0.0
     while heap:
-        if batched and (expected + left) / (cost.verify(tokens) + drafter_s) <= best:
+        if batched and (expected + left) / (cost.verify(tokens, requests) + drafter_s) <= best:
             break
         neg_gain, i = heapq.heappop(heap)
         left += neg_gain
@@ -137,7 +138,7 @@ def allocate_drafts(survival: Sequence[Sequence[float]], cost: CostModel | Calib
             now_drafter_s = cost.draft_pass(drafting + (lengths[i] == 0), max(widest, lengths[i] + 1))
         else:  # a request's first draft position puts it into the drafter pass; later ones widen its block
             now_drafter_s = drafter_s + cost.draft(lengths[i] + 1) - cost.draft(lengths[i])
-        rate = (expected - neg_gain) / (cost.verify(tokens + 1) + now_drafter_s)
+        rate = (expected - neg_gain) / (cost.verify(tokens + 1, requests) + now_drafter_s)
         if rate <= best and not batched:
             break
         drafting += lengths[i] == 0

@@ -13,6 +13,7 @@ from adaflash.models.drafter_checkpoint import init_drafter
 from adaflash.models.target import load_target
 from adaflash.speculative.cost_model import (PROFILE_VERSION, CalibratedCost, CostModel, cost_model_file, cost_model_for,
                                         load_or_profile_cost_model)
+from adaflash.speculative.length_policy import allocate_drafts
 from adaflash.speculative.proposer import DFlashProposer
 
 COST = CostModel(total_tokens=(4, 8, 16), verify_s=(0.02, 0.03, 0.07), draft_s=0.005)
@@ -38,6 +39,28 @@ def test_json_round_trip():
     assert CostModel.from_json(COST.to_json()) == COST
     by_width = CostModel((4,), (0.02,), draft_s=0.009, draft_widths=(2, 16), draft_width_s=(0.002, 0.009))
     assert CostModel.from_json(by_width.to_json()) == by_width
+
+
+# A GPU-like profile: one sequence's curve says a plain step of 32 requests costs what 32 tokens of one do; the grid
+# by requests says it costs more (each request's KV reads).
+GRID = CostModel(total_tokens=(1, 32, 512), verify_s=(0.005, 0.0055, 0.02), draft_s=0.0005, draft_batches=(1, 32),
+                 draft_batch_s=(0.0005, 0.001), verify_batches=(1, 32), verify_widths=(1, 16),
+                 verify_grid_s=((0.005, 0.0056), (0.009, 0.024)))
+
+
+def test_a_verify_grid_prices_a_pass_by_its_requests_too():
+    assert COST.verify(32, requests=32) == COST.verify(32)  # no grid: total tokens alone
+    assert GRID.verify(32, requests=32) == pytest.approx(0.009)  # at a point
+    assert GRID.verify(32) == pytest.approx(0.005 + (0.0056 - 0.005) * 31 / 15)  # one request of 32: past the edge
+    assert GRID.verify(16 * 32, requests=32) == pytest.approx(0.024)
+    assert GRID.verify(8 * 32, requests=32) == pytest.approx(0.009 + (0.024 - 0.009) * 7 / 15)  # between widths
+    assert CostModel.from_json(GRID.to_json()) == GRID
+    # Read through the calibration as through the profile; and the allocation prices a step by its requests: a plain
+    # step of 32 dearer than one sequence's curve says makes drafting relatively cheaper, so more is drafted.
+    assert CalibratedCost(GRID).verify(32, 32) == pytest.approx(0.009)
+    survival = [[0.6 ** j for j in range(1, 9)] for _ in range(32)]
+    curve_only = dataclasses.replace(GRID, verify_batches=(), verify_widths=(), verify_grid_s=())
+    assert sum(allocate_drafts(survival, GRID, 8)) == 96 > sum(allocate_drafts(survival, curve_only, 8)) == 64
 
 
 def test_calibration_starts_at_the_profile():

@@ -1,0 +1,137 @@
+"""What the engine's own run adds to a machine's measured step costs (`measure_step_table` in
+speculative/cost_model.py: what `make gpu-check` writes and `TableCost` reads), which no standalone profile sees
+(`PassLog`, `fit_engine`).
+
+The fit comes from a run of the real engine in wall time with every target and drafter pass timed where it runs: each
+kind of pass's seconds in place over the table's price for it (a scale a kind), and what a step took beyond its passes
+regressed on the step's requests and drafted tokens (the host's seconds) - `EngineFit`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import torch
+
+from adaflash.simulation.step_cost import EngineFit, TableCost
+
+
+class TimedPass(NamedTuple):
+    """One pass's wall-time interval: a target pass (`lens`: its new tokens a request, `contexts`: the positions each
+    request's cache held before it) or a drafter's (`lens`: its blocks' widths, as the simulator charges them; none
+    for a context feed, which the blocks' profile prices)."""
+
+    kind: str  # "target" or "drafter"
+    start: float
+    end: float
+    lens: list[int]
+    prefill: bool = False
+    contexts: list[int] = []
+
+
+@dataclass
+class PassLog:
+    """The timed passes of a run, in order."""
+
+    passes: list[TimedPass] = field(default_factory=list)
+
+    def target(self, target) -> "_Timed":
+        return _Timed(target, self)
+
+    def proposer(self, proposer) -> "_Timed":
+        return _Timed(proposer, self)
+
+
+class _Timed:
+    """A model (target or proposer) whose passes are timed into a `PassLog` (its other attributes show through)."""
+
+    def __init__(self, inner, log: PassLog) -> None:
+        self._inner, self._log = inner, log
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _timed(self, kind: str, run, *args, lens: Sequence[int] = (), prefill: bool = False,
+               contexts: Sequence[int] = ()):
+        start = time.perf_counter()
+        out = run(*args)
+        self._log.passes.append(TimedPass(kind, start, time.perf_counter(), list(lens), prefill, list(contexts)))
+        return out
+
+    def __call__(self, token_ids, batch, cache, capture_layers=(), logit_indices=None):
+        # A prefill asks for its last rows' logits only; a decode or verify pass for every row.
+        return self._timed("target", self._inner, token_ids, batch, cache, capture_layers, logit_indices,
+                           lens=batch.query_lens, prefill=logit_indices is not None, contexts=batch.starts)
+
+    def propose(self, cache, slots, anchors, num_draft, *rest):
+        return self._timed("drafter", self._inner.propose, cache, slots, anchors, num_draft, *rest,
+                           lens=[max(2, max(num_draft) + 1)] * len(slots))
+
+    def draft_hidden(self, cache, slots, anchors, width=None):
+        return self._timed("drafter", self._inner.draft_hidden, cache, slots, anchors, width,
+                           lens=[width or self._inner.block_size] * len(slots))
+
+    def add_context(self, *args):
+        return self._timed("drafter", self._inner.add_context, *args)
+
+
+def host_gaps(log: PassLog) -> list[tuple[int, int, float]]:
+    """Per target pass after the first: its requests, its drafted tokens (0 for a prefill), and the wall seconds since
+    the previous target pass ended that no drafter pass took (the engine's own work: scheduling, drafting checks,
+    verifying, committing)."""
+    gaps, last_end, drafter = [], None, 0.0
+    for p in log.passes:
+        if p.kind == "drafter":
+            drafter += p.end - p.start
+            continue
+        if last_end is not None:
+            gaps.append((len(p.lens), 0 if p.prefill else sum(p.lens) - len(p.lens),
+                         max(0.0, p.start - last_end - drafter)))
+        last_end, drafter = p.end, 0.0
+    return gaps
+
+
+def seconds_by_kind(logs: Sequence[PassLog], table: TableCost, fitted: bool = True) -> dict[str, list[float]]:
+    """Per kind of pass (decode / verify "step", "prefill", "drafter") and the engine's own time between passes
+    ("host"): [measured, priced] seconds over the logs, priced by `table` with its in-engine fit (`fitted`) or as it
+    stands alone (no scales, no host)."""
+    out = {k: [0.0, 0.0] for k in ("step", "prefill", "drafter", "host")}
+    fit = table.engine_fit
+    for p in (p for log in logs for p in log.passes):
+        kind = p.kind if p.kind == "drafter" else "prefill" if p.prefill else "step"
+        if kind != "drafter":
+            price = table.standalone_target_s(p.lens, p.contexts, p.prefill)
+            price *= (fit.prefill_scale if p.prefill else fit.step_scale) if fitted else 1.0
+        else:
+            price = table.standalone_drafter_s(p.lens[0], len(p.lens)) if p.lens else 0.0
+            price *= fit.drafter_scale if fitted else 1.0
+        out[kind][0] += p.end - p.start
+        out[kind][1] += price
+    for requests, drafted, seconds in (g for log in logs for g in host_gaps(log)):
+        out["host"][0] += seconds
+        out["host"][1] += fit.host_s(requests, drafted) if fitted else 0.0
+    return out
+
+
+def fit_engine(logs: Sequence[PassLog], table: TableCost) -> EngineFit:
+    """`table`'s fit to the engine's timed runs: per kind of pass (decode / verify, prefill, drafter) its seconds in
+    place over the table's standalone price for the same passes; then a least squares of each target pass's host gap
+    on (1, its requests, its drafted tokens), no term below zero (a negative one is dropped and the rest refitted)."""
+    kinds = seconds_by_kind(logs, table, fitted=False)
+    scales = {k: measured / priced if priced > 0 else 1.0 for k, (measured, priced) in kinds.items()}
+    gaps = [g for log in logs for g in host_gaps(log)]
+    if len(gaps) < 3:
+        raise ValueError(f"too few timed steps to fit the engine's own time ({len(gaps)})")
+    x = torch.tensor([[1.0, requests, drafted] for requests, drafted, _ in gaps], dtype=torch.float64)
+    y = torch.tensor([[s] for _, _, s in gaps], dtype=torch.float64)
+    keep = [0, 1, 2]
+    while True:
+        coef = torch.linalg.lstsq(x[:, keep], y).solution.flatten().tolist()
+        if min(coef) >= 0 or len(keep) == 1:
+            break
+        keep.pop(coef.index(min(coef)))
+    terms = dict.fromkeys(range(3), 0.0) | {k: max(0.0, c) for k, c in zip(keep, coef)}
+    return EngineFit(terms[0], terms[1], terms[2], scales["step"], scales["prefill"], scales["drafter"],
+                     steps=len(gaps))
