@@ -9,7 +9,8 @@ Two cost models predict each cell:
   over contexts x batch sizes x new tokens (`measure_step_table`), the drafter's pass by width and by drafting
   requests (`profile_cost_model`), and what the engine's own run adds (`fit_engine`: each kind of pass's seconds in
   place over the table's, and the engine's own time around a pass), fitted on calibration runs over other prompts
-  than the cells'. Written to STEM_table.json, which `adaflash bench simulate --cost-model FILE` reads.
+  than the cells', again at the start of every round (this VM's speed drifts). Written to STEM_table.json (the last
+  round's fit, every round's beside it), which `adaflash bench simulate --cost-model FILE` reads.
 - `profile`: the profile the throughput policy reads (`cost_model_for`: a pass by its total tokens, one sequence at
   128 positions of context; the drafter per drafting request; no host time) - the simulator's `--cost-model profile`.
 
@@ -23,6 +24,7 @@ per kind of pass, how far the table's price of those very passes is from their m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -65,29 +67,30 @@ def cell(variant: Variant, pipeline: Pipeline, profile, prompts: list[list[int]]
     return row_of(variant, concurrency, requests, clock() - start) | {"outputs": [r.output_ids for r in requests]}
 
 
-def measure_table(pipeline: Pipeline, concurrencies: list[int], calibration: list[list[int]], max_tokens: int,
-                  variants: list[Variant], profile, repeats: int, path: Path) -> TableCost:
-    """This machine's step-cost table, fitted to the engine's runs over `calibration` prompts; written to `path`
-    (TableCost.load's format) and read back."""
+def measure_table(pipeline: Pipeline, concurrencies: list[int], repeats: int, path: Path) -> TableCost:
+    """This machine's standalone step-cost table (no in-engine fit yet), written to `path` (TableCost.load's format)
+    and read back."""
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max(concurrencies)} | {1, 2})
-    started = time.perf_counter()
     table = measure_step_table(pipeline.target, batches, NEW_TOKENS, CONTEXTS, repeats, PREFILL_BATCHES,
                                PREFILL_TOKENS, burst=3)
     drafter = profile_cost_model(pipeline.target, pipeline.proposer, max(concurrencies) * pipeline.proposer.block_size,
                                  repeats=repeats, batched_drafter=True)
-    report = {"verify_cost": table, "cost_model": json.loads(drafter.to_json()),
-              "machine": describe(pipeline.target.device), "calibration": {
-                  "prompts": len(calibration), "max_tokens": max_tokens, "variants": [v.name for v in variants]}}
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.write_text(json.dumps({"verify_cost": table, "cost_model": json.loads(drafter.to_json()),
+                                "machine": describe(pipeline.target.device)}, indent=2) + "\n")
+    return TableCost.load(path)
+
+
+def refit(table: TableCost, pipeline: Pipeline, calibration: list[list[int]], max_tokens: int, variants: list[Variant],
+          concurrencies: list[int], profile) -> TableCost:
+    """`table` with its in-engine fit from timed runs of every variant over `calibration` prompts at concurrency 1
+    and 8 - taken again each round: this VM's speed drifts by a third over tens of minutes, and a fit from another
+    stretch of time would price this round's runs at that stretch's speed."""
     logs = []
     for c in sorted({1, min(8, max(concurrencies))}):
         for variant in variants:
             logs.append(PassLog())
             cell(variant, pipeline, profile, calibration, max_tokens, c, log=logs[-1])
-    fit = fit_engine(logs, TableCost.load(path))
-    print(f"table measured and fitted in {time.perf_counter() - started:.0f} s: {fit}", flush=True)
-    path.write_text(json.dumps(report | {"engine_fit": fit.to_dict()}, indent=2) + "\n")
-    return TableCost.load(path)
+    return dataclasses.replace(table, engine_fit=fit_engine(logs, table))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,12 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     table_file = out.with_name(out.name + "_table.json")
-    table = measure_table(pipeline, concurrencies, calibration, args.max_tokens, variants, profile, args.repeats,
-                          table_file)
-    models = {"table": table, "profile": ProfileCost(profile)}
+    standalone = measure_table(pipeline, concurrencies, args.repeats, table_file)
+    models = {"table": standalone, "profile": ProfileCost(profile)}
     sides = ["measured", *models]
     cells: dict[str, dict] = {}
+    fits = []
     for r in range(args.rounds):
+        table = models["table"] = refit(standalone, pipeline, calibration, args.max_tokens, variants, concurrencies,
+                                        profile)
+        fits.append(table.engine_fit.to_dict())
+        print(f"round {r}: {table.engine_fit}", flush=True)
         for c in concurrencies:
             prompts = pool[:max(args.requests, 2 * c)]
             for variant in variants:
@@ -158,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
                    "max_abs_error": max(abs(r[f"error_{m}"]) for r in rows),
                    "within_5_percent": sum(abs(r[f"error_{m}"]) <= 0.05 for r in rows),
                    "within_10_percent": sum(abs(r[f"error_{m}"]) <= 0.10 for r in rows)} for m in models}
+    # The file keeps the standalone table and the last round's fit, which `bench simulate --cost-model FILE` reads.
+    report = json.loads(table_file.read_text())
+    table_file.write_text(json.dumps(report | {"engine_fit": fits[-1], "engine_fits_by_round": fits, "calibration": {
+        "prompts": len(calibration), "max_tokens": args.max_tokens, "variants": [v.name for v in variants]}},
+        indent=2) + "\n")
     result = {"simulated": True, "command": "python benchmarks/simulation_validation.py " + " ".join(sys.argv[1:]),
               "machine": f"{describe('cpu')}, {args.threads} threads, {args.dtype}",
               "cost_models": {m: cost.describe() for m, cost in models.items()},
@@ -170,23 +182,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(result: dict, rounds: int, table_name: str) -> str:
     lines = [f"Predicted (virtual time, live acceptance) against measured (wall time) served throughput on "
-             f"{result['machine']}; medians of {rounds} rounds. Cost models: `table`, this machine's step-cost table "
+             f"{result['machine']}; medians of {rounds} rounds (measured spread: the measured rounds' range over their "
+             "median, the machine's own run-to-run noise). Cost models: `table`, this machine's step-cost table "
              f"fitted to the engine's runs on other prompts ([{table_name}]({table_name})); `profile`, the throughput policy's own "
              "profile (a pass by its total tokens, no host time).", "", f"`{result['command']}`", "",
-             "| concurrency | variant | requests | measured tok/s | host share (measured) | table tok/s | error | "
-             "profile tok/s | error | accept length | same outputs |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| concurrency | variant | requests | measured tok/s | measured spread | host share (measured) | "
+             "table tok/s | error | profile tok/s | error | accept length | same outputs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        spread = (max(r["measured"]) - min(r["measured"])) / r["measured_tokens_per_s"]
         lines.append(f"| {r['concurrency']} | {r['variant']} | {r['requests']} | {r['measured_tokens_per_s']:.1f} | "
-                     f"{100 * statistics.median(r['host_share']):.0f}% | {r['table_tokens_per_s']:.1f} | "
+                     f"{100 * spread:.0f}% | {100 * statistics.median(r['host_share']):.0f}% | "
+                     f"{r['table_tokens_per_s']:.1f} | "
                      f"{100 * r['error_table']:+.1f}% | {r['profile_tokens_per_s']:.1f} | "
                      f"{100 * r['error_profile']:+.1f}% | {r['accept_len']:.2f} | "
                      f"{'yes' if r['same_outputs'] else 'NO'} |")
     lines += ["", "The table's price of the measured runs' own passes, by kind (priced / measured - 1, medians over rounds; "
               "share: of the run's wall time):", "",
-              "| concurrency | variant | decode / verify | prefill | drafter | host |", "|---|---|---|---|---|---|"]
+              "| concurrency | variant | decode / verify | prefill | drafter | context feed | host |",
+              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         cells = []
-        for kind in ("step", "prefill", "drafter", "host"):
+        for kind in ("step", "prefill", "drafter", "feed", "host"):
             runs = [(m, p, row_s) for m, p, row_s in ((x[kind][0], x[kind][1], sum(v[0] for v in x.values()))
                                                        for x in r["measured_passes"]) if m > 0]
             cells.append("-" if not runs else f"{100 * statistics.median(p / m - 1 for m, p, _ in runs):+.0f}% "

@@ -2,10 +2,11 @@
 
 `CostedTarget` and `CostedProposer` wrap the models the engine drives - real ones (live acceptance, this machine's
 compute, a GPU's time) or synthetic ones - and charge each pass to the clock before running it: the target's over its
-ragged new tokens and the contexts they attend to, the drafter's over its block width and its requests' contexts.
-Everything else is the engine's own code: the scheduler, the policies, the drafting checks read this clock for what a
-step cost. What is not charged: the engine's Python between passes, feeding the drafter's context, the length head's
-arithmetic, prompt lookup's search.
+ragged new tokens and the contexts they attend to, the drafter's over its block width and its requests' contexts, and
+the drafter's context feeds (which only a measured fit prices). Everything else is the engine's own code: the
+scheduler, the policies, the drafting checks read this clock for what a step cost. What is not charged, unless the
+cost model's measured fit says what the engine's own time is (`TableCost`'s `engine_fit`, charged with the target's
+pass): the engine's Python between passes, the length head's arithmetic, prompt lookup's search.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ class CostedTarget:
 
 class CostedProposer:
     """The engine's proposer, each drafter pass charged to `clock`: a `propose` (a block as wide as the longest draft,
-    the LM head on the drafted rows), a learned head's look (`draft_hidden`: the whole block, no LM head) and the
-    drafts taken from a look (`draft_tokens`: the LM head's rows only, not charged)."""
+    the LM head on the drafted rows), a learned head's look (`draft_hidden`: the whole block, no LM head), the drafts
+    taken from a look (`draft_tokens`: the LM head's rows only, not charged) and a context feed (`add_context`, as the
+    cost model prices it)."""
 
     def __init__(self, proposer, cost: StepCost, clock: VirtualClock) -> None:
         self._proposer, self._cost, self._clock = proposer, cost, clock
@@ -70,3 +72,7 @@ class CostedProposer:
     def draft_hidden(self, cache, slots, anchors, width=None):
         self._charge(width or self._proposer.block_size, [cache.lengths[s] for s in slots], 0)
         return self._proposer.draft_hidden(cache, slots, anchors, width)
+
+    def add_context(self, cache, features, batch):
+        self._clock.advance(self._cost.feed_s(sum(batch.query_lens)))
+        return self._proposer.add_context(cache, features, batch)

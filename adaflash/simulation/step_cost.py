@@ -45,14 +45,24 @@ class GPU:
 
 
 # Peaks: NVIDIA's datasheets (H100 SXM 3.35 TB/s, 989 TFLOPs dense bf16; H200 4.8 TB/s; B200 8 TB/s, 2.25 PFLOPs).
+# A verify pass's own cost (700 us a pass, 6 us a verified token) was fitted to the DFlash paper's five Qwen3-8B Math500
+# speedups on B200 (SGLang, c = 1-32); taken as the serving engine's speculative path, not the chip's, the H100 and H200
+# carry it too (no published speculative figure of theirs to fit it to).
+VERIFY_PASS_S, VERIFY_TOKEN_S = 700e-6, 6e-6
 GPUS = {
-    "h100": GPU("H100 SXM", 3.35e12, 989e12, memory_efficiency=0.75,
-                source="memory_efficiency fitted to vLLM 0.11's Qwen3-8B TPOT of 7.28 ms at c=1 (gpustack)"),
-    "h200": GPU("H200", 4.8e12, 989e12, memory_efficiency=0.75,
-                source="H100's fitted efficiency (the same Hopper chip with faster HBM); no H200 figure fitted"),
-    "b200": GPU("B200", 8.0e12, 2.25e15, pass_overhead_s=960e-6,
+    "h100": GPU("H100 SXM", 3.35e12, 989e12, memory_efficiency=0.75, verify_pass_s=VERIFY_PASS_S,
+                verify_token_s=VERIFY_TOKEN_S,
+                source="memory_efficiency fitted to vLLM 0.11's Qwen3-8B TPOT of 7.28 ms at c=1 (gpustack); the verify "
+                       "pass's own cost: B200's"),
+    "h200": GPU("H200", 4.8e12, 989e12, memory_efficiency=0.75, verify_pass_s=VERIFY_PASS_S,
+                verify_token_s=VERIFY_TOKEN_S,
+                source="H100's fitted efficiency (the same Hopper chip with faster HBM); no H200 figure fitted; the "
+                       "verify pass's own cost: B200's"),
+    "b200": GPU("B200", 8.0e12, 2.25e15, pass_overhead_s=960e-6, verify_pass_s=VERIFY_PASS_S,
+                verify_token_s=VERIFY_TOKEN_S,
                 source="pass_overhead_s fitted to SGLang's AR Qwen3-8B 230 tok/s at c=1, expert_layer_overhead_s to "
-                       "its Qwen3-Coder-30B-A3B 229 tok/s at c=1 (DFlash paper)"),
+                       "its Qwen3-Coder-30B-A3B 229 tok/s at c=1, the verify pass's own cost to its Qwen3-8B Math500 "
+                       "DFlash speedups at c=1-32 (DFlash paper)"),
 }
 
 
@@ -139,13 +149,17 @@ class Roofline:
 
 class StepCost:
     """Prices the engine's passes (the simulated clock charges them): the target's, over ragged new tokens and
-    contexts, and the drafter's, one block of `width` positions a drafting request."""
+    contexts, the drafter's, one block of `width` positions a drafting request, and the drafter's context feed (the
+    target's features of `tokens` committed positions; not modelled unless a measured fit says what it costs)."""
 
     def target_s(self, query_lens: Sequence[int], contexts: Sequence[int], logits: int) -> float:
         raise NotImplementedError
 
     def drafter_s(self, width: int, contexts: Sequence[int], logits: int) -> float:
         raise NotImplementedError
+
+    def feed_s(self, tokens: int) -> float:
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -199,7 +213,8 @@ class EngineFit:
     passes, `prefill_scale`, `drafter_scale` with the drafter's context feeds: caches, threads and the passes before it
     make a pass in the engine cost other than alone), and the engine's own seconds around a target pass (scheduling,
     the drafting checks, verifying, committing, rolling caches back): `pass_s` a pass, `request_s` a request in it,
-    `draft_token_s` a drafted token it verifies (none in a prefill)."""
+    `draft_token_s` a drafted token it verifies (none in a prefill); and the drafter's context feeds, which no table
+    times: `feed_call_s` a feed and `feed_token_s` a fed position."""
 
     pass_s: float = 0.0
     request_s: float = 0.0
@@ -207,6 +222,8 @@ class EngineFit:
     step_scale: float = 1.0
     prefill_scale: float = 1.0
     drafter_scale: float = 1.0
+    feed_call_s: float = 0.0
+    feed_token_s: float = 0.0
     steps: int = 0  # the timed steps it was fitted on
 
     def host_s(self, requests: int, drafted: int) -> float:
@@ -214,13 +231,13 @@ class EngineFit:
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("pass_s", "request_s", "draft_token_s", "step_scale", "prefill_scale",
-                                              "drafter_scale", "steps")}
+                                              "drafter_scale", "feed_call_s", "feed_token_s", "steps")}
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineFit":
         fit = cls(**{k: (int if k == "steps" else float)(v) for k, v in d.items()})
-        if min(fit.pass_s, fit.request_s, fit.draft_token_s) < 0:
-            raise ValueError("the host's seconds must not be negative")
+        if min(fit.pass_s, fit.request_s, fit.draft_token_s, fit.feed_call_s, fit.feed_token_s) < 0:
+            raise ValueError("the host's and the feeds' seconds must not be negative")
         if min(fit.step_scale, fit.prefill_scale, fit.drafter_scale) <= 0:
             raise ValueError("the in-engine scales must be positive")
         return fit
@@ -272,6 +289,9 @@ class TableCost(StepCost):
 
     def drafter_s(self, width, contexts, logits):
         return self.engine_fit.drafter_scale * self.standalone_drafter_s(width, len(contexts))
+
+    def feed_s(self, tokens):
+        return self.engine_fit.feed_call_s + self.engine_fit.feed_token_s * tokens if tokens > 0 else 0.0
 
     def standalone_drafter_s(self, width: int, requests: int) -> float:
         """The profile's own seconds for a drafter pass of `requests` blocks `width` wide (no in-engine fit)."""

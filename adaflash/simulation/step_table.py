@@ -20,10 +20,10 @@ from adaflash.simulation.step_cost import EngineFit, TableCost
 
 class TimedPass(NamedTuple):
     """One pass's wall-time interval: a target pass (`lens`: its new tokens a request, `contexts`: the positions each
-    request's cache held before it) or a drafter's (`lens`: its blocks' widths, as the simulator charges them; none
-    for a context feed, which the blocks' profile prices)."""
+    request's cache held before it), a drafter's block or look (`lens`: the blocks' widths, as the simulator charges
+    them) or a drafter's context feed (`lens`: the positions fed a request)."""
 
-    kind: str  # "target" or "drafter"
+    kind: str  # "target", "drafter" or "feed"
     start: float
     end: float
     lens: list[int]
@@ -73,8 +73,8 @@ class _Timed:
         return self._timed("drafter", self._inner.draft_hidden, cache, slots, anchors, width,
                            lens=[width or self._inner.block_size] * len(slots))
 
-    def add_context(self, *args):
-        return self._timed("drafter", self._inner.add_context, *args)
+    def add_context(self, cache, features, batch):
+        return self._timed("feed", self._inner.add_context, cache, features, batch, lens=batch.query_lens)
 
 
 def host_gaps(log: PassLog) -> list[tuple[int, int, float]]:
@@ -83,7 +83,7 @@ def host_gaps(log: PassLog) -> list[tuple[int, int, float]]:
     verifying, committing)."""
     gaps, last_end, drafter = [], None, 0.0
     for p in log.passes:
-        if p.kind == "drafter":
+        if p.kind != "target":
             drafter += p.end - p.start
             continue
         if last_end is not None:
@@ -94,14 +94,16 @@ def host_gaps(log: PassLog) -> list[tuple[int, int, float]]:
 
 
 def seconds_by_kind(logs: Sequence[PassLog], table: TableCost, fitted: bool = True) -> dict[str, list[float]]:
-    """Per kind of pass (decode / verify "step", "prefill", "drafter") and the engine's own time between passes
+    """Per kind of pass (decode / verify "step", "prefill", "drafter", "feed") and the engine's own time between passes
     ("host"): [measured, priced] seconds over the logs, priced by `table` with its in-engine fit (`fitted`) or as it
-    stands alone (no scales, no host)."""
-    out = {k: [0.0, 0.0] for k in ("step", "prefill", "drafter", "host")}
+    stands alone (no scales, no host, no feeds)."""
+    out = {k: [0.0, 0.0] for k in ("step", "prefill", "drafter", "feed", "host")}
     fit = table.engine_fit
     for p in (p for log in logs for p in log.passes):
-        kind = p.kind if p.kind == "drafter" else "prefill" if p.prefill else "step"
-        if kind != "drafter":
+        kind = p.kind if p.kind != "target" else "prefill" if p.prefill else "step"
+        if kind == "feed":
+            price = table.feed_s(sum(p.lens)) if fitted else 0.0
+        elif kind != "drafter":
             price = table.standalone_target_s(p.lens, p.contexts, p.prefill)
             price *= (fit.prefill_scale if p.prefill else fit.step_scale) if fitted else 1.0
         else:
@@ -117,21 +119,31 @@ def seconds_by_kind(logs: Sequence[PassLog], table: TableCost, fitted: bool = Tr
 
 def fit_engine(logs: Sequence[PassLog], table: TableCost) -> EngineFit:
     """`table`'s fit to the engine's timed runs: per kind of pass (decode / verify, prefill, drafter) its seconds in
-    place over the table's standalone price for the same passes; then a least squares of each target pass's host gap
-    on (1, its requests, its drafted tokens), no term below zero (a negative one is dropped and the rest refitted)."""
+    place over the table's standalone price for the same passes; a least squares of each target pass's host gap on (1,
+    its requests, its drafted tokens), and of each context feed's seconds on (1, its positions), no term below zero."""
     kinds = seconds_by_kind(logs, table, fitted=False)
     scales = {k: measured / priced if priced > 0 else 1.0 for k, (measured, priced) in kinds.items()}
     gaps = [g for log in logs for g in host_gaps(log)]
     if len(gaps) < 3:
         raise ValueError(f"too few timed steps to fit the engine's own time ({len(gaps)})")
-    x = torch.tensor([[1.0, requests, drafted] for requests, drafted, _ in gaps], dtype=torch.float64)
-    y = torch.tensor([[s] for _, _, s in gaps], dtype=torch.float64)
-    keep = [0, 1, 2]
+    host = _nonnegative_fit([[1.0, requests, drafted] for requests, drafted, _ in gaps], [s for _, _, s in gaps])
+    feeds = [(sum(p.lens), p.end - p.start) for log in logs for p in log.passes if p.kind == "feed"]
+    feed = _nonnegative_fit([[1.0, n] for n, _ in feeds], [s for _, s in feeds]) if len(feeds) >= 2 else [0.0, 0.0]
+    return EngineFit(host[0], host[1], host[2], scales["step"], scales["prefill"], scales["drafter"], feed[0], feed[1],
+                     steps=len(gaps))
+
+
+def _nonnegative_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least-squares coefficients of ys on the rows' columns, none below zero (a negative one is dropped, the rest
+    refitted)."""
+    x, y = torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+    keep = list(range(x.shape[1]))
     while True:
         coef = torch.linalg.lstsq(x[:, keep], y).solution.flatten().tolist()
         if min(coef) >= 0 or len(keep) == 1:
             break
         keep.pop(coef.index(min(coef)))
-    terms = dict.fromkeys(range(3), 0.0) | {k: max(0.0, c) for k, c in zip(keep, coef)}
-    return EngineFit(terms[0], terms[1], terms[2], scales["step"], scales["prefill"], scales["drafter"],
-                     steps=len(gaps))
+    terms = [0.0] * x.shape[1]
+    for k, c in zip(keep, coef):
+        terms[k] = max(0.0, c)
+    return terms

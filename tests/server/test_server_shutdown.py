@@ -33,12 +33,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def serve_cache(tmp_path_factory) -> Path:
+    """One private ADAFLASH_CACHE for this file's servers: the kernel library is compiled (or linked from the user
+    cache, where this process built it) once, not once a server."""
+    from adaflash.models.registry import cache_root
+
+    cache = tmp_path_factory.mktemp("serve-cache")
+    (cache / "kernels").mkdir()
+    for lib in (cache_root() / "kernels").glob("*.so"):
+        (cache / "kernels" / lib.name).symlink_to(lib.resolve())
+    return cache
+
+
 @contextlib.contextmanager
-def serve_process(tmp_path: Path, checkpoint: str, *extra: str):
+def serve_process(tmp_path: Path, cache: Path, checkpoint: str, *extra: str):
     """`adaflash serve --method ar` on the tiny checkpoint, every step slowed; yields (process, base URL, log path)."""
     port, log_path = _free_port(), tmp_path / "serve.log"
-    env = {**os.environ, "ADAFLASH_TEST_STEP_DELAY": str(STEP_S), "ADAFLASH_CACHE": str(tmp_path / "cache"),
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "ADAFLASH_TEST_STEP_DELAY": str(STEP_S), "ADAFLASH_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     env.pop("ADAFLASH_API_KEY", None)
     cmd = [sys.executable, "-m", "tests.server.slow_serve", "serve", "--model", checkpoint, "--method", "ar",
            "--dtype", "fp32", "--max-batch", "2", "--max-len", "512", "--port", str(port), "--served-model-name", MODEL,
@@ -76,9 +88,11 @@ def _content(events) -> str:
     return "".join(e["choices"][0]["delta"].get("content", "") for e in events if isinstance(e, dict) and e.get("choices"))
 
 
-def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_exits_0(tmp_path, tiny_chat_checkpoint):
+def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_exits_0(tmp_path, serve_cache,
+                                                                             tiny_chat_checkpoint):
     auth = {"Authorization": f"Bearer {KEY}"}
-    with serve_process(tmp_path, tiny_chat_checkpoint, "--api-key", KEY, "--log-level", "debug") as (proc, url, log_path):
+    with serve_process(tmp_path, serve_cache, tiny_chat_checkpoint, "--api-key", KEY, "--log-level", "debug") as (
+            proc, url, log_path):
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {WRONG}"}).status_code == 401
         with httpx.Client(base_url=url, headers=auth, timeout=60) as client, _stream(client, 150) as r:
@@ -108,8 +122,9 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_requests_and_exits_0(tm
     assert KEY not in log and WRONG not in log and "Bearer" not in log
 
 
-def test_ctrl_c_past_the_drain_timeout_aborts_the_stream_cleanly_and_exits_0(tmp_path, tiny_chat_checkpoint):
-    with serve_process(tmp_path, tiny_chat_checkpoint, "--drain-timeout", "1") as (proc, url, log_path):
+def test_ctrl_c_past_the_drain_timeout_aborts_the_stream_cleanly_and_exits_0(tmp_path, serve_cache,
+                                                                              tiny_chat_checkpoint):
+    with serve_process(tmp_path, serve_cache, tiny_chat_checkpoint, "--drain-timeout", "1") as (proc, url, log_path):
         with httpx.Client(base_url=url, timeout=60) as client, _stream(client, 450) as r:  # 9+ s of decoding
             assert r.status_code == 200
             lines = r.iter_lines()

@@ -35,7 +35,7 @@ def _table(fit: dict | None = None) -> dict:
 def test_a_two_context_table_prices_linearly_in_context_and_adds_the_engine_fit(tmp_path):
     path = tmp_path / "table.json"
     fit = {"pass_s": 0.001, "request_s": 0.0002, "draft_token_s": 0.00005, "step_scale": 0.9, "prefill_scale": 0.8,
-           "drafter_scale": 1.25, "steps": 9}
+           "drafter_scale": 1.25, "feed_call_s": 0.0003, "feed_token_s": 0.00001, "steps": 9}
     path.write_text(json.dumps(_table(fit)))
     cost = TableCost.load(path)
     assert cost.contexts == (128, 512) and cost.engine_fit == EngineFit(**fit)
@@ -47,6 +47,7 @@ def test_a_two_context_table_prices_linearly_in_context_and_adds_the_engine_fit(
     # A prefill (logits for its last rows only) pays its own scale and the pass and request terms, no drafted tokens'.
     assert cost.target_s([4] * 8, [128] * 8, 8) == pytest.approx(0.8 * (1 + 3.2) / 1e3 + 0.001 + 8 * 0.0002)
     assert cost.drafter_s(16, [0] * 3, 45) == pytest.approx(1.25 * 3 * 0.002)  # per request: no batched profile
+    assert cost.feed_s(20) == pytest.approx(0.0003 + 20 * 0.00001) and cost.feed_s(0) == 0.0
 
 
 def test_a_prefill_grid_prices_prefills_and_only_them(tmp_path):
@@ -101,17 +102,18 @@ def test_the_engine_fit_scales_each_kind_of_pass_and_fits_the_gaps_less_the_draf
     path = tmp_path / "table.json"
     path.write_text(json.dumps(_table()))
     table = TableCost.load(path)
-    truth = EngineFit(0.002, 0.0003, 0.0001)
+    truth = EngineFit(0.002, 0.0003, 0.0001, feed_call_s=0.0004, feed_token_s=0.00002)
     shapes = [[1], [4], [1] * 8, [4] * 8, [2, 5, 1], [8] * 3, [3] * 16]
     passes = [("target", 0.7, [30], True)]
     for i, lens in enumerate(shapes * 3):
         if any(n > 1 for n in lens):
-            passes += [("drafter", 0.0005, [], False), ("drafter", 0.004, [16] * len(lens), False)]  # feed, blocks
+            passes += [("feed", 0.0, [2] * len(lens), False), ("drafter", 0.004, [16] * len(lens), False)]
         prefill = i % 5 == 4
         passes.append(("target", 0.7 if prefill else 1.1, lens, prefill))  # x table price below
     # Each pass's seconds: its standalone price times 0.7 (prefill) or 1.1 (decode / verify); drafter blocks 2.5x.
     passes = [(k, (s * table.standalone_target_s(lens, [128] * len(lens)) if k == "target" else
-                   0.0005 if not lens else 2.5 * table.standalone_drafter_s(16, len(lens)) - 0.0005), lens, p)
+                   truth.feed_call_s + truth.feed_token_s * sum(lens) if k == "feed" else
+                   2.5 * table.standalone_drafter_s(16, len(lens))), lens, p)
               for k, s, lens, p in passes]
     log = _log(passes, truth)
     assert len(host_gaps(log)) == len(shapes) * 3
@@ -119,6 +121,7 @@ def test_the_engine_fit_scales_each_kind_of_pass_and_fits_the_gaps_less_the_draf
     assert (fitted.pass_s, fitted.request_s, fitted.draft_token_s) == pytest.approx(
         (truth.pass_s, truth.request_s, truth.draft_token_s), abs=1e-9)
     assert (fitted.prefill_scale, fitted.drafter_scale) == pytest.approx((0.7, 2.5))
+    assert (fitted.feed_call_s, fitted.feed_token_s) == pytest.approx((0.0004, 0.00002))
     assert fitted.step_scale == pytest.approx(1.1) and fitted.steps == len(shapes) * 3
     # No term below zero: gaps that shrink with the drafts fit a zero draft term, not a negative one.
     shrinking = _log(passes, EngineFit(0.002, 0.0003, 0.0))
@@ -155,4 +158,20 @@ def test_a_measured_table_of_a_real_target_loads_and_a_timed_engine_run_is_uncha
     assert targets[0].prefill and not any(p.prefill for p in targets[1:])  # the prefill, then verify passes
     assert targets[1].contexts == [len(prompt)] and targets[1].lens == [4]  # the anchor and 3 drafts after the prompt
     assert len(host_gaps(log)) == len(targets) - 1
-    assert [p.lens for p in log.passes if p.kind == "drafter" and p.lens][0] == [4]  # a block of anchor + 3 drafts
+    assert [p.lens for p in log.passes if p.kind == "drafter"][0] == [4]  # a block of anchor + 3 drafts
+    assert sum(sum(p.lens) for p in log.passes if p.kind == "feed") > 0  # the drafter's context feeds, timed apart
+
+
+def test_the_virtual_clock_charges_a_context_feed_as_the_cost_model_prices_it(tmp_path):
+    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.simulation.clock import CostedProposer, VirtualClock
+
+    class Fed:
+        def add_context(self, cache, features, batch):
+            self.fed = sum(batch.query_lens)
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(_table({"feed_call_s": 0.0003, "feed_token_s": 0.00001})))
+    clock, inner = VirtualClock(), Fed()
+    CostedProposer(inner, TableCost.load(path), clock).add_context(None, None, RaggedBatch.build([0, 1], [5, 9], [2, 3]))
+    assert inner.fed == 5 and clock.now == pytest.approx(0.0003 + 5 * 0.00001)
