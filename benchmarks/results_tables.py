@@ -23,6 +23,13 @@ MARKER = "<!-- tables below are written by benchmarks/results_tables.py; edit ab
 
 # What a JSON does not record about itself, and the results that are not JSON: stem -> fields.
 NOTES: dict[str, dict[str, str]] = {
+    "simulation/validation_cpu_int8_table": {
+        "what": "this CPU's step-cost table (contexts x batch x new tokens, prefill grid, drafter) with the last "
+                "round's in-engine fit: `adaflash bench simulate --cost-model FILE` reads it",
+        "headline": "measured by the validation run beside it; its fit by round under engine_fits_by_round",
+        "machine": "AMD EPYC, 2 threads, int8",
+        "command": "python benchmarks/simulation_validation.py --dtype int8 --threads 2 --concurrency 1,8,32,64 "
+                   "--rounds 3 --out docs/results/simulation/validation_cpu_int8"},
     "runtime/malloc_ab": {"what": "prefill passes with glibc's malloc thresholds vs the raised ones (`models/allocator.py`)",
                           "headline": "raised thresholds: no page faults, a pass 0.91-0.98x the time, same peak memory",
                           "machine": "Intel Xeon (AVX-512 + AMX), 2 threads",

@@ -82,14 +82,15 @@ def measure_table(pipeline: Pipeline, concurrencies: list[int], repeats: int, pa
 
 def refit(table: TableCost, pipeline: Pipeline, calibration: list[list[int]], max_tokens: int, variants: list[Variant],
           concurrencies: list[int], profile) -> TableCost:
-    """`table` with its in-engine fit from timed runs of every variant over `calibration` prompts at concurrency 1
-    and 8 - taken again each round: this VM's speed drifts by a third over tens of minutes, and a fit from another
-    stretch of time would price this round's runs at that stretch's speed."""
+    """`table` with its in-engine fit from timed runs of every variant over `calibration` prompts (never a cell's) at
+    concurrency 1 (12 prompts), 8 (32) and the largest cell's (twice as many prompts) - taken again each round: this
+    VM's speed drifts by a third over tens of minutes, and a fit from another stretch of time would price this
+    round's runs at that stretch's speed."""
     logs = []
-    for c in sorted({1, min(8, max(concurrencies))}):
+    for c, n in sorted({(1, 12), (min(8, max(concurrencies)), 32), (max(concurrencies), 2 * max(concurrencies))}):
         for variant in variants:
             logs.append(PassLog())
-            cell(variant, pipeline, profile, calibration, max_tokens, c, log=logs[-1])
+            cell(variant, pipeline, profile, calibration[:n], max_tokens, c, log=logs[-1])
     return dataclasses.replace(table, engine_fit=fit_engine(logs, table))
 
 
@@ -102,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=16, help="requests a cell, at least twice its concurrency")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
-    p.add_argument("--calibration-requests", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5, help="timings a table cell")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", required=True, help="path stem: STEM.json, STEM.md and STEM_table.json")
@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     pool = [ids for ids in (pipeline.encode(messages=m) for m in prompt_pool(SIX_MIX))
             if len(ids) <= args.max_prompt_tokens]
-    most = max(args.requests, 2 * max(concurrencies))
-    if len(pool) < most + args.calibration_requests:
-        raise SystemExit(f"{len(pool)} prompts fit; {most} cells' and {args.calibration_requests} calibration's needed")
-    calibration = pool[-args.calibration_requests:]  # never a cell's
+    most, calibrating = max(args.requests, 2 * max(concurrencies)), max(32, 2 * max(concurrencies))
+    if len(pool) < most + calibrating:
+        raise SystemExit(f"{len(pool)} prompts fit; {most} cells' and {calibrating} calibration's needed")
+    calibration = pool[-calibrating:]  # never a cell's
     profile = cost_model_for(pipeline.target, pipeline.proposer, DEFAULT_TARGET,
                              max_tokens=max(concurrencies) * pipeline.proposer.block_size)
     out = Path(args.out)

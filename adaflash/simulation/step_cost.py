@@ -18,6 +18,7 @@ reports the error against every published figure, the fitted ones included).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -225,17 +226,38 @@ class EngineFit:
     feed_call_s: float = 0.0
     feed_token_s: float = 0.0
     steps: int = 0  # the timed steps it was fitted on
+    # The decode / verify scale by the pass's requests, where fitted: (requests, scale) points, linear in log2 of the
+    # requests between them and flat past them (a CPU engine's batched step reads scattered slots' caches, which a
+    # table's contiguous rows do not). Empty: `step_scale` at every batch.
+    step_scales: tuple[tuple[int, float], ...] = ()
 
     def host_s(self, requests: int, drafted: int) -> float:
         return self.pass_s + self.request_s * requests + self.draft_token_s * drafted
 
+    def step_scale_at(self, requests: int) -> float:
+        points = self.step_scales
+        if not points:
+            return self.step_scale
+        if requests <= points[0][0]:
+            return points[0][1]
+        for (b0, s0), (b1, s1) in zip(points, points[1:]):
+            if requests <= b1:
+                w = (math.log2(requests) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+                return s0 + w * (s1 - s0)
+        return points[-1][1]
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("pass_s", "request_s", "draft_token_s", "step_scale", "prefill_scale",
-                                              "drafter_scale", "feed_call_s", "feed_token_s", "steps")}
+                                              "drafter_scale", "feed_call_s", "feed_token_s", "steps")} | {
+            "step_scales": [list(p) for p in self.step_scales]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineFit":
-        fit = cls(**{k: (int if k == "steps" else float)(v) for k, v in d.items()})
+        points = tuple((int(b), float(x)) for b, x in d.get("step_scales", ()))
+        fit = cls(**{k: (int if k == "steps" else float)(v) for k, v in d.items() if k != "step_scales"},
+                  step_scales=points)
+        if any(b1 <= b0 for (b0, _), (b1, _) in zip(points, points[1:])) or any(b < 1 or x <= 0 for b, x in points):
+            raise ValueError("the step scales must be positive, at ascending request counts from 1")
         if min(fit.pass_s, fit.request_s, fit.draft_token_s, fit.feed_call_s, fit.feed_token_s) < 0:
             raise ValueError("the host's and the feeds' seconds must not be negative")
         if min(fit.step_scale, fit.prefill_scale, fit.drafter_scale) <= 0:
@@ -275,7 +297,8 @@ class TableCost(StepCost):
         b, tokens = len(query_lens), sum(query_lens)
         fit = self.engine_fit
         prefill = logits < tokens  # a prefill projects its last rows only; a decode or verify pass every row
-        scale, host = (fit.prefill_scale, fit.host_s(b, 0)) if prefill else (fit.step_scale, fit.host_s(b, tokens - b))
+        scale, host = ((fit.prefill_scale, fit.host_s(b, 0)) if prefill
+                       else (fit.step_scale_at(b), fit.host_s(b, tokens - b)))
         return scale * self.standalone_target_s(query_lens, contexts, prefill) + host
 
     def standalone_target_s(self, query_lens, contexts, prefill: bool = False) -> float:

@@ -105,7 +105,7 @@ def seconds_by_kind(logs: Sequence[PassLog], table: TableCost, fitted: bool = Tr
             price = table.feed_s(sum(p.lens)) if fitted else 0.0
         elif kind != "drafter":
             price = table.standalone_target_s(p.lens, p.contexts, p.prefill)
-            price *= (fit.prefill_scale if p.prefill else fit.step_scale) if fitted else 1.0
+            price *= (fit.prefill_scale if p.prefill else fit.step_scale_at(len(p.lens))) if fitted else 1.0
         else:
             price = table.standalone_drafter_s(p.lens[0], len(p.lens)) if p.lens else 0.0
             price *= fit.drafter_scale if fitted else 1.0
@@ -119,7 +119,8 @@ def seconds_by_kind(logs: Sequence[PassLog], table: TableCost, fitted: bool = Tr
 
 def fit_engine(logs: Sequence[PassLog], table: TableCost) -> EngineFit:
     """`table`'s fit to the engine's timed runs: per kind of pass (decode / verify, prefill, drafter) its seconds in
-    place over the table's standalone price for the same passes; a least squares of each target pass's host gap on (1,
+    place over the table's standalone price for the same passes, decode / verify also by its requests (a power-of-two
+    bucket with 20 passes or more); a least squares of each target pass's host gap on (1,
     its requests, its drafted tokens), and of each context feed's seconds on (1, its positions), no term below zero."""
     kinds = seconds_by_kind(logs, table, fitted=False)
     scales = {k: measured / priced if priced > 0 else 1.0 for k, (measured, priced) in kinds.items()}
@@ -127,10 +128,18 @@ def fit_engine(logs: Sequence[PassLog], table: TableCost) -> EngineFit:
     if len(gaps) < 3:
         raise ValueError(f"too few timed steps to fit the engine's own time ({len(gaps)})")
     host = _nonnegative_fit([[1.0, requests, drafted] for requests, drafted, _ in gaps], [s for _, _, s in gaps])
+    # The decode / verify scale by requests: per power-of-two bucket of a pass's requests with enough passes in it.
+    buckets: dict[int, list[float]] = {}
+    for p in (p for log in logs for p in log.passes if p.kind == "target" and not p.prefill):
+        bucket = buckets.setdefault(1 << (len(p.lens).bit_length() - 1), [0.0, 0.0, 0])
+        bucket[0] += p.end - p.start
+        bucket[1] += table.standalone_target_s(p.lens, p.contexts)
+        bucket[2] += 1
+    step_scales = tuple((b, m / priced) for b, (m, priced, n) in sorted(buckets.items()) if n >= 20 and priced > 0)
     feeds = [(sum(p.lens), p.end - p.start) for log in logs for p in log.passes if p.kind == "feed"]
     feed = _nonnegative_fit([[1.0, n] for n, _ in feeds], [s for _, s in feeds]) if len(feeds) >= 2 else [0.0, 0.0]
     return EngineFit(host[0], host[1], host[2], scales["step"], scales["prefill"], scales["drafter"], feed[0], feed[1],
-                     steps=len(gaps))
+                     steps=len(gaps), step_scales=step_scales)
 
 
 def _nonnegative_fit(rows: list[list[float]], ys: list[float]) -> list[float]:
