@@ -114,9 +114,10 @@ def differences(want: Sequence[Sequence[int]], got: Sequence[Sequence[int]]) -> 
 
 
 def fresh_process_runs(prompts_file: Path, variants: Sequence[str], dtypes: Sequence[str], runs: int,
-                       max_new_tokens: int, work: Path, threads: int | None = None, log=print) -> dict:
+                       max_new_tokens: int, work: Path, threads: int | None = None, log=print,
+                       states: Sequence[str] = CACHE_STATES) -> dict:
     """Per dtype: AR once (the reference), then `runs` fresh processes of every variant, the cache state cycling
-    present / absent / stale. {dtype: {"ar_tokens": ..., "variants": {variant: [{"cache", "vs_ar", "vs_first_run",
+    through `states` (present / absent / stale). {dtype: {"ar_tokens": ..., "variants": {variant: [{"cache", "vs_ar", "vs_first_run",
     "draft_tokens", "tokens_per_pass"}, ...]}}}."""
     report: dict[str, dict] = {}
     for dtype in dtypes:
@@ -128,7 +129,7 @@ def fresh_process_runs(prompts_file: Path, variants: Sequence[str], dtypes: Sequ
         for variant in variants:
             first, rows = None, []
             for i in range(runs):
-                state = CACHE_STATES[i % len(CACHE_STATES)]
+                state = states[i % len(states)]
                 prepare_cache(cache, state, seed=i)
                 records = generate(prompts_file, VARIANTS[variant], dtype, max_new_tokens, cache, threads)
                 tokens = [r["token_ids"] for r in records]
