@@ -2,9 +2,10 @@
 speculative/cost_model.py: what `make gpu-check` writes and `TableCost` reads), which no standalone profile sees
 (`PassLog`, `fit_engine`).
 
-The fit comes from a run of the real engine in wall time with every target and drafter pass timed where it runs: each
-kind of pass's seconds in place over the table's price for it (a scale a kind), and what a step took beyond its passes
-regressed on the step's requests and drafted tokens (the host's seconds) - `EngineFit`.
+The fit comes from a run of the real engine in wall time with every target pass, drafter pass and drafter context
+feed timed where it runs: each kind of pass's seconds in place over the table's price for it (a scale a kind, decode /
+verify by its requests), what a step took beyond its passes regressed on the step's requests and drafted tokens (the
+host's seconds), and the feeds' seconds on their positions - `EngineFit`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ class TimedPass(NamedTuple):
     kind: str  # "target", "drafter" or "feed"
     start: float
     end: float
-    lens: list[int]
+    lens: Sequence[int]
     prefill: bool = False
-    contexts: list[int] = []
+    contexts: Sequence[int] = ()
 
 
 @dataclass
