@@ -40,7 +40,7 @@ from adaflash.pipeline import Pipeline
 from adaflash.simulation.clock import CostedProposer, CostedTarget, VirtualClock
 from adaflash.simulation.simulate import Variant, closed_loop, row_of, variant_engine
 from adaflash.simulation.step_cost import ProfileCost, TableCost
-from adaflash.simulation.step_table import PassLog, fit_engine, host_gaps, seconds_by_kind
+from adaflash.simulation.step_table import PassLog, fit_engine, seconds_by_kind
 from adaflash.speculative.cost_model import cost_model_for, measure_step_table, profile_cost_model
 
 CONTEXTS = (128, 512)
@@ -151,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                     got.setdefault("outputs", row["outputs"])
                     got["same_outputs"] &= row["outputs"] == got["outputs"]
                     if log is not None:
-                        got["host_share"].append(sum(s for _, _, s in host_gaps(log)) / row["seconds"])
                         # Where the table misses, apart from any run's own course: its price of the measured passes.
-                        got["measured_passes"].append(seconds_by_kind([log], table))
+                        passes = seconds_by_kind([log], table)
+                        got["measured_passes"].append(passes)
+                        got["host_share"].append(passes["host"][0] / row["seconds"])
                 print(f"{c}/{variant.name} round {r}", {s: round(got[s][-1], 1) for s in sides}, flush=True)
     rows = []
     for got in cells.values():
@@ -184,8 +185,8 @@ def markdown(result: dict, rounds: int, table_name: str) -> str:
     lines = [f"Predicted (virtual time, live acceptance) against measured (wall time) served throughput on "
              f"{result['machine']}; medians of {rounds} rounds (measured spread: the measured rounds' range over their "
              "median, the machine's own run-to-run noise). Cost models: `table`, this machine's step-cost table "
-             f"fitted to the engine's runs on other prompts ([{table_name}]({table_name})); `profile`, the throughput policy's own "
-             "profile (a pass by its total tokens, no host time).", "", f"`{result['command']}`", "",
+             f"fitted to the engine's runs on other prompts ([{table_name}]({table_name})); `profile`, the throughput "
+             "policy's own profile (a pass by its total tokens, no host time).", "", f"`{result['command']}`", "",
              "| concurrency | variant | requests | measured tok/s | measured spread | host share (measured) | "
              "table tok/s | error | profile tok/s | error | accept length | same outputs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -197,8 +198,8 @@ def markdown(result: dict, rounds: int, table_name: str) -> str:
                      f"{100 * r['error_table']:+.1f}% | {r['profile_tokens_per_s']:.1f} | "
                      f"{100 * r['error_profile']:+.1f}% | {r['accept_len']:.2f} | "
                      f"{'yes' if r['same_outputs'] else 'NO'} |")
-    lines += ["", "The table's price of the measured runs' own passes, by kind (priced / measured - 1, medians over rounds; "
-              "share: of the run's wall time):", "",
+    lines += ["", "The table's price of the measured runs' own passes, by kind (priced / measured - 1, medians over "
+              "rounds; share: of the run's wall time):", "",
               "| concurrency | variant | decode / verify | prefill | drafter | context feed | host |",
               "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -62,20 +62,6 @@ TINY_GRID = dict(batches=(1, 2), new_tokens=(1, 2, 4), context=32, decode_tokens
 QWEN3_MASK_ID = 151669  # DFlash's mask row for Qwen3 (an unused row of the padded embedding)
 
 
-def timed_ms(run, device: torch.device, repeats: int) -> float:
-    """Median wall ms of run() after two warm-up calls, the device synchronised around each call."""
-    for _ in range(2):
-        run()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def verify_cost_table(target, device: torch.device, grid: dict) -> dict:
     """Forward ms of every (batch, new tokens) cell with each sequence at the grid's context (`measure_step_table`)."""
     return measure_step_table(target, grid["batches"], grid["new_tokens"], (grid["context"],), grid["repeats"])

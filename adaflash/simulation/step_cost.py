@@ -17,6 +17,7 @@ reports the error against every published figure, the fitted ones included).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -148,6 +149,12 @@ class Roofline:
         return max(memory, compute) + fixed
 
 
+def is_prefill(tokens: int, logits: int) -> bool:
+    """A pass that projects only its last rows to the vocabulary is a prefill; a decode or verify pass projects every
+    row (what the virtual clock sees of a pass: its new tokens and its logits)."""
+    return logits < tokens
+
+
 class StepCost:
     """Prices the engine's passes (the simulated clock charges them): the target's, over ragged new tokens and
     contexts, the drafter's, one block of `width` positions a drafting request, and the drafter's context feed (the
@@ -177,7 +184,7 @@ class RooflineCost(StepCost):
 
     def target_s(self, query_lens, contexts, logits):
         tokens, g = sum(query_lens), self.target.gpu
-        verify = len(query_lens) < tokens == logits  # drafts in it, and not a prefill (which projects its last rows)
+        verify = len(query_lens) < tokens and not is_prefill(tokens, logits)  # drafts in it
         extra = g.verify_pass_s + g.verify_token_s * tokens if verify else 0.0
         return self.target.pass_s(query_lens, contexts, logits) + extra
 
@@ -211,8 +218,8 @@ class ProfileCost(StepCost):
 class EngineFit:
     """What a standalone table misses of the engine's own run, fitted from a timed run of the real engine
     (`step_table.fit_engine`): each pass's seconds in place over the table's (`step_scale` for decode and verify
-    passes, `prefill_scale`, `drafter_scale` with the drafter's context feeds: caches, threads and the passes before it
-    make a pass in the engine cost other than alone), and the engine's own seconds around a target pass (scheduling,
+    passes, `prefill_scale`, `drafter_scale`: caches, threads and the passes before it make a pass in the engine cost
+    other than alone), and the engine's own seconds around a target pass (scheduling,
     the drafting checks, verifying, committing, rolling caches back): `pass_s` a pass, `request_s` a request in it,
     `draft_token_s` a drafted token it verifies (none in a prefill); and the drafter's context feeds, which no table
     times: `feed_call_s` a feed and `feed_token_s` a fed position."""
@@ -278,8 +285,8 @@ class TableCost(StepCost):
     the table's contexts (the table's one context, whatever the requests hold, where it has one); a prefill (a pass
     whose logits are its last rows only) from the table's prefill grid where it has one (batch x prompt tokens, from
     an empty cache), else as any pass (hundreds of tokens extrapolated from the widest two columns); then scaled and
-    plus the host's seconds as `engine_fit` says. A drafter pass is the profile's (`CostModel.draft_pass` where it batches requests, else per request),
-    scaled."""
+    plus the host's seconds as `engine_fit` says. A drafter pass is the profile's (`CostModel.draft_pass` where it
+    batches requests, else per request), scaled; a context feed as `engine_fit` says."""
 
     batches: tuple[int, ...]
     new_tokens: tuple[int, ...]
@@ -296,7 +303,7 @@ class TableCost(StepCost):
     def target_s(self, query_lens, contexts, logits):
         b, tokens = len(query_lens), sum(query_lens)
         fit = self.engine_fit
-        prefill = logits < tokens  # a prefill projects its last rows only; a decode or verify pass every row
+        prefill = is_prefill(tokens, logits)
         scale, host = ((fit.prefill_scale, fit.host_s(b, 0)) if prefill
                        else (fit.step_scale_at(b), fit.host_s(b, tokens - b)))
         return scale * self.standalone_target_s(query_lens, contexts, prefill) + host
@@ -336,15 +343,7 @@ class TableCost(StepCost):
             context = int(table["context"])
             ms = {(int(c.get("context", context)), int(c["batch"]), int(c["new_tokens"])): float(c["ms"])
                   for c in table["cells"]}
-            contexts = sorted({c for c, _, _ in ms})
-            batches, widths = sorted({b for _, b, _ in ms}), sorted({n for _, _, n in ms})
-            if len(batches) < 2 or len(widths) < 2:
-                raise ValueError("the grid needs at least two batch sizes and two new-token counts")
-            missing = [(c, b, n) for c in contexts for b in batches for n in widths if (c, b, n) not in ms]
-            if missing:
-                raise ValueError(f"the grid lacks cells (context, batch, new tokens) {missing[:4]}")
-            if min(ms.values()) <= 0 or min(batches) < 1 or min(widths) < 1:
-                raise ValueError("batches, new tokens and ms must be positive")
+            contexts, batches, widths = _grid_axes(ms, "the grid", "(context, batch, new tokens)")
             if "cost_model" not in report:
                 raise ValueError("no drafter costs (its 'cost_model')")
             drafter = CostModel.from_json(json.dumps(report["cost_model"]))
@@ -352,11 +351,8 @@ class TableCost(StepCost):
                 raise ValueError("the 'cost_model' has no drafter pass")
             fit = EngineFit.from_dict(report.get("engine_fit", {}))
             prefill = {(int(c["batch"]), int(c["new_tokens"])): float(c["ms"]) for c in table.get("prefill", [])}
-            prefill_batches, prefill_tokens = sorted({b for b, _ in prefill}), sorted({n for _, n in prefill})
-            if prefill and ([(b, n) for b in prefill_batches for n in prefill_tokens if (b, n) not in prefill]
-                            or min(prefill.values()) <= 0 or len(prefill_batches) < 2 or len(prefill_tokens) < 2):
-                raise ValueError("the prefill grid needs positive ms at every cell of two batch sizes or more x two "
-                                 "prompt lengths or more")
+            prefill_batches, prefill_tokens = (_grid_axes(prefill, "the prefill grid", "(batch, prompt tokens)")
+                                               if prefill else ([], []))
         except FileNotFoundError:
             raise FileNotFoundError(f"no step-cost table at {path}") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -365,3 +361,18 @@ class TableCost(StepCost):
         prefill_grid = tuple(tuple(prefill[b, n] for n in prefill_tokens) for b in prefill_batches)
         return cls(tuple(batches), tuple(widths), grid, drafter, str(path), tuple(contexts), fit,
                    tuple(prefill_batches), tuple(prefill_tokens), prefill_grid)
+
+
+def _grid_axes(ms: dict[tuple[int, ...], float], name: str, axes: str) -> list[list[int]]:
+    """The sorted points of each axis of a grid of cells (key: a point on each axis; value: ms); an error naming the
+    grid unless every combination of points has a cell, the ms and points are positive and the last two axes (batch,
+    new tokens) have two points or more."""
+    points = [sorted({key[i] for key in ms}) for i in range(len(next(iter(ms))))]
+    if len(points[-2]) < 2 or len(points[-1]) < 2:
+        raise ValueError(f"{name} needs at least two batch sizes and two new-token counts")
+    missing = [key for key in itertools.product(*points) if key not in ms]
+    if missing:
+        raise ValueError(f"{name} lacks cells {axes} {missing[:4]}")
+    if min(ms.values()) <= 0 or min(min(p) for p in points[-2:]) < 1:
+        raise ValueError(f"{name}: batches, new tokens and ms must be positive")
+    return points

@@ -313,10 +313,8 @@ def measure_step_table(target, batches: Sequence[int], new_tokens: Sequence[int]
     logits for each sequence's last row). The format `TableCost.load` reads under "verify_cost" ("context": the first
     context, for readers of one-context tables; "prefill": its own grid).
 
-    Round-robin over the cells, `repeats` rounds, medians. In each round a cell runs once untimed and then `burst`
-    times back to back, timed together: an engine runs passes of one shape in a row, warm, where one timed call after
-    a pass of another shape pays for the switch (on a CPU, a decode step alone cost 1.2x what it costs in a decode
-    loop)."""
+    Round-robin over the cells after a warm-up round, `repeats` rounds, medians; `burst` > 1 times each cell warm, in
+    a run of that many passes (`_round_robin`)."""
     from adaflash.models.device import synchronize
     from adaflash.models.kv_cache import RaggedBatch
 
@@ -335,22 +333,14 @@ def measure_step_table(target, batches: Sequence[int], new_tokens: Sequence[int]
         inputs[c, b, n, prefill] = (torch.randint(low, vocab, (b * n,), device=device), batch,
                                     batch.last_token_indices() if prefill else None)
 
-    def run(cell: tuple) -> None:
-        ids, batch, logit_rows = inputs[cell]
-        cache.lengths[:cell[1]] = [cell[0]] * cell[1]
+    def run(i: int) -> None:
+        context, b, _, _ = cells[i]
+        ids, batch, logit_rows = inputs[cells[i]]
+        cache.lengths[:b] = [context] * b
         target(ids, batch, cache, (), logit_rows)
+        synchronize(device)  # a pass is over when the device has run it
 
-    samples: list[list[float]] = [[] for _ in cells]
-    for _ in range(repeats):
-        for i, cell in enumerate(cells):
-            run(cell)
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(burst):
-                run(cell)
-            synchronize(device)  # a pass is over when the device has run it
-            samples[i].append((time.perf_counter() - start) / burst)
-    ms = [statistics.median(s) * 1e3 for s in samples]
+    ms = [s * 1e3 for s in _round_robin(run, range(len(cells)), repeats, burst)]
     rows = [{"context": c, "batch": b, "new_tokens": n, "total_tokens": b * n, "ms": m}
             for (c, b, n, prefill), m in zip(cells, ms) if not prefill]
     one = {r["new_tokens"]: r["ms"] for r in rows if r["batch"] == min(batches) and r["context"] == contexts[0]}
@@ -362,16 +352,22 @@ def measure_step_table(target, batches: Sequence[int], new_tokens: Sequence[int]
     return table
 
 
-def _round_robin(run, points: Sequence[int], repeats: int) -> list[float]:
-    """The median seconds of run(point) per point: one untimed round, then `repeats` rounds over every point."""
+def _round_robin(run, points: Sequence[int], repeats: int, burst: int = 1) -> list[float]:
+    """The median seconds of run(point) per point: one untimed round, then `repeats` rounds over every point. With
+    `burst` > 1 a point runs once untimed in each round and then `burst` times back to back, timed together: an engine
+    runs passes of one shape in a row, warm, where one timed call after a pass of another shape pays for the switch (on
+    a CPU, a decode step alone cost 1.2x what it costs in a decode loop)."""
     for point in points:
         run(point)
     samples: list[list[float]] = [[] for _ in points]
     for _ in range(repeats):
         for i, point in enumerate(points):
+            if burst > 1:
+                run(point)
             start = time.perf_counter()
-            run(point)
-            samples[i].append(time.perf_counter() - start)
+            for _ in range(burst):
+                run(point)
+            samples[i].append((time.perf_counter() - start) / burst)
     return [statistics.median(s) for s in samples]
 
 

@@ -151,3 +151,14 @@ def test_profile_points_are_timed_round_robin_after_a_warm_up_round(monkeypatch)
     medians = cost_model._round_robin(calls.append, [1, 2, 4], repeats=3)
     assert calls == [1, 2, 4] * 4  # the untimed round, then three timed ones
     assert medians == [1.0, 1.0, 1.0]  # each sample spans one tick of the fake clock
+
+
+def test_a_burst_times_each_point_warm_and_back_to_back(monkeypatch):
+    """A step table's cells: in each round a point runs once untimed, then `burst` times within one timing."""
+    from adaflash.speculative import cost_model
+
+    calls, clock = [], iter(range(1000))
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: float(next(clock)))
+    medians = cost_model._round_robin(calls.append, [1, 2], repeats=2, burst=3)
+    assert calls == [1, 2] + ([1] * 4 + [2] * 4) * 2  # the untimed round, then per round: warm, then three timed
+    assert medians == [1 / 3, 1 / 3]  # one tick of the fake clock over three passes
