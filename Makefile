@@ -35,7 +35,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install
-	$(PY) benchmarks/runtime_speed.py --json docs/results/runtime/runtime_speed.json
+	$(PY) benchmarks/runtime/runtime_speed.py --json docs/results/runtime/runtime_speed.json
 
 # Rebuild the shipped SmolLM2 drafter from scratch: regenerate data with the target (responses, context features and
 # the target's top-32 log-probabilities), train with a 16K-row draft vocabulary and soft targets, export.
@@ -151,7 +151,7 @@ $(VLLM_VENV)/.installed:
 # (our CPU kernels off, so it runs the torch ops CUDA runs), device-checked, `pytest -m cuda` included.
 DEVICE ?= cuda
 # FAKE_CUDA=1: the CUDA path on this CPU, every tensor tagged with the device it would be on, an op mixing devices an
-# error (adaflash/models/device_tags.py): `make gpu-check FAKE_CUDA=1 TINY=1`, `make gpu-drafter FAKE_CUDA=1 TINY=1`.
+# error (adaflash/models/device/fake_cuda.py): `make gpu-check FAKE_CUDA=1 TINY=1`, `make gpu-drafter FAKE_CUDA=1 TINY=1`.
 ifeq ($(FAKE_CUDA),1)
 override DEVICE := cuda
 export ADAFLASH_FAKE_CUDA := 1

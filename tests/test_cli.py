@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from adaflash.cli import _parse_mix, main
-from adaflash.models.config import TransformerConfig
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, save_drafter
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def random_drafter(tiny_chat_checkpoint, tmp_path_factory) -> str:
 def _trimmed_drafter(checkpoint: str, token_ids: list[int], out) -> str:
     """A random drafter whose draft vocabulary is the tokens of the output it will draft: so it is right often enough
     that a lossless check sees drafts accepted, not only rejected."""
-    from adaflash.models.draft_vocab import DraftVocab
+    from adaflash.models.drafters.draft_vocab import DraftVocab
 
     config = TransformerConfig.from_dir(checkpoint)
     drafter = init_drafter(DrafterConfig.for_target(config, mask_token_id=16, num_layers=1, block_size=8), seed=3)

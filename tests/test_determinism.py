@@ -1,6 +1,6 @@
 """Greedy output does not depend on the run: each command in a fresh process (as a user runs it twice), with the cost
 model and kernel choices present, absent and stale in the user cache, equals plain decoding; and a policy's server
-equals the AR server. The 16-prompt, 20-run figures: benchmarks/determinism.py (docs/results/runtime/)."""
+equals the AR server. The 16-prompt, 20-run figures: benchmarks/runtime/determinism.py (docs/results/runtime/)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The CUDA path, device-checked on a machine without a GPU (models/device_tags.py).
+"""The CUDA path, device-checked on a machine without a GPU (models/device/fake_cuda.py).
 
 Under `fake_cuda()` the tensors the code places on CUDA are CPU tensors tagged `cuda:0`, and an op that mixes devices
 raises where CUDA would. These tests run the CUDA code path of generation (AR, speculative decoding, every length
@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from adaflash.models.device_tags import DeviceMismatchError, fake_cuda
+from adaflash.models.device.fake_cuda import DeviceMismatchError, fake_cuda
 from adaflash.speculative.sampling import SamplingParams
 
 PROMPTS = ([3, 17, 29, 5, 60], [7, 7, 41], [11, 90, 23, 52, 8, 19, 33], [64])
@@ -23,7 +23,7 @@ PROMPTS = ([3, 17, 29, 5, 60], [7, 7, 41], [11, 90, 23, 52, 8, 19, 33], [64])
 @pytest.fixture
 def fake(monkeypatch):
     """The process's device is CUDA, faked; our CPU kernels off (CUDA never runs them)."""
-    from adaflash.models import device as process_device
+    from adaflash.models.device import placement as process_device
 
     monkeypatch.setenv("ADAFLASH_KERNELS", "stock")
     monkeypatch.setenv("ADAFLASH_DEVICE", "cuda")
@@ -108,7 +108,7 @@ def test_leaving_the_mode_restores_torch():
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoints):
     """Greedy outputs of the tiny Qwen3 on the CPU: what the CUDA path must give, token for token (fp32)."""
-    from adaflash.models.target import load_target
+    from adaflash.models.targets.model import load_target
     from adaflash.speculative.reference import autoregressive_generate
 
     target = load_target(tiny_checkpoints["qwen3"], dtype=torch.float32, device="cpu")
@@ -116,9 +116,9 @@ def reference(tiny_checkpoints):
 
 
 def _drafter(target, vocab=None, head: bool = False):
-    from adaflash.models.draft_vocab import DraftVocab
-    from adaflash.models.drafter import DrafterConfig
-    from adaflash.models.drafter_checkpoint import init_drafter
+    from adaflash.models.drafters.draft_vocab import DraftVocab
+    from adaflash.models.drafters.config import DrafterConfig
+    from adaflash.models.drafters.checkpoint import init_drafter
     from adaflash.speculative.proposer import DFlashProposer
 
     drafter = init_drafter(DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=8), seed=1)
@@ -130,7 +130,7 @@ def _drafter(target, vocab=None, head: bool = False):
 
 def test_generation_on_the_cuda_path(fake, tiny_checkpoints, reference):
     """AR and the reference speculative loop, greedy and sampled, with a trimmed draft vocabulary."""
-    from adaflash.models.target import load_target
+    from adaflash.models.targets.model import load_target
     from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 
     target = load_target(tiny_checkpoints["qwen3"], dtype=torch.float32)
@@ -150,10 +150,10 @@ def test_the_engine_on_the_cuda_path(fake, tiny_checkpoints, reference, policy):
     (the learned ones reading the drafter's block hidden states through a length head on the device)."""
     from adaflash.engine.engine import Engine
     from adaflash.engine.request import Request
-    from adaflash.models.length_head import BlockLengthHead, LengthHeadConfig, PositionAcceptanceHead
-    from adaflash.models.target import load_target
+    from adaflash.models.drafters.length_head import BlockLengthHead, LengthHeadConfig, PositionAcceptanceHead
+    from adaflash.models.targets.model import load_target
     from adaflash.speculative.cost_model import CostModel
-    from adaflash.speculative.length_policy import build_length_policy
+    from adaflash.speculative.policies import build_length_policy
     from adaflash.speculative.prompt_lookup import PromptLookup
 
     target = load_target(tiny_checkpoints["qwen3"], dtype=torch.float32)
@@ -182,7 +182,7 @@ def test_the_engine_on_the_cuda_path(fake, tiny_checkpoints, reference, policy):
 def test_the_cost_profile_on_the_cuda_path_times_the_drafter_by_its_requests(fake, tiny_checkpoints):
     """On a GPU the drafter's requests share one pass: the profile times it by their number (the throughput
     policies then price a step's drafting as that one pass)."""
-    from adaflash.models.target import load_target
+    from adaflash.models.targets.model import load_target
     from adaflash.speculative.cost_model import profile_cost_model
 
     target = load_target(tiny_checkpoints["qwen3"], dtype=torch.float32)
@@ -198,7 +198,7 @@ def test_a_training_step_with_a_draft_vocabulary_on_the_cuda_path(fake, tiny_che
                                                                   loss):
     """Both GPU configs trim the drafter's vocabulary; `rkl` is the distillation loss (the target's law computed in
     the step). The labels are built on the host, the head's rows live on the device."""
-    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.drafters.checkpoint import load_drafter
     from adaflash.training.trainer import TrainConfig, train
 
     cfg = TrainConfig(data_dir=tiny_soft_data, out_dir=str(tmp_path / "run"), model=tiny_checkpoints["llama"],

@@ -17,12 +17,12 @@ import torch
 
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
-from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target
-from adaflash.speculative.length_policy import build_length_policy
+from adaflash.models.drafters.draft_vocab import DraftVocab
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, save_drafter
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import load_target
+from adaflash.speculative.policies import build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 from adaflash.speculative.sampling import SamplingParams
@@ -36,7 +36,7 @@ PROMPTS = ([3, 17, 29, 5, 60], [7, 7, 41], [11, 90, 23, 52, 8, 19, 33], [64])
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
 def device(request, monkeypatch) -> torch.device:
     """The CPU with our kernels off (torch's ops, as on CUDA), or the GPU; the process's device is restored after."""
-    from adaflash.models import device as process_device
+    from adaflash.models.device import placement as process_device
 
     monkeypatch.setenv("ADAFLASH_KERNELS", "stock")
     monkeypatch.setenv("ADAFLASH_DEVICE", request.param)
@@ -176,8 +176,8 @@ def test_bf16_speculative_parts_only_at_near_ties(tiny_checkpoints, device):
 def test_trainer_steps_on_the_device(tiny_checkpoints, tiny_soft_data, tmp_path, device):
     """The training loop on the device: target features recomputed inside the step, bf16 autocast on CUDA; the
     exported drafter loads."""
-    from adaflash.models.device import use_device
-    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.device.placement import use_device
+    from adaflash.models.drafters.checkpoint import load_drafter
     from adaflash.training.trainer import TrainConfig, train
 
     use_device(str(device))
@@ -215,8 +215,8 @@ def test_cli_model_dir_generates_transformers_greedy_tokens(tiny_qwen3_chat, dev
     """`adaflash generate --model DIR --device D`: AR and speculative decoding give transformers' greedy tokens."""
     from adaflash.cli import main
     from adaflash.data.prompt import user_messages
-    from adaflash.models.registry import load_tokenizer
-    from adaflash.models.text_codec import TextCodec
+    from adaflash.models.targets.registry import load_tokenizer
+    from adaflash.models.targets.text_codec import TextCodec
 
     target = load_target(tiny_qwen3_chat, dtype=torch.float32, device=device)
     drafter = save_drafter(_proposer(target).drafter, tmp_path / "drafter")
@@ -232,9 +232,9 @@ def test_cli_model_dir_generates_transformers_greedy_tokens(tiny_qwen3_chat, dev
 
 @pytest.mark.parametrize("name", ["qwen3", "llama-tied"])
 def test_static_decode_step_equals_the_ragged_step(tiny_checkpoints, device, name):
-    """The decode step a CUDA graph captures (models/decode_graph.py: the whole cache under a position mask, device-side
+    """The decode step a CUDA graph captures (models/targets/decode_graph.py: the whole cache under a position mask, device-side
     position) gives the ragged path's greedy tokens and logits; on CUDA it runs as a replayed graph."""
-    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.models.kv_cache.ragged import RaggedBatch
 
     target = load_target(tiny_checkpoints[name], dtype=torch.float32, device=device)
     target.static_decode = False

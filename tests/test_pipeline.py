@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from adaflash.cli import main
-from adaflash.models.config import TransformerConfig
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
-from adaflash.models.text_codec import TextCodec
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, save_drafter
+from adaflash.models.targets.text_codec import TextCodec
 from adaflash.pipeline import Pipeline
 from adaflash.speculative.config import SpeculativeConfig
 
@@ -93,9 +93,9 @@ def test_refusals(pipeline, tiny_chat_checkpoint):
 
 
 def test_generate_cli_reports_an_ignored_draft_length(tiny_chat_checkpoint, tmp_path, capsys):
-    from adaflash.models.config import TransformerConfig
-    from adaflash.models.drafter import DrafterConfig
-    from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
+    from adaflash.models.targets.config import TransformerConfig
+    from adaflash.models.drafters.config import DrafterConfig
+    from adaflash.models.drafters.checkpoint import init_drafter, save_drafter
 
     cfg = DrafterConfig.for_target(TransformerConfig.from_dir(tiny_chat_checkpoint), mask_token_id=16, num_layers=1,
                                    block_size=4)

@@ -18,7 +18,8 @@ from typing import Protocol, Sequence
 import torch
 
 from adaflash.engine.request import Request
-from adaflash.models.kv_cache import KVCache, RaggedBatch
+from adaflash.models.kv_cache.cache import KVCache
+from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.speculative.length_policy import LengthPolicy, LookupLength
 from adaflash.speculative.prompt_lookup import PromptLookup, point_mass
 from adaflash.speculative.proposer import DFlashProposer

@@ -18,7 +18,7 @@ notes its time, and the checks' decisions, the drafter policy's calibration and 
 order, when the run ends (its last step, new requests, the engine running empty, a new policy or drafter).
 The replay is what those steps would have done one by one, but warm: right after a step's target pass, whose weights
 have just streamed through the caches, the same Python ran cold, and a plain-arm step cost 50-80 us more than an AR
-step at batch 1 (1-1.5% of an int8 decode step), against ~4 us a step replayed (benchmarks/policy_overhead.py). An
+step at batch 1 (1-1.5% of an int8 decode step), against ~4 us a step replayed (benchmarks/adaflash/policy_overhead.py). An
 engine dropped mid-run (an exception) leaves its run's steps untold: the checks then hold that stretch a little longer.
 """
 

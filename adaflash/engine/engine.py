@@ -21,9 +21,10 @@ from adaflash.engine.drafting import Drafting, StepDrafts
 from adaflash.engine.prefix_reuse import SlotPrefixes
 from adaflash.engine.request import Request, StepOutput
 from adaflash.engine.scheduler import Scheduler
-from adaflash.models.kv_cache import KVCache, RaggedBatch
+from adaflash.models.kv_cache.cache import KVCache
+from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.layers import argmax_rows
-from adaflash.models.target import TargetModel
+from adaflash.models.targets.model import TargetModel
 from adaflash.speculative.cost_model import CalibratedCost, CostModel
 from adaflash.speculative.drafting_check import DraftingChecks
 from adaflash.speculative.length_policy import FixedLength, LengthPolicy, LookupLength

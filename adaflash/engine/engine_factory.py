@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Callable
 
 from adaflash.engine.engine import Engine
-from adaflash.models.target import TargetModel
+from adaflash.models.targets.model import TargetModel
 from adaflash.speculative.config import LENGTH_HEAD_POLICIES, LengthPolicySpec, SpeculativeConfig
 from adaflash.speculative.cost_model import CalibratedCost, CostModel, cost_model_for
 from adaflash.speculative.drafting_check import DraftingChecks
-from adaflash.speculative.length_policy import LengthPolicy, build_length_policy
+from adaflash.speculative.length_policy import LengthPolicy
+from adaflash.speculative.policies import build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 
 

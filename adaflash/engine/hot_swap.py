@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 from adaflash.engine.runner import EngineRunner, RunnerStoppedError
-from adaflash.models.drafter_checkpoint import (
-    CONFIG_FILE, LATEST_FILE, latest_version, load_drafter, load_drafter_config,
-)
-from adaflash.models.length_head import load_length_head
+from adaflash.models.drafters.checkpoint import (CONFIG_FILE, LATEST_FILE, latest_version, load_drafter,
+    load_drafter_config)
+from adaflash.models.drafters.length_head import load_length_head
 from adaflash.speculative.proposer import DFlashProposer
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import Callable, TypeVar
 
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request, StepOutput
-from adaflash.models.target import TargetModel
+from adaflash.models.targets.model import TargetModel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -25,8 +25,8 @@ from adaflash.cli_args import command_group
 from adaflash.data import load_prompts
 from adaflash.evaluation.drafter_eval import greedy_trajectories, head_cut, target_trajectories
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
-from adaflash.models.drafter_checkpoint import load_drafter
-from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
+from adaflash.models.drafters.checkpoint import load_drafter
+from adaflash.models.drafters.length_head import PositionAcceptanceHead, load_length_head
 from adaflash.report import markdown_table, write_report
 from adaflash.training.block_outcomes import score_blocks
 

@@ -10,7 +10,7 @@ import statistics
 import sys
 from tqdm import tqdm
 
-from adaflash.models.registry import shipped_drafter
+from adaflash.models.targets.registry import shipped_drafter
 from adaflash.pipeline import Pipeline
 from adaflash.speculative.prompt_lookup import PromptLookup
 

@@ -10,7 +10,7 @@ linked in from the user cache (they are inputs, not measurements). And through t
 against the AR server, every prompt sent at once (batched), twice (the second round reuses cached prompt prefixes
 where the target allows it).
 
-Used by `benchmarks/determinism.py` (the 16-prompt figures) and `tests/test_determinism.py` (a few prompts, in
+Used by `benchmarks/runtime/determinism.py` (the 16-prompt figures) and `tests/test_determinism.py` (a few prompts, in
 `make test`).
 """
 
@@ -49,7 +49,7 @@ def prepare_cache(cache: Path, state: str, seed: int, source: Path | None = None
     choices) kept, removed or scaled at random; the converted targets and the kernel library linked from `source`."""
     if state not in CACHE_STATES:
         raise ValueError(f"cache state must be one of {CACHE_STATES}, got {state!r}")
-    from adaflash.models.registry import cache_root
+    from adaflash.models.files import cache_root
 
     source = cache_root() if source is None else source
     (cache / "kernels").mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,8 @@ from adaflash.engine.engine_factory import EngineConfig, build_engine
 from adaflash.engine.request import Request
 from adaflash.formats.outcomes import Outcomes
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
-from adaflash.models.drafter_checkpoint import load_drafter
-from adaflash.models.length_head import PositionAcceptanceHead, load_length_head
+from adaflash.models.drafters.checkpoint import load_drafter
+from adaflash.models.drafters.length_head import PositionAcceptanceHead, load_length_head
 from adaflash.report import markdown_table, write_json, write_report
 from adaflash.training.block_outcomes import BlockScores, score_blocks
 

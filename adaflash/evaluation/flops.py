@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from adaflash.models.config import TransformerConfig
+from adaflash.models.targets.config import TransformerConfig
 
 
 def matmul_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 3) -> float:

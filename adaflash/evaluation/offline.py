@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from adaflash.data.prompt import DatasetUnavailableError, Prompt
 from adaflash.cli_args import WITH_ADAFLASH_DEFAULT, add_model_args, add_policy_state_arg, command_group
-from adaflash.models.registry import resolve_drafter
+from adaflash.models.targets.registry import resolve_drafter
 from adaflash.report import write_json
 from adaflash.speculative.config import METHODS, SpeculativeConfig, length_policy_of, shared_drafter
 from adaflash.speculative.sampling import SamplingParams
@@ -236,7 +236,7 @@ def run_offline_bench(
 def machine_info() -> dict[str, Any]:
     import torch
 
-    from adaflash.models.kernels.selection import cpu_model
+    from adaflash.models.device.cpu import cpu_model
 
     return {
         "cpu": cpu_model(),

@@ -75,8 +75,8 @@ def markdown(report: dict, limit: int) -> str:
 def _cmd(args: argparse.Namespace) -> int:
     from adaflash.evaluation.drafter_eval import target_trajectories
     from adaflash.evaluation.offline import provenance
-    from adaflash.models.drafter_checkpoint import load_drafter, load_drafter_config
-    from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead, load_length_head
+    from adaflash.models.drafters.checkpoint import load_drafter, load_drafter_config
+    from adaflash.models.drafters.length_head import BlockLengthHead, PositionAcceptanceHead, load_length_head
     from adaflash.pipeline import Pipeline
     from adaflash.plots import pyplot
     from adaflash.training.block_outcomes import score_blocks

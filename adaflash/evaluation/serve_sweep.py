@@ -38,8 +38,8 @@ from adaflash.evaluation.flops import matmul_peak_gflops, served_gflops
 from adaflash.evaluation.peer import (LLAMA_SERVER, launched_process, llama_server_command, peer_bin_dir, peer_env,
                                       require_binary, VLLM_BUILD, vllm_bin_dir, vllm_env, vllm_server_command)
 from adaflash.evaluation.serve_bench import run_level
-from adaflash.models.config import TransformerConfig
-from adaflash.models.kernels.selection import cpu_model
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.device.cpu import cpu_model
 from adaflash.report import markdown_table, write_report
 
 
@@ -173,7 +173,7 @@ def prompt_pool(name: str) -> list[list[dict]]:
 
 def prompt_size(model: str) -> Callable[[list[dict]], int]:
     """A prompt's chat-templated length in --model's tokens."""
-    from adaflash.models.registry import load_tokenizer, resolve_target
+    from adaflash.models.targets.registry import load_tokenizer, resolve_target
 
     tok = load_tokenizer(resolve_target(model))
     return lambda m: len(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -221,7 +221,7 @@ def _cmd(args: argparse.Namespace) -> int:
     peaks: list[float] = []
     config = None  # the model's shapes, for the compute table's FLOPs
     if args.matmul_peak:
-        from adaflash.models.registry import resolve_target
+        from adaflash.models.targets.registry import resolve_target
 
         config = TransformerConfig.from_dir(resolve_target(args.model))
     cells: list[dict] = []
@@ -232,7 +232,7 @@ def _cmd(args: argparse.Namespace) -> int:
         urls = {n: stack.enter_context(launched_server(n, a, args.port + i, args.max_batch, log_dir, args.threads))
                 for i, (n, a) in enumerate(servers)}
         if peers:
-            from adaflash.models.registry import target_gguf
+            from adaflash.models.targets.registry import target_gguf
 
             gguf = Path(args.peer_model) if args.peer_model else target_gguf(args.model)
             # One llama.cpp slot per concurrent client; each slot's context fits a prompt and its answer.

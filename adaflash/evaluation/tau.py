@@ -27,7 +27,7 @@ from adaflash.evaluation.offline import (
     provenance,
     run_offline_bench,
 )
-from adaflash.models.registry import resolve_drafter
+from adaflash.models.targets.registry import resolve_drafter
 from adaflash.report import markdown_table, write_report
 from adaflash.speculative.config import SpeculativeConfig, length_policy_of, shared_drafter
 

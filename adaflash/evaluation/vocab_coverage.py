@@ -20,10 +20,10 @@ import torch
 
 from adaflash.cli_args import command_group
 from adaflash.evaluation.offline import command_line, cpu_label, provenance
-from adaflash.models.device import synchronize
-from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
+from adaflash.models.device.placement import synchronize
+from adaflash.models.drafters.draft_vocab import DraftVocab
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
 from adaflash.report import markdown_table, write_report
 from adaflash.training.dataset import DraftDataset
 from adaflash.training.trainer import data_vocab
@@ -49,7 +49,7 @@ def coverage_by_domain(dataset: DraftDataset, sizes: list[int], holdout: int, vo
 
 def draft_step_ms(target, sizes: list[int], batch: int, context: int = 256, repeats: int = 5) -> dict[str, float]:
     """Median ms of one draft step (drafter pass + head on the 15 draft positions of each block) per head size."""
-    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.models.kv_cache.ragged import RaggedBatch
     from adaflash.speculative.proposer import DFlashProposer
     from adaflash.speculative.sampling import SamplingParams
 
@@ -76,8 +76,8 @@ def draft_step_ms(target, sizes: list[int], batch: int, context: int = 256, repe
 
 def accept_length_by_size(target, drafter_dir: str, dataset: DraftDataset, sizes: list[int], holdout: int) -> dict:
     """Held-out full-block greedy accept length per domain of one drafter, its head cut to each size."""
-    from adaflash.models.draft_vocab import DraftHead
-    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.drafters.draft_vocab import DraftHead
+    from adaflash.models.drafters.checkpoint import load_drafter
     from adaflash.training.losses import BlockCrossEntropy
     from adaflash.training.trainer import TeacherCache, TrainConfig, _sequence_loss
     from adaflash.training.validation import holdout_accept_lengths
@@ -124,8 +124,8 @@ def to_markdown(report: dict) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from adaflash.models.registry import resolve_target
-    from adaflash.models.target import load_target_as
+    from adaflash.models.targets.registry import resolve_target
+    from adaflash.models.targets.model import load_target_as
 
     sizes = sorted(int(s) for s in args.sizes.split(","))
     target = load_target_as(resolve_target(args.model), args.dtype)

@@ -98,7 +98,7 @@ def _tensor_type(gguf_name: str, ndim: int, outtype: str):
 
 
 def _notes(drafter_dir: Path, config, vocab_size: int) -> list[str]:
-    from adaflash.models.length_head import HEAD_FILE
+    from adaflash.models.drafters.length_head import HEAD_FILE
 
     notes = []
     if config.draft_vocab_size:
@@ -131,9 +131,10 @@ def export_gguf(config: GGUFExportConfig) -> GGUFExport:
     import torch
 
     from adaflash.export.gguf_vocab import write_target_vocab
-    from adaflash.models.config import TransformerConfig, read_config_json
-    from adaflash.models.drafter_checkpoint import load_drafter
-    from adaflash.models.registry import resolve_target
+    from adaflash.models.files import read_config_json
+    from adaflash.models.targets.config import TransformerConfig
+    from adaflash.models.drafters.checkpoint import load_drafter
+    from adaflash.models.targets.registry import resolve_target
 
     drafter_dir = Path(config.drafter)
     drafter = load_drafter(drafter_dir, dtype=torch.float32)  # bf16 -> f32 is exact
@@ -211,7 +212,7 @@ def _cmd_export_gguf(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers) -> None:
-    from adaflash.models.registry import DEFAULT_TARGET
+    from adaflash.models.targets.registry import DEFAULT_TARGET
 
     export = subparsers.add_parser("export", help="export a drafter for another engine")
     export_sub = export.add_subparsers(dest="export_command", required=True)

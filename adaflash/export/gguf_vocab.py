@@ -146,7 +146,7 @@ def write_target_vocab(writer, target_dir: Path, vocab_size: int, target_arch: s
     """Add the target's tokenizer (and the drafter's mask token id) to `writer`; returns the pre-tokenizer name."""
     import gguf
 
-    from adaflash.models.registry import load_tokenizer
+    from adaflash.models.targets.registry import load_tokenizer
 
     tokenizer_json = read_tokenizer_json(target_dir)
     tokenizer = load_tokenizer(target_dir)

@@ -67,7 +67,7 @@ def _weight_files(target_dir: Path) -> list[Path]:
 
 
 def _target_state(target_dir: Path) -> dict[str, torch.Tensor]:
-    from adaflash.models.safetensors_io import read_tensors
+    from adaflash.models.files import read_tensors
 
     files = _weight_files(target_dir)
     if not files:
@@ -94,10 +94,10 @@ def target_lm_head(target_dir: Path) -> torch.Tensor:
 def export_vllm_drafter(drafter: str | Path, out: str | Path, target: str = "smollm2-135m",
                         full_vocab: bool = False) -> tuple[Path, int | None, list[str]]:
     """Write the drafter folder vLLM loads; returns (folder, kept draft vocabulary size or None, notes)."""
-    from adaflash.models.draft_vocab import DraftVocab
-    from adaflash.models.length_head import HEAD_FILE
-    from adaflash.models.registry import resolve_target
-    from adaflash.models.safetensors_io import read_tensors, save_tensors
+    from adaflash.models.drafters.draft_vocab import DraftVocab
+    from adaflash.models.drafters.length_head import HEAD_FILE
+    from adaflash.models.targets.registry import resolve_target
+    from adaflash.models.files import read_tensors, save_tensors
 
     src, out = Path(drafter), Path(out)
     config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
@@ -147,8 +147,8 @@ def clean_config(config: dict) -> dict:
 
 def export_vllm_target(target: str, out: str | Path) -> Path:
     """A standard HF checkpoint of `target` (registry name or HF folder), with its tokenizer."""
-    from adaflash.models.registry import load_tokenizer, resolve_target
-    from adaflash.models.safetensors_io import save_tensors
+    from adaflash.models.targets.registry import load_tokenizer, resolve_target
+    from adaflash.models.files import save_tensors
 
     src, out = resolve_target(target), Path(out)
     config = clean_config(json.loads((src / "config.json").read_text()))
@@ -207,7 +207,7 @@ def _cmd_export_vllm(args: argparse.Namespace) -> int:
 
 
 def register_subcommand(export_sub) -> None:
-    from adaflash.models.registry import DEFAULT_TARGET
+    from adaflash.models.targets.registry import DEFAULT_TARGET
 
     cmd = export_sub.add_parser(
         "vllm", help="a drafter + target folder pair that vLLM serves (speculative method dflash)",

@@ -14,8 +14,8 @@ what is kept is the cost-aware choice under load: for each batch size B, the len
 throughput policy, speculative/length_policy.py) picks for B requests with the drafter's measured per-position survival,
 against a step-cost model.
 
-Survival comes from vLLM's own acceptance counters (`benchmarks/vllm_offline.py` output: per-request acceptance
-histograms) or from our runtime's. The step cost is vLLM's own where it was timed (`benchmarks/vllm_step_cost.py`:
+Survival comes from vLLM's own acceptance counters (`benchmarks/peers/vllm_offline.py` output: per-request acceptance
+histograms) or from our runtime's. The step cost is vLLM's own where it was timed (`benchmarks/peers/vllm_step_cost.py`:
 its engine step at each batch size and draft length; the length per batch size is then the one with the most
 expected tokens per second of step), else a `CostModel` JSON, else our runtime's profile (`cost_model_for`): a proxy
 that misjudges vLLM, whose per-step overhead makes extra verified tokens far cheaper relative to a step than in our
@@ -143,7 +143,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def register_subcommand(export_sub) -> None:
-    from adaflash.models.registry import DEFAULT_TARGET
+    from adaflash.models.targets.registry import DEFAULT_TARGET
 
     cmd = export_sub.add_parser(
         "vllm-schedule", help="our throughput length policy as vLLM's num_speculative_tokens_per_batch_size",
@@ -151,12 +151,12 @@ def register_subcommand(export_sub) -> None:
                     "per-position survival and a step-cost model; printed as a vLLM speculative_config.",
     )
     cmd.add_argument("--acceptance", required=True,
-                     help="benchmarks/vllm_offline.py output of a run with the drafter (its per-request acceptance "
+                     help="benchmarks/peers/vllm_offline.py output of a run with the drafter (its per-request acceptance "
                           "histograms)")
     cmd.add_argument("--drafter-dir", required=True, help="the exported drafter folder vLLM loads (OUT/drafter)")
     cost = cmd.add_mutually_exclusive_group()
     cost.add_argument("--vllm-step-costs", default=None,
-                      help="vLLM's own step times (benchmarks/vllm_step_cost.py output): the length per batch size "
+                      help="vLLM's own step times (benchmarks/peers/vllm_step_cost.py output): the length per batch size "
                            "that gives vLLM the most expected tokens per second")
     cost.add_argument("--cost-model", default=None, help="CostModel JSON; default: profile our runtime here (cached)")
     cmd.add_argument("--target", default=DEFAULT_TARGET, help="target for the default cost profile")

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from adaflash.models.safetensors_io import read_tensors, save_tensors
+from adaflash.models.files import read_tensors, save_tensors
 
 _KEYS = ("hidden", "drafted", "accepted")
 

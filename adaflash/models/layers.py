@@ -8,25 +8,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-
-def _onednn_linear_available() -> bool:
-    try:
-        x, w = torch.ones(2, 4), torch.ones(3, 4)
-        return bool(torch.allclose(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w)))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-# MKL's sgemm is several times slower than oneDNN for the skinny matmuls of decoding and verification on
-# some CPUs (measured 2-4x at 4-16 rows on AVX2 EPYC); oneDNN's fp32 linear is the kernel inductor uses.
-_ONEDNN_FP32_LINEAR = _onednn_linear_available()
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Inference-only linear layer for 2-D inputs (no autograd through the oneDNN path)."""
-    if _ONEDNN_FP32_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+from adaflash.models.kernels import packed
 
 
 def fused_kernels_available(x: torch.Tensor) -> bool:
@@ -46,12 +28,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         lib = _fused_library(x) if weight.dtype == torch.float32 else None
         if lib is not None:  # torch's costs ~20 us a call at one row
-            from adaflash.models.kernels.packed import profiled
-
             x, w = x.contiguous(), weight.contiguous()  # bound: a temporary would be freed before the call
             out = torch.empty_like(x)
             if x.numel():
-                with profiled("adaflash::rms_norm"):
+                with packed.profiled("adaflash::rms_norm"):
                     lib.adaflash_rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], w.data_ptr(), eps,
                                           out.data_ptr(), torch.get_num_threads())
             return out
@@ -64,13 +44,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over the fused gate/up projection [rows, 2 * inter] (gate first)."""
     lib = _fused_library(gate_up)
     if lib is not None and gate_up.dim() == 2:  # one kernel where torch runs chunk, silu and mul
-        from adaflash.models.kernels.packed import profiled
-
         gate_up = gate_up.contiguous()
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, inter, dtype=torch.float32)
         if rows:
-            with profiled("adaflash::silu_mul"):
+            with packed.profiled("adaflash::silu_mul"):
                 lib.adaflash_silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr(), torch.get_num_threads())
         return out
     gate, up = gate_up.chunk(2, dim=-1)
@@ -91,9 +69,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
             logits = logits.contiguous()
             out = torch.empty(rows, dtype=torch.long)
             if torch.autograd.profiler._is_profiler_enabled:  # (a no-op context still costs its calls, cold)
-                from adaflash.models.kernels.packed import profiled
-
-                with profiled("adaflash::argmax_rows"):
+                with packed.profiled("adaflash::argmax_rows"):
                     lib.adaflash_argmax_rows(logits.data_ptr(), rows, width, out.data_ptr(), torch.get_num_threads())
             else:
                 lib.adaflash_argmax_rows(logits.data_ptr(), rows, width, out.data_ptr(), torch.get_num_threads())
@@ -103,14 +79,10 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 @lru_cache(maxsize=1)
 def _argmax_library():
-    from adaflash.models.kernels import packed  # here, not at the top: kernels/selection.py imports this module
-
     return packed.library()
 
 
 def _kernel_library():
-    from adaflash.models.kernels import packed  # here, not at the top: kernels/selection.py imports this module
-
     return packed.enabled_library()
 
 

@@ -30,8 +30,8 @@ def build_runner(args: argparse.Namespace, config: EngineConfig | None = None):
     all the compute); the watcher not started."""
     from adaflash.engine.engine_factory import build_engine, length_policy_factory
     from adaflash.engine.runner import EngineRunner
-    from adaflash.models.drafter_checkpoint import latest_version
-    from adaflash.models.registry import resolve_drafter
+    from adaflash.models.drafters.checkpoint import latest_version
+    from adaflash.models.targets.registry import resolve_drafter
     from adaflash.pipeline import Pipeline
 
     config = config or engine_config(args)

@@ -26,7 +26,7 @@ from adaflash.engine.engine_factory import method_of
 from adaflash.engine.request import Request
 from adaflash.engine.runner import EngineRunner, RequestStream, RunnerStoppedError
 from adaflash.engine.scheduler import QueueFullError
-from adaflash.models.text_codec import TextCodec
+from adaflash.models.targets.text_codec import TextCodec
 from adaflash.server import openapi
 from adaflash.server.gate import Admission, Gate, ServerConfig
 from adaflash.server.meta_info import finish_info, meta_info

@@ -44,8 +44,9 @@ import torch
 
 from adaflash.engine.request import Request
 from adaflash.formats.traces import TraceRecord, read_traces
-from adaflash.models.kv_cache import KVCache, RaggedBatch
-from adaflash.models.target import ForwardOutput
+from adaflash.models.kv_cache.cache import KVCache
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import ForwardOutput
 from adaflash.simulation.clock import CostedProposer, CostedTarget, VirtualClock
 from adaflash.simulation.simulate import run_engine
 from adaflash.simulation.synthetic import SyntheticConfig

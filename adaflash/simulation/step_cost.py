@@ -11,7 +11,7 @@ grows with the tokens of the pass (a GEMM of 8 rows runs far below peak; one of 
 
 The constants are BLIS's roofline defaults (inference-sim: bandwidth efficiency 0.72, 500 us a step + 20 us a layer,
 MFU 0.65 prefill), 25 us a request, one constant fitted per GPU to one published AR figure, and a mixture layer's
-28 us fitted to B200's Qwen3-Coder-30B-A3B AR figure (sources in `GPUS`; `benchmarks/simulation_calibration.py`
+28 us fitted to B200's Qwen3-Coder-30B-A3B AR figure (sources in `GPUS`; `benchmarks/simulation/simulation_calibration.py`
 reports the error against every published figure, the fitted ones included).
 """
 
@@ -275,7 +275,7 @@ class EngineFit:
 @dataclass(frozen=True)
 class TableCost(StepCost):
     """A measured step-cost table, as `make gpu-check` writes it (gpu/check.py: `verify_cost.json` or
-    `gpu_check.json`) or `benchmarks/simulation_validation.py` measures on this machine: the target's forward ms over a
+    `gpu_check.json`) or `benchmarks/simulation/simulation_validation.py` measures on this machine: the target's forward ms over a
     grid of batch sizes x new tokens a sequence at one context or more, and the batch-1 profile with its drafter
     (`cost_model`: the drafter's pass by width and, where timed, by drafting requests); optionally what the engine's
     own run adds (`engine_fit`).

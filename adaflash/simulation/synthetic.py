@@ -17,8 +17,9 @@ from typing import Sequence
 
 import torch
 
-from adaflash.models.kv_cache import KVCache, RaggedBatch
-from adaflash.models.target import ForwardOutput
+from adaflash.models.kv_cache.cache import KVCache
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import ForwardOutput
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ AR, DFLASH = "ar", "dflash"  # the canonical methods: plain decoding, or a block
 
 class _Expansion(NamedTuple):
     method: str  # canonical
-    drafter: str | None  # the shipped drafter --drafter defaults to (models/registry.py keys), None: no drafter
+    drafter: str | None  # the shipped drafter --drafter defaults to (models/targets/registry.py keys), None: no drafter
     length_policy: LengthPolicySpec | None  # the default when --length-policy is not given
 
 

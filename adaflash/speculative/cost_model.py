@@ -235,10 +235,10 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
 
     `batched_drafter`: time the drafter's pass by its number of drafting requests too (default: on CUDA, where a pass
     batches them; the simulator's measured tables ask for it on a CPU as well, to price what a CPU's batch costs)."""
-    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.models.kv_cache.ragged import RaggedBatch
     from adaflash.speculative.sampling import SamplingParams
 
-    from adaflash.models.device import synchronize
+    from adaflash.models.device.placement import synchronize
 
     points = profile_points(max_tokens)
     vocab = target.config.vocab_size
@@ -315,8 +315,8 @@ def measure_step_table(target, batches: Sequence[int], new_tokens: Sequence[int]
 
     Round-robin over the cells after a warm-up round, `repeats` rounds, medians; `burst` > 1 times each cell warm, in
     a run of that many passes (`_round_robin`)."""
-    from adaflash.models.device import synchronize
-    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.models.device.placement import synchronize
+    from adaflash.models.kv_cache.ragged import RaggedBatch
 
     widest, device = max(new_tokens), target.device
     longest = max([max(contexts) + widest, *prefill_tokens])
@@ -390,9 +390,9 @@ def load_or_profile_cost_model(target, proposer, max_tokens: int, cache_file: Pa
 
 def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
     """Where this target + drafter's cost model is cached in the user cache (one file per machine setting)."""
-    from adaflash.models.device import describe
+    from adaflash.models.device.placement import describe
     from adaflash.models.kernels.selection import kernel_fingerprint
-    from adaflash.models.registry import cache_root
+    from adaflash.models.files import cache_root
 
     # Thread count is part of the key: verify time scales with it, and servers may be pinned to fewer cores.
     # The draft vocabulary too: trimming it exists to make drafting cheaper. And the CPU + kernel build + kernel mode:

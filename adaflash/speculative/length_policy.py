@@ -2,11 +2,12 @@
 
 The engine's drafter source (engine/draft_sources.py) calls `decide` once per step with every decoding request left
 without a prompt-lookup match, `feedback` after verification, and `observe_step` with the step's wall time (a step of
-the drafting check's plain arm gets only `observe_step`: the policy decided nothing in it). Each
-policy's name (`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`, `block-head`, and the
-batch-level `ema-budget` and `adaflash-gated` of batch_length.py) is what logs and metrics show; `build_length_policy` makes one from its spec (`config.py`'s `LengthPolicySpec`, where a spec is
-checked); the engine runs every adaptive one behind the drafting check (`drafting_check.py`: plain stretches wherever
-drafting commits fewer tokens a second). The cost model the throughput policies read is in `cost_model.py`.
+the drafting check's plain arm gets only `observe_step`: the policy decided nothing in it). Each policy's name
+(`fixed:K`, `heuristic`, `throughput`, `throughput-profiled`, `adaflash`, `block-head`, and the batch-level
+`ema-budget` and `adaflash-gated` of batch_length.py) is what logs and metrics show; `policies.py`'s
+`build_length_policy` makes one from its spec (`config.py`'s `LengthPolicySpec`, where a spec is checked); the engine
+runs every adaptive one behind the drafting check (`drafting_check.py`: plain stretches wherever drafting commits
+fewer tokens a second). The cost model the throughput policies read is in `cost_model.py`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
-from adaflash.speculative.config import FIXED, LengthPolicySpec, length_policy_of
 from adaflash.speculative.cost_model import CalibratedCost, CostModel
 
 if TYPE_CHECKING:  # the heads import torch.nn modules the rule-based policies never need
-    from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
+    from adaflash.models.drafters.length_head import BlockLengthHead, PositionAcceptanceHead
 
 
 # hidden_of(indices) -> the drafter's block hidden states [len(indices), B, d] of those requests (one drafter
@@ -396,51 +396,3 @@ class BlockHeadLength:
 
     def observe_step(self, lengths: Sequence[int], seconds: float, priced: bool = True) -> None:
         pass
-
-
-def build_length_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCost | None = None,
-                        head=None, max_running: int | None = None) -> LengthPolicy:
-    """`fixed:K`, `heuristic`, `throughput` (needs the profiled cost model, corrected by measured step times),
-    `throughput-profiled` (the profile alone: the calibration's ablation), `adaflash` (cost model + a per-position
-    acceptance head), `block-head` (the paper's block-level head), `ema-budget` (SGLang's batch-level EMA length) or
-    `adaflash-gated` (`adaflash` only above the release's 48 requests, batch_length.py); a string is parsed
-    (`LengthPolicySpec`, where every spec is checked). `max_running`: the engine's most running requests (its
-    `max_batch`), which `adaflash-gated` gates on. The engine runs every one but `fixed:K` behind the drafting check
-    (engine/drafting.py)."""
-    spec = length_policy_of(spec)
-    if spec.name == FIXED:
-        return FixedLength(spec.length)
-    if spec.name == "heuristic":
-        return HeuristicLength()
-    if spec.name == "ema-budget":
-        from adaflash.speculative.batch_length import EmaBudgetLength
-
-        return EmaBudgetLength()
-    if spec.needs_cost_model and cost is None:
-        raise ValueError(f"the {spec} policy needs a cost model")
-    if spec.name == "throughput":
-        return ThroughputLength(cost)
-    if spec.name == "throughput-profiled":
-        return ThroughputLength(cost, calibrate=False, name=spec.name)
-    from adaflash.models.length_head import BlockLengthHead, PositionAcceptanceHead
-
-    want = BlockLengthHead if spec.name == "block-head" else PositionAcceptanceHead
-    if not isinstance(head, want):
-        raise ValueError(f"the {spec} length policy needs a drafter checkpoint carrying a length head, a "
-                         f"{want.__name__} (train one with `adaflash train length-head`)")
-    return BlockHeadLength(head) if spec.name == "block-head" else learned_policy(spec, cost, head, max_running)
-
-
-def learned_policy(spec: LengthPolicySpec | str, cost: CostModel | CalibratedCost, head,
-                   max_running: int | None = None) -> LengthPolicy:
-    """`adaflash` or `adaflash-gated` over any head with a `survival(hidden)` (a checkpoint's, or the simulator's
-    synthetic one): what `build_length_policy` builds once it has checked the head."""
-    spec = length_policy_of(spec)
-    policy = LearnedThroughputLength(cost, head)
-    if spec.name == "adaflash":
-        return policy
-    if spec.name == "adaflash-gated":
-        from adaflash.speculative.batch_length import GatedLength
-
-        return GatedLength(policy, max_running=max_running)
-    raise ValueError(f"{spec} is not a learned per-position policy (adaflash, adaflash-gated)")

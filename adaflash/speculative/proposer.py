@@ -14,13 +14,15 @@ from typing import Sequence
 
 import torch
 
-from adaflash.models.dflash2 import selector_law
-from adaflash.models.draft_vocab import DraftHead
-from adaflash.models.drafter import DFlashDrafter
+from adaflash.models.drafters.dflash2 import selector_law
+from adaflash.models.drafters.draft_vocab import DraftHead
+from adaflash.models.drafters.dflash import DFlashDrafter
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
-from adaflash.models.kv_cache import KVCache, RaggedBatch
-from adaflash.models.layers import argmax_rows, linear
-from adaflash.models.target import TargetModel
+from adaflash.models.kv_cache.cache import KVCache
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.kernels.stock import linear
+from adaflash.models.layers import argmax_rows
+from adaflash.models.targets.model import TargetModel
 from adaflash.speculative.sampling import SamplingParams, logits_to_probs, sample_tokens
 
 
@@ -116,7 +118,7 @@ class DFlashProposer:
     def _selected(self, hidden: torch.Tensor, logits: torch.Tensor, num_draft: Sequence[int], anchors: Sequence[int],
                   sampling: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]) -> Drafts:
         """DFlash 2: each request's drafts along its selector path; sampling, the selector's q over its candidates
-        (at the request's temperature) is the draft law verification sees (models/dflash2.py)."""
+        (at the request's temperature) is the draft law verification sees (models/drafters/dflash2.py)."""
         selector, vocab = self.drafter.candidate_selector, self.target.config.vocab_size
         tokens, probs, offset = [], [], 0
         for k, anchor, params, gen in zip(num_draft, anchors, sampling, generators):

@@ -11,9 +11,9 @@ from typing import Sequence
 
 import torch
 
-from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.layers import argmax_rows
-from adaflash.models.target import TargetModel
+from adaflash.models.targets.model import TargetModel
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.sampling import (SamplingParams, draw_exponentials, draw_uniforms, logits_to_probs,
                                            sample_tokens)

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from adaflash.formats.outcomes import Outcomes
 from adaflash.formats.trajectories import Trajectory
-from adaflash.models.draft_vocab import DraftHead
-from adaflash.models.drafter import DFlashDrafter
-from adaflash.models.target import TargetModel
+from adaflash.models.drafters.draft_vocab import DraftHead
+from adaflash.models.drafters.dflash import DFlashDrafter
+from adaflash.models.targets.model import TargetModel
 from adaflash.training.dataset import TrainSample, block_inputs, sample_anchors
 from adaflash.training.losses import IGNORE, divergence
 from adaflash.training.trainer import teacher_logits, teacher_pass

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from adaflash.models.drafter import DFlashDrafter
-from adaflash.models.drafter_checkpoint import load_drafter, save_drafter
+from adaflash.models.drafters.dflash import DFlashDrafter
+from adaflash.models.drafters.checkpoint import load_drafter, save_drafter
 
 
 @contextlib.contextmanager

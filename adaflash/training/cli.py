@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from adaflash.cli_args import command_group
-from adaflash.models.device import current_device
+from adaflash.models.device.placement import current_device
 from adaflash.report import write_json
 
 
@@ -48,7 +48,7 @@ def _cmd_train_distill(args: argparse.Namespace) -> int:
 
 
 def _cmd_online(args: argparse.Namespace) -> int:
-    from adaflash.models.registry import resolve_drafter
+    from adaflash.models.targets.registry import resolve_drafter
     from adaflash.plots import plot_online
     from adaflash.training.online import OnlineAdaptation, OnlineConfig
 
@@ -64,8 +64,8 @@ def _cmd_online(args: argparse.Namespace) -> int:
 
 def _cmd_train_length_head(args) -> int:
     from adaflash.formats.outcomes import load_outcomes
-    from adaflash.models.drafter_checkpoint import load_drafter_config
-    from adaflash.models.length_head import save_length_head
+    from adaflash.models.drafters.checkpoint import load_drafter_config
+    from adaflash.models.drafters.length_head import save_length_head
     from adaflash.plots import plot_reliability
     from adaflash.training.length_head import LengthHeadTrainConfig, summary_line, train_length_head
 
@@ -76,9 +76,9 @@ def _cmd_train_length_head(args) -> int:
         import torch
 
         from adaflash.formats.trajectories import read_trajectories
-        from adaflash.models.drafter_checkpoint import load_drafter
-        from adaflash.models.registry import resolve_target
-        from adaflash.models.target import load_target
+        from adaflash.models.drafters.checkpoint import load_drafter
+        from adaflash.models.targets.registry import resolve_target
+        from adaflash.models.targets.model import load_target
         from adaflash.training.block_outcomes import score_blocks
 
         target = load_target(resolve_target(args.model), dtype=torch.float32)
@@ -105,7 +105,7 @@ def _cmd_train_length_head(args) -> int:
 
 
 def _register_length_head_cli(group) -> None:
-    from adaflash.models.length_head import KINDS
+    from adaflash.models.drafters.length_head import KINDS
 
     p = group.add_parser(
         "length-head", help="fit a candidate-length head on recorded outcomes; saved inside a copy of the drafter")

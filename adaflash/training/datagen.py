@@ -31,7 +31,7 @@ from tqdm import tqdm
 from adaflash.data.prompt import Prompt
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
-from adaflash.models.target import TargetModel
+from adaflash.models.targets.model import TargetModel
 from adaflash.speculative.sampling import SamplingParams
 
 MANIFEST = "manifest.json"

@@ -19,13 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from adaflash.formats.outcomes import Outcomes
-from adaflash.models.length_head import (
-    KINDS,
-    LengthHead,
-    LengthHeadConfig,
-    build_length_head,
-    save_length_head,
-)
+from adaflash.models.drafters.length_head import (KINDS, LengthHead, LengthHeadConfig, build_length_head,
+    save_length_head)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from adaflash.engine.recorder import TrajectoryRecorder
 from adaflash.engine.request import Request
 from adaflash.engine.runner import EngineRunner
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
-from adaflash.models.drafter_checkpoint import latest_version, load_drafter, load_drafter_config, publish_version
-from adaflash.models.length_head import load_length_head, save_length_head
+from adaflash.models.drafters.checkpoint import latest_version, load_drafter, load_drafter_config, publish_version
+from adaflash.models.drafters.length_head import load_length_head, save_length_head
 from adaflash.pipeline import Pipeline
 from adaflash.speculative.config import SpeculativeConfig
 from adaflash.speculative.proposer import DFlashProposer

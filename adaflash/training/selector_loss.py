@@ -1,4 +1,4 @@
-"""Training DFlash 2's candidate selector (models/dflash2.py), beside whichever loss trains the drafter.
+"""Training DFlash 2's candidate selector (models/drafters/dflash2.py), beside whichever loss trains the drafter.
 
 DFlash 2's objective is unpublished; this is the public ports' (vLLM speculators' DFlash 2 support): a K-way
 cross-entropy over each position's unary top-K, the gold token injected in place of the last candidate where the top-K
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from adaflash.models.dflash2 import CandidateSelector
+from adaflash.models.drafters.dflash2 import CandidateSelector
 from adaflash.training.losses import IGNORE
 
 

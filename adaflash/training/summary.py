@@ -1,6 +1,6 @@
 """Summarise a training run's metrics.jsonl into docs-ready numbers and markdown (no plotting here).
 
-The script that writes them, with the scaling-curve figure: `python benchmarks/scaling_curve.py RUN --out OUT`.
+The script that writes them, with the scaling-curve figure: `python benchmarks/drafter/scaling_curve.py RUN --out OUT`.
 """
 
 from __future__ import annotations

@@ -23,15 +23,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from adaflash.models.device import current_device
-from adaflash.models.drafter import DFlashDrafter, DrafterConfig
-from adaflash.models.drafter_checkpoint import as_dflash2, deepen_drafter, init_drafter, load_drafter, save_drafter
+from adaflash.models.device.placement import current_device
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.dflash import DFlashDrafter
+from adaflash.models.drafters.checkpoint import as_dflash2, deepen_drafter, init_drafter, load_drafter, save_drafter
 from adaflash.training.checkpoint import load_checkpoint, save_checkpoint, writing
-from adaflash.models.registry import resolve_target
-from adaflash.models.target import TargetModel, load_target
-from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.targets.registry import resolve_target
+from adaflash.models.targets.model import TargetModel, load_target
+from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.layers import rms_norm
-from adaflash.models.draft_vocab import DraftHead, DraftVocab, count_tokens
+from adaflash.models.drafters.draft_vocab import DraftHead, DraftVocab, count_tokens
 from adaflash.training.dataset import (block_inputs, block_soft_targets, first_anchor, load_training_data,
                                       sample_anchors)
 from adaflash.training.losses import IGNORE, SoftTargets, build_loss
@@ -53,7 +54,7 @@ class TrainConfig:
     target_layer_ids: tuple[int, ...] | None = None  # default: DFlash's spread for num_layers
     intermediate_size: int | None = None
     init_from_target: bool = True
-    # DFlash 2 (models/dflash2.py): a selector of this rank (0: none) over the top selector_top_k, and convolutions of
+    # DFlash 2 (models/drafters/dflash2.py): a selector of this rank (0: none) over the top selector_top_k, and convolutions of
     # conv_kernel_size taps (0: none) in groups of conv_group_size; from init_from, a DFlash 1 drafter is upgraded
     # (identity convolutions, a fresh selector). The selector trains with its own loss (training/selector_loss.py).
     selector_rank: int = 0
@@ -68,7 +69,7 @@ class TrainConfig:
     holdout_samples: int = 0  # samples kept out of training; their teacher-forced accept length is logged
     holdout_anchors: int = 32
     # Also walk each held-out response as decoding would: every anchor of every held-out sample, ~10x the random
-    # anchors' cost (2.5 min a checkpoint for SmolLM2's 64 samples here); `python benchmarks/holdout.py`
+    # anchors' cost (2.5 min a checkpoint for SmolLM2's 64 samples here); `python benchmarks/drafter/holdout.py`
     # scores finished drafters so.
     holdout_decoded: bool = False
     gamma: float = 7.0

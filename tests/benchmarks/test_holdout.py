@@ -7,7 +7,7 @@ import json
 import pytest
 
 from adaflash.training.trainer import TrainConfig, train
-from benchmarks.holdout import score_drafters
+from benchmarks.drafter.holdout import score_drafters
 from tests.helpers import regenerate_tiny_data
 
 

@@ -7,8 +7,8 @@ import torch
 
 from adaflash.speculative.cost_model import CostModel
 from adaflash.speculative.length_policy import HeuristicLength, LookupLength, ThroughputLength
-from benchmarks import policy_overhead
-from benchmarks.policy_overhead import lookup_step_s, policy_step_s
+from benchmarks.adaflash import policy_overhead
+from benchmarks.adaflash.policy_overhead import lookup_step_s, policy_step_s
 
 COST = CostModel(total_tokens=(1, 8, 64), verify_s=(0.01, 0.012, 0.08), draft_s=0.001)
 

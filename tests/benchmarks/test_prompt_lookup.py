@@ -1,4 +1,4 @@
-"""`python benchmarks/prompt_lookup.py`: ours (with and without our prompt lookup) vs transformers' PLD."""
+"""`python benchmarks/serving/prompt_lookup.py`: ours (with and without our prompt lookup) vs transformers' PLD."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 from adaflash.pipeline import Pipeline
 from adaflash.speculative.reference import GenerationResult
-from benchmarks import prompt_lookup
+from benchmarks.serving import prompt_lookup
 from tests.evaluation.test_offline import make_prompt, random_drafter  # noqa: F401 (fixture)
 
 

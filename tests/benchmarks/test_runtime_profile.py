@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from adaflash.models.target import load_target
-from benchmarks import runtime_profile
-from benchmarks.runtime_profile import _bucket, profile_step, to_markdown
+from adaflash.models.targets.model import load_target
+from benchmarks.runtime import runtime_profile
+from benchmarks.runtime.runtime_profile import _bucket, profile_step, to_markdown
 
 
 def test_buckets_cover_the_step(tiny_checkpoints, monkeypatch):

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from adaflash.engine.engine import Engine
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.length_policy import FixedLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
-from benchmarks import step_profile
-from benchmarks.step_profile import PARTS, instrumented, PartTimers, profile_generation, summarize, to_markdown
+from benchmarks.runtime import step_profile
+from benchmarks.runtime.step_profile import PARTS, instrumented, PartTimers, profile_generation, summarize, to_markdown
 
 
 def test_parts_are_timed_and_tokens_are_the_targets(tiny_checkpoints):

@@ -1,4 +1,4 @@
-"""Timers around model work read the clock only after synchronising the model's device (models/device.py): a GPU's
+"""Timers around model work read the clock only after synchronising the model's device (models/device/placement.py): a GPU's
 kernels run after their launch returns, so an unsynchronised clock times the launches. On the CPU `synchronize` is a
 no-op; here it is recorded, and every clock read must come right after one, for the model's device."""
 
@@ -11,13 +11,13 @@ import torch
 
 from adaflash.engine.engine import Engine
 from adaflash.evaluation import vocab_coverage
-from adaflash.models.config import TransformerConfig
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.target import random_target
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
+from adaflash.models.targets.model import random_target
 from adaflash.speculative.length_policy import FixedLength
 from adaflash.speculative.proposer import DFlashProposer
-from benchmarks import draft_width, runtime_speed, step_profile
+from benchmarks.runtime import draft_width, runtime_speed, step_profile
 
 
 @pytest.fixture

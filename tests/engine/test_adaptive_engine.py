@@ -9,12 +9,14 @@ from adaflash.engine.engine import Engine
 from adaflash.engine.recorder import TrajectoryRecorder
 from adaflash.formats.outcomes import load_outcomes
 from adaflash.formats.trajectories import read_trajectories
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, latest_version, publish_version, save_drafter
-from adaflash.models.length_head import BlockLengthHead, LengthHeadConfig, PositionAcceptanceHead, save_length_head
-from adaflash.models.target import load_target
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, latest_version, publish_version, save_drafter
+from adaflash.models.drafters.length_head import (BlockLengthHead, LengthHeadConfig, PositionAcceptanceHead,
+    save_length_head)
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.drafting_check import RequestRecord
-from adaflash.speculative.length_policy import BlockHeadLength, LearnedThroughputLength, build_length_policy
+from adaflash.speculative.length_policy import BlockHeadLength, LearnedThroughputLength
+from adaflash.speculative.policies import build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
 from tests.engine.test_engine import (ARRIVALS, BUDGETS, COST, FLAT_COST, MORE_PROMPTS, PROMPTS, _more_requests,

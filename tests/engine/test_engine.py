@@ -10,9 +10,9 @@ import torch
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
 from adaflash.engine.scheduler import QueueFullError
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks, RequestRecord
 from adaflash.speculative.length_policy import CostModel, FixedLength, HeuristicLength, ThroughputLength
 from adaflash.speculative.proposer import DFlashProposer
@@ -333,7 +333,7 @@ def test_throughput_policy_shrinks_drafts_under_load():
 def test_speculative_steps_return_features_and_logprobs_of_committed_tokens_only(target):
     """Perfect drafts with a stop token inside an accepted block: every step returns exactly one feature row and one
     top-k row per committed token (a prefill: one feature row per prompt token), equal to a fresh target pass."""
-    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.models.kv_cache.ragged import RaggedBatch
     from tests.helpers import ScriptedProposer
 
     prompt = PROMPTS[2]

@@ -13,11 +13,11 @@ from adaflash.engine.engine_factory import (
     method_of,
 )
 from adaflash.engine.request import Request
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.config import METHODS, LengthPolicySpec, SpeculativeConfig
-from adaflash.speculative.length_policy import build_length_policy
+from adaflash.speculative.policies import build_length_policy
 from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate

@@ -12,9 +12,9 @@ from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
 from adaflash.engine.runner import EngineRunner, RunnerStoppedError, StepStats
 from adaflash.engine.scheduler import QueueFullError
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.length_policy import FixedLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate

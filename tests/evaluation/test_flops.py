@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from adaflash.evaluation.flops import linear_flops_per_token, matmul_peak_flops, served_gflops
-from adaflash.models.config import TransformerConfig
-from adaflash.models.target import TargetModel
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.targets.model import TargetModel
 
 
 def _config(**kw) -> TransformerConfig:

@@ -10,9 +10,9 @@ import pytest
 
 from adaflash.data.prompt import Prompt, user_messages
 from adaflash.evaluation.offline import per_position_acceptance, per_position_counts, register_cli, run_offline_bench
-from adaflash.models.config import TransformerConfig
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, save_drafter
 from adaflash.speculative.reference import GenerationResult, GenerationStats
 
 

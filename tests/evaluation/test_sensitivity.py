@@ -8,12 +8,13 @@ import torch
 
 from adaflash.cli import main
 from adaflash.evaluation import sensitivity
-from adaflash.models import drafter_checkpoint, length_head
+from adaflash.models.drafters import checkpoint as drafter_checkpoint, length_head
 from adaflash.formats.trajectories import Trajectory, append_trajectories
-from adaflash.models.config import TransformerConfig
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
-from adaflash.models.length_head import BlockLengthHead, LengthHeadConfig, PositionAcceptanceHead, save_length_head
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, save_drafter
+from adaflash.models.drafters.length_head import (BlockLengthHead, LengthHeadConfig, PositionAcceptanceHead,
+    save_length_head)
 from tests.evaluation.test_context_length import device_spy
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from adaflash.evaluation.vocab_coverage import accept_length_by_size, coverage_by_domain, draft_step_ms, to_markdown
-from adaflash.models.target import load_target
+from adaflash.models.targets.model import load_target
 from adaflash.training.dataset import DraftDataset
 from adaflash.training.trainer import TrainConfig, train
 

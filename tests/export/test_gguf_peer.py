@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from adaflash.export.gguf import GGUFExportConfig, export_gguf
-from adaflash.models.config import TransformerConfig
-from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
-from adaflash.models.registry import shipped_drafter
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.draft_vocab import DraftVocab
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, save_drafter
+from adaflash.models.targets.registry import shipped_drafter
 from tests.export.gguf_files import PROVENANCE_KEYS, differences, read_gguf
 from tests.export.peer_paths import CONVERTER, PEER_PYTHON
 
@@ -47,7 +47,7 @@ def convert_with_llama_cpp(drafter: Path, target: Path, out: Path, outtype: str)
 
 
 def assert_same_as_converter(drafter: Path, target: str, tmp_path: Path, outtype: str) -> dict:
-    from adaflash.models.registry import resolve_target
+    from adaflash.models.targets.registry import resolve_target
 
     target_dir = resolve_target(target)
     theirs = read_gguf(convert_with_llama_cpp(drafter, target_dir, tmp_path / f"theirs-{outtype}.gguf", outtype))

@@ -143,7 +143,7 @@ def _rate(accepted: int, drafted: int) -> dict:
 @pytest.fixture(scope="module")
 def interop(peer_bins, smollm2_dir, tmp_path_factory) -> dict:
     from adaflash.export.gguf import GGUFExportConfig, export_gguf
-    from adaflash.models.registry import shipped_drafter
+    from adaflash.models.targets.registry import shipped_drafter
     from adaflash.pipeline import Pipeline
 
     work = tmp_path_factory.mktemp("llamacpp")

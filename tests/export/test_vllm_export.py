@@ -13,11 +13,11 @@ from safetensors.torch import load_file
 
 from adaflash.cli import main
 from adaflash.export.vllm import clean_config, export_vllm, export_vllm_drafter, export_vllm_target, target_lm_head
-from adaflash.models.config import TransformerConfig
-from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, save_drafter
-from adaflash.models.length_head import LengthHeadConfig, build_length_head, save_length_head
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.draft_vocab import DraftVocab
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, load_drafter, save_drafter
+from adaflash.models.drafters.length_head import LengthHeadConfig, build_length_head, save_length_head
 
 MASK = 16
 
@@ -150,8 +150,8 @@ def test_target_export_leaves_out_our_runtimes_packed_block_cache(tiny_chat_chec
     vLLM loads every *.safetensors of a folder and refused it ("no module or parameter named 'embed_tokens'")."""
     import shutil
 
-    from adaflash.models.gguf_blocks import CACHE_FILE
-    from adaflash.models.safetensors_io import save_tensors
+    from adaflash.models.targets.gguf_blocks import CACHE_FILE
+    from adaflash.models.files import save_tensors
 
     src = tmp_path / "cache"
     shutil.copytree(tiny_chat_checkpoint, src)

@@ -104,7 +104,7 @@ def first_divergence(ar: dict, spec: dict) -> dict | None:
 @pytest.fixture(scope="module")
 def interop(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
     from adaflash.export.vllm import export_vllm
-    from adaflash.models.registry import shipped_drafter
+    from adaflash.models.targets.registry import shipped_drafter
     from adaflash.pipeline import Pipeline
 
     work = tmp_path_factory.mktemp("vllm")

@@ -37,7 +37,7 @@ ROUNDS = 3
 def scheduled(vllm_python, smollm2_dir, tmp_path_factory) -> dict:
     from adaflash.export.vllm import export_vllm
     from adaflash.export.vllm_schedule import batch_schedule, speculative_config, survival_from_histograms
-    from adaflash.models.registry import shipped_drafter
+    from adaflash.models.targets.registry import shipped_drafter
     from adaflash.pipeline import Pipeline
     import torch
 

@@ -1,5 +1,5 @@
 """`make gpu-check` runs as it is on a bare GPU machine; its dry run at toy shapes on the CPU, under the fake CUDA device
-(models/device_tags.py), catches here what would otherwise fail on first contact with the GPU (an import, a shape, a
+(models/device/fake_cuda.py), catches here what would otherwise fail on first contact with the GPU (an import, a shape, a
 tensor on the wrong device, a file the device tool cannot bring back)."""
 
 from __future__ import annotations

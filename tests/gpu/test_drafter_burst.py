@@ -1,7 +1,7 @@
 """`make gpu-drafter` runs as it is on a bare GPU machine: its dry run stages the real payload (the target's GGUF in
 parts, a prompt file, the gguf wheel), unpacks and converts it, generates data with the target, probes and trains,
 and leaves a loadable drafter where the device tool brings files back from; here on the fake CUDA device
-(models/device_tags.py), so a tensor left on the host fails the dry run as it would fail the GPU's first step."""
+(models/device/fake_cuda.py), so a tensor left on the host fails the dry run as it would fail the GPU's first step."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from adaflash.models.drafter_checkpoint import load_drafter
+from adaflash.models.drafters.checkpoint import load_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import resource
 import pytest
 import torch
 
-from adaflash.models.allocator import keep_freed_buffers
+from adaflash.models.device.memory import keep_freed_buffers
 
 
 def _faults_touching(numel: int) -> int:

@@ -1,4 +1,4 @@
-"""The decode graph's ownership and its capture's device (models/decode_graph.py).
+"""The decode graph's ownership and its capture's device (models/targets/decode_graph.py).
 
 The static decode step runs eagerly on the CPU (what a CUDA graph captures); CUDA's capture and replay calls are
 replaced here by recorders, so the device and stream they are made on are checked without a GPU.
@@ -13,9 +13,9 @@ import weakref
 import pytest
 import torch
 
-from adaflash.models import decode_graph
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target
+from adaflash.models.targets import decode_graph
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.reference import autoregressive_generate
 
 PROMPT = [3, 17, 29, 5, 60]

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from adaflash.models.draft_vocab import VOCAB_FILE, DraftHead, DraftVocab, count_tokens
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, load_drafter_config, save_drafter
+from adaflash.models.drafters.draft_vocab import VOCAB_FILE, DraftHead, DraftVocab, count_tokens
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, load_drafter, load_drafter_config, save_drafter
 
 VOCAB = 96
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaflash.models.config import TransformerConfig
-from adaflash.models.drafter import DrafterConfig, build_target_layer_ids
-from adaflash.models.drafter_checkpoint import deepen_drafter, init_drafter, load_drafter, save_drafter
-from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.config import DrafterConfig, build_target_layer_ids
+from adaflash.models.drafters.checkpoint import deepen_drafter, init_drafter, load_drafter, save_drafter
+from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.layers import apply_rope, rope_cos_sin
 
 TARGET = TransformerConfig(
@@ -227,7 +227,7 @@ def test_training_forward_equals_cached_inference():
 def test_training_attention_is_4d_and_equals_the_3d_formulation(monkeypatch):
     """The training pass calls SDPA with [batch, heads, q, k] tensors and a mask broadcast over batch and heads (what
     CUDA's memory-efficient kernel takes; 3-D falls back to the math kernel), and gets what the former 3-D call got."""
-    from adaflash.models import drafter as drafter_module
+    from adaflash.models.drafters import dflash as drafter_module
 
     sdpa, calls = F.scaled_dot_product_attention, []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaflash.models import dtype
+from adaflash.models.kernels import dtype
 
 
 @pytest.mark.parametrize("kernels,native,want", [(True, True, torch.float32), (True, False, torch.float32),

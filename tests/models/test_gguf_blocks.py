@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from adaflash.models import gguf_blocks
+from adaflash.models.targets import gguf_blocks
 
 
 def test_rows_are_matched_by_content_whatever_their_order():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+from adaflash.models.kv_cache.cache import KVCache
+from adaflash.models.kv_cache.ragged import RaggedAttention, RaggedBatch
 
 LAYERS, SLOTS, MAX_LEN, KV_HEADS, HEADS, DIM = 1, 3, 16, 2, 4, 8
 
@@ -25,7 +26,7 @@ def test_rollback_only_moves_the_length():
 def test_a_cache_larger_than_free_memory_is_refused_naming_its_sizes(monkeypatch):
     """Qwen3-8B's cache at --max-batch 64 --max-len 40960 (bf16, ~360 GiB) against a device with 80 GiB free: refused
     before any allocation, with the sizes; one that fits is made."""
-    from adaflash.models import kv_cache
+    from adaflash.models.kv_cache import cache as kv_cache
 
     asked = []
     monkeypatch.setattr(kv_cache, "free_memory", lambda device: asked.append(torch.device(device)) or 80 * 2**30)
@@ -44,7 +45,7 @@ def test_free_memory_reads_the_cpus_available_memory(monkeypatch):
     """psutil's figure where installed, else /proc/meminfo's MemAvailable; both positive here."""
     import builtins
 
-    from adaflash.models.device import free_memory
+    from adaflash.models.device.memory import free_memory
 
     with_psutil = free_memory("cpu")
     real_import = builtins.__import__

@@ -7,16 +7,8 @@ import json
 import pytest
 import torch
 
-from adaflash.models.length_head import (
-    CONFIG_KEY,
-    HEAD_FILE,
-    BlockLengthHead,
-    LengthHeadConfig,
-    PositionAcceptanceHead,
-    build_length_head,
-    load_length_head,
-    save_length_head,
-)
+from adaflash.models.drafters.length_head import (CONFIG_KEY, HEAD_FILE, BlockLengthHead, LengthHeadConfig,
+    PositionAcceptanceHead, build_length_head, load_length_head, save_length_head)
 
 D, B = 12, 6
 

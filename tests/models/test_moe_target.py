@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from adaflash.models.config import TransformerConfig, UnsupportedModelError
-from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target, target_from_hf_tensors
+from adaflash.models.targets.config import TransformerConfig, UnsupportedModelError
+from adaflash.models.drafters.draft_vocab import DraftVocab
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import load_target, target_from_hf_tensors
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 from tests.helpers import TINY_VOCAB
@@ -74,7 +74,7 @@ def moe_checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(params=["cpu", "cpu-kernels", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])])
 def device(request, monkeypatch) -> torch.device:
     """The CPU on torch's ops (as on CUDA), the CPU with our kernels where they run, or the GPU."""
-    from adaflash.models import device as process_device
+    from adaflash.models.device import placement as process_device
 
     name = "cpu" if request.param == "cpu-kernels" else request.param
     if request.param != "cpu-kernels":
@@ -223,7 +223,7 @@ def test_the_qwen3_coder_30b_a3b_drafter_config_fits_the_target():
     """configs/qwen3-coder-30b-a3b-drafter.toml: a training config whose drafter fits the MoE target's shapes."""
     from pathlib import Path
 
-    from adaflash.models.drafter import build_target_layer_ids
+    from adaflash.models.drafters.config import build_target_layer_ids
     from adaflash.training.trainer import TrainConfig
 
     cfg = TrainConfig.from_file(Path(__file__).parents[2] / "configs" / "qwen3-coder-30b-a3b-drafter.toml")

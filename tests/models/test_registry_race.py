@@ -7,7 +7,7 @@ import multiprocessing
 import time
 from pathlib import Path
 
-from adaflash.models import registry
+from adaflash.models.targets import registry
 
 
 def _slow_conversion(gguf: Path, out_dir: Path) -> None:

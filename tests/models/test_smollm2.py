@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.registry import load_tokenizer, resolve_target
-from adaflash.models.target import load_target
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.registry import load_tokenizer, resolve_target
+from adaflash.models.targets.model import load_target
 from adaflash.pipeline import Pipeline
 
 pytestmark = pytest.mark.slow
@@ -67,8 +67,8 @@ def test_greedy_speculative_equals_ar_on_smollm2(pipeline, draft_length):
 
 
 def test_shipped_drafter_loads_and_is_lossless(pipeline):
-    from adaflash.models.drafter_checkpoint import load_drafter
-    from adaflash.models.registry import shipped_drafter
+    from adaflash.models.drafters.checkpoint import load_drafter
+    from adaflash.models.targets.registry import shipped_drafter
     from adaflash.speculative.proposer import DFlashProposer
 
     path = shipped_drafter("smollm2-135m")
@@ -115,9 +115,9 @@ def test_int8_target_is_one_model_in_every_pass_and_speculation_is_lossless_agai
     bitwise the same from a prefill, a verification or a decode step (int8 prefills run the ragged attention kernel
     too), and speculative decoding with the shipped drafter - the reference loop and the engine, its drafter rounded to
     Q8_0 - reproduces its own AR output."""
-    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.drafters.checkpoint import load_drafter
     from adaflash.models.kernels.selection import fast_linears_available
-    from adaflash.models.registry import shipped_drafter
+    from adaflash.models.targets.registry import shipped_drafter
     from adaflash.speculative.proposer import DFlashProposer
 
     if not fast_linears_available(pipeline.target.lm_head):
@@ -164,9 +164,9 @@ def test_int8_engine_reuses_a_slots_prompt_prefix_exactly(smollm2_dir, pipeline)
     drafter's context cache keeps its prefix too)."""
     from adaflash.engine.engine import Engine
     from adaflash.engine.request import Request
-    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.drafters.checkpoint import load_drafter
     from adaflash.models.kernels.selection import fast_linears_available
-    from adaflash.models.registry import shipped_drafter
+    from adaflash.models.targets.registry import shipped_drafter
     from adaflash.speculative.proposer import DFlashProposer
 
     if not fast_linears_available(pipeline.target.lm_head):
@@ -209,9 +209,9 @@ def test_a_request_kept_from_drafting_leaves_its_whole_prefix_for_the_next(smoll
     prefill), and its tokens are the target's."""
     from adaflash.engine.engine import Engine
     from adaflash.engine.request import Request
-    from adaflash.models.drafter_checkpoint import load_drafter
+    from adaflash.models.drafters.checkpoint import load_drafter
     from adaflash.models.kernels.selection import fast_linears_available
-    from adaflash.models.registry import shipped_drafter
+    from adaflash.models.targets.registry import shipped_drafter
     from adaflash.speculative.length_policy import FixedLength
     from adaflash.speculative.proposer import DFlashProposer
 

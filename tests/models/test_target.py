@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from adaflash.models.config import TransformerConfig, UnsupportedModelError
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target
+from adaflash.models.targets.config import TransformerConfig, UnsupportedModelError
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import load_target
 
 FAMILIES = ["llama", "llama-tied", "qwen2", "qwen3", "qwen3-tied"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from adaflash.models.text_codec import TextCodec
+from adaflash.models.targets.text_codec import TextCodec
 from adaflash.server.protocol import ChatCompletionRequest, CompletionRequest
 
 CONTEXT = re.compile(r"maximum context length is (\d+) tokens")

@@ -21,9 +21,9 @@ from tests.server.contract import CONTEXT, is_context_refusal, overflows_context
 def _codec():
     from transformers import AutoTokenizer
 
-    from adaflash.models.config import TransformerConfig
-    from adaflash.models.registry import resolve_target
-    from adaflash.models.text_codec import TextCodec
+    from adaflash.models.targets.config import TransformerConfig
+    from adaflash.models.targets.registry import resolve_target
+    from adaflash.models.targets.text_codec import TextCodec
 
     path = resolve_target(os.environ.get("ADAFLASH_CONTRACT_MODEL", "smollm2-135m"))
     return TextCodec(AutoTokenizer.from_pretrained(path), TransformerConfig.from_dir(path).eos_token_ids)

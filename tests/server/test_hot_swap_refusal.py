@@ -11,7 +11,8 @@ import shutil
 import pytest
 from fastapi.testclient import TestClient
 
-from adaflash.models.drafter_checkpoint import WEIGHTS_FILE, init_drafter, load_drafter_config, publish_version, save_drafter
+from adaflash.models.drafters.checkpoint import (WEIGHTS_FILE, init_drafter, load_drafter_config, publish_version,
+    save_drafter)
 from adaflash.server.cli import build_app, register_cli
 from tests.server.test_server import CHAT, metric, pipeline, random_drafter, reference  # noqa: F401
 

@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
 from adaflash.engine.runner import EngineRunner
-from adaflash.models.config import TransformerConfig
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, save_drafter
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, save_drafter
 from adaflash.pipeline import Pipeline
 from adaflash.server.server import TextStream, create_app
 from adaflash.speculative.length_policy import FixedLength

@@ -81,7 +81,7 @@ def test_serve_errors_are_clear(tiny_chat_checkpoint, random_drafter):
 
 def test_serve_adaflash_records_and_watches_versions(served, tiny_chat_checkpoint, adaflash_drafter, tmp_path, capsys):
     from adaflash.formats.trajectories import read_trajectories
-    from adaflash.models.drafter_checkpoint import publish_version
+    from adaflash.models.drafters.checkpoint import publish_version
 
     versions = tmp_path / "versions"
     publish_version(adaflash_drafter, versions)

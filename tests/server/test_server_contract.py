@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from adaflash.engine.engine import Engine
 from adaflash.engine.runner import EngineRunner
-from adaflash.models.text_codec import TextCodec
+from adaflash.models.targets.text_codec import TextCodec
 from adaflash.server.gate import ServerConfig
 from adaflash.server.server import create_app
 from adaflash.speculative.length_policy import FixedLength

@@ -37,7 +37,7 @@ def _free_port() -> int:
 def serve_cache(tmp_path_factory) -> Path:
     """One private ADAFLASH_CACHE for this file's servers: the kernel library is compiled (or linked from the user
     cache, where this process built it) once, not once a server."""
-    from adaflash.models.registry import cache_root
+    from adaflash.models.files import cache_root
 
     cache = tmp_path_factory.mktemp("serve-cache")
     (cache / "kernels").mkdir()

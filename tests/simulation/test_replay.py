@@ -14,7 +14,7 @@ from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
 from adaflash.engine.trace_recorder import TraceRecorder
 from adaflash.formats.traces import TRACE_FILE, read_traces
-from adaflash.models.target import load_target
+from adaflash.models.targets.model import load_target
 from adaflash.simulation.clock import CostedProposer, CostedTarget, VirtualClock
 from adaflash.simulation.replay import (FAIL, ReplayDrafter, ReplayHead, ReplayRecord, ReplayTarget, Trace,
                                         TraceSource)
@@ -139,7 +139,7 @@ def test_the_replay_rule_shifts_the_latest_block_and_fails_past_it():
 
 
 def test_the_learned_head_s_predictions_are_recorded_and_replayed(target, expected, tmp_path):
-    from adaflash.models.length_head import LengthHeadConfig, PositionAcceptanceHead
+    from adaflash.models.drafters.length_head import LengthHeadConfig, PositionAcceptanceHead
 
     torch.manual_seed(3)
     head = PositionAcceptanceHead(LengthHeadConfig(kind="position", hidden_size=target.config.hidden_size,
@@ -279,8 +279,8 @@ def test_serve_and_the_factory_record_a_trace_beside_the_on_policy_buffer(target
     from adaflash.engine.engine_factory import EngineModels, build_engine
     from adaflash.engine.recorder import Recorders
     from adaflash.formats.trajectories import read_trajectories
-    from adaflash.models.drafter import DrafterConfig
-    from adaflash.models.drafter_checkpoint import init_drafter
+    from adaflash.models.drafters.config import DrafterConfig
+    from adaflash.models.drafters.checkpoint import init_drafter
     from adaflash.server.cli import engine_config
     from adaflash.speculative.proposer import DFlashProposer
 

@@ -17,7 +17,7 @@ from adaflash.speculative.length_policy import allocate_drafts
 
 
 def test_the_clock_moves_only_by_the_passes_charged():
-    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.models.kv_cache.ragged import RaggedBatch
     import torch
 
     clock, cost = VirtualClock(), ProfileCost(CostModel((1, 8), (0.01, 0.02), 0.005))

@@ -12,7 +12,7 @@ import torch
 
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
-from adaflash.models.target import load_target
+from adaflash.models.targets.model import load_target
 from adaflash.simulation.step_cost import EngineFit, TableCost
 from adaflash.simulation.step_table import PassLog, TimedPass, fit_engine, host_gaps
 from adaflash.speculative.cost_model import measure_step_table
@@ -163,7 +163,7 @@ def test_a_measured_table_of_a_real_target_loads_and_a_timed_engine_run_is_uncha
 
 
 def test_the_virtual_clock_charges_a_context_feed_as_the_cost_model_prices_it(tmp_path):
-    from adaflash.models.kv_cache import RaggedBatch
+    from adaflash.models.kv_cache.ragged import RaggedBatch
     from adaflash.simulation.clock import CostedProposer, VirtualClock
 
     class Fed:

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.cost_model import (PROFILE_VERSION, CalibratedCost, CostModel, cost_model_file, cost_model_for,
                                         load_or_profile_cost_model)
 from adaflash.speculative.length_policy import allocate_drafts

@@ -9,11 +9,12 @@ import torch
 
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
-from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter_checkpoint import load_drafter, save_drafter
-from adaflash.models.length_head import LengthHeadConfig, PositionAcceptanceHead
-from adaflash.models.target import load_target
-from adaflash.speculative.length_policy import BlockHeadLength, LearnedThroughputLength, build_length_policy
+from adaflash.models.drafters.draft_vocab import DraftVocab
+from adaflash.models.drafters.checkpoint import load_drafter, save_drafter
+from adaflash.models.drafters.length_head import LengthHeadConfig, PositionAcceptanceHead
+from adaflash.models.targets.model import load_target
+from adaflash.speculative.length_policy import BlockHeadLength, LearnedThroughputLength
+from adaflash.speculative.policies import build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
 from adaflash.speculative.sampling import SamplingParams

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from adaflash.models.drafter_checkpoint import load_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafters.checkpoint import load_drafter
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.proposer import DFlashProposer
 from tests.dflash_oracle import path  # noqa: F401 (the fixture: our kernels, the torch path, CUDA)
 from tests.dflash_oracle import (PROMPTS, assert_same_acceptance_law, hf_target, ours_generate, reference_drafter,
@@ -101,7 +101,7 @@ def test_fields_this_runtime_does_not_implement_fail_at_load(tiny, tmp_path, cha
 
 def test_fields_survive_our_save(tiny, tmp_path):
     """A public drafter loaded and saved here keeps every field (what vLLM / SGLang then read)."""
-    from adaflash.models.drafter_checkpoint import save_drafter
+    from adaflash.models.drafters.checkpoint import save_drafter
 
     top, dflash = FIELDS["sliding layers"][0] | FIELDS["yarn rope"][0], FIELDS["embedding scale"][1]
     model = reference_drafter(tiny[1], tmp_path / "drafter", tiny[2], top=top, dflash=dflash)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from adaflash.export.vllm import export_vllm
-from adaflash.models.drafter_checkpoint import load_drafter
-from adaflash.models.registry import load_tokenizer
-from adaflash.models.target import load_target
+from adaflash.models.drafters.checkpoint import load_drafter
+from adaflash.models.targets.registry import load_tokenizer
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.proposer import DFlashProposer
 from tests.dflash_oracle import hf_target, ours_generate, ref, reference_generate
 

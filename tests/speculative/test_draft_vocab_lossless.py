@@ -8,10 +8,10 @@ import torch
 
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
-from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafters.draft_vocab import DraftVocab
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.length_policy import FixedLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate

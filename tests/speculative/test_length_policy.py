@@ -9,16 +9,9 @@ import torch
 from adaflash.engine.request import Request
 from adaflash.speculative.cost_model import CostModel
 from adaflash.speculative.batch_length import EmaBudgetLength, GatedLength
-from adaflash.speculative.length_policy import (
-    FixedLength,
-    HeuristicLength,
-    LearnedThroughputLength,
-    LookupLength,
-    ThroughputLength,
-    allocate_drafts,
-    build_length_policy,
-    learned_policy,
-)
+from adaflash.speculative.length_policy import (FixedLength, HeuristicLength, LearnedThroughputLength, LookupLength,
+    ThroughputLength, allocate_drafts)
+from adaflash.speculative.policies import build_length_policy, learned_policy
 
 FREE_VERIFY = CostModel(total_tokens=(1, 64), verify_s=(0.01, 0.01), draft_s=0.0)  # batch-1 machine: tokens are free
 LINEAR = CostModel(total_tokens=(1, 64), verify_s=(0.01, 0.64), draft_s=0.0)  # every token costs a full pass
@@ -345,14 +338,14 @@ def test_adaflash_gated_drafts_the_block_up_to_the_gate_and_follows_the_head_abo
 
 
 def _position_head():
-    from adaflash.models.length_head import LengthHeadConfig, PositionAcceptanceHead
+    from adaflash.models.drafters.length_head import LengthHeadConfig, PositionAcceptanceHead
 
     return PositionAcceptanceHead(LengthHeadConfig(kind="position", hidden_size=4, block_size=16, head_dim=8))
 
 
 @pytest.fixture(scope="module")
 def target(tiny_checkpoints):
-    from adaflash.models.target import load_target
+    from adaflash.models.targets.model import load_target
 
     return load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
 

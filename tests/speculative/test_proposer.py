@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaflash.models.draft_vocab import DraftVocab
-from adaflash.models.drafter import DFlashDrafter, DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
+from adaflash.models.drafters.draft_vocab import DraftVocab
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.dflash import DFlashDrafter
+from adaflash.models.drafters.checkpoint import init_drafter
 from adaflash.models.kernels import packed
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.sampling import SamplingParams
 

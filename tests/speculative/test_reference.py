@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate, speculative_generate
 from adaflash.speculative.sampling import SamplingParams

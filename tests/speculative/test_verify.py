@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from adaflash.engine import engine as engine_module
-from adaflash.models.target import load_target
+from adaflash.models.targets.model import load_target
 from adaflash.speculative import reference, verify
 from adaflash.speculative.sampling import SamplingParams, draw_exponentials, logits_to_probs
 from adaflash.speculative.verify import verify_greedy, verify_sampling

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from adaflash.formats.trajectories import Trajectory
-from adaflash.models.drafter_checkpoint import load_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafters.checkpoint import load_drafter
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import speculative_generate
 from adaflash.training.block_outcomes import score_blocks

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from adaflash.data.prompt import Prompt, user_messages
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.reference import autoregressive_generate
 from adaflash.training.datagen import DataGenConfig, generate_dataset, generate_samples, load_manifest, read_shard
 

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import as_dflash2, init_drafter, load_drafter
-from adaflash.models.dflash2 import CandidateSelector
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import as_dflash2, init_drafter, load_drafter
+from adaflash.models.drafters.dflash2 import CandidateSelector
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import load_target
 from adaflash.training.losses import IGNORE, MISS
 from adaflash.training.selector_loss import selector_loss, teacher_forced_predecessors
 from adaflash.training.trainer import train

@@ -9,9 +9,9 @@ import torch
 
 from adaflash.cli import main
 from adaflash.formats.trajectories import Trajectory, append_trajectories, read_trajectories
-from adaflash.models.drafter_checkpoint import load_drafter
-from adaflash.models.kv_cache import RaggedBatch
-from adaflash.models.target import load_target
+from adaflash.models.drafters.checkpoint import load_drafter
+from adaflash.models.kv_cache.ragged import RaggedBatch
+from adaflash.models.targets.model import load_target
 from adaflash.training.dataset import DraftDataset, TrajectoryDataset
 from adaflash.training.trainer import TrainConfig, teacher_logits, teacher_pass, train
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from adaflash.formats.outcomes import Outcomes, load_outcomes, save_outcomes
-from adaflash.models.config import TransformerConfig
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, load_drafter, save_drafter
-from adaflash.models.length_head import CONFIG_KEY, BlockLengthHead, PositionAcceptanceHead, load_length_head
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, load_drafter, save_drafter
+from adaflash.models.drafters.length_head import CONFIG_KEY, BlockLengthHead, PositionAcceptanceHead, load_length_head
 from adaflash.plots import plot_reliability
 from adaflash.training.cli import register_cli
 from adaflash.training.length_head import (

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from adaflash.cli import main
-from adaflash.models.config import TransformerConfig
-from adaflash.models.drafter import DrafterConfig
-from adaflash.models.drafter_checkpoint import init_drafter, latest_version, save_drafter
-from adaflash.models.length_head import LengthHeadConfig, PositionAcceptanceHead, load_length_head, save_length_head
+from adaflash.models.targets.config import TransformerConfig
+from adaflash.models.drafters.config import DrafterConfig
+from adaflash.models.drafters.checkpoint import init_drafter, latest_version, save_drafter
+from adaflash.models.drafters.length_head import (LengthHeadConfig, PositionAcceptanceHead, load_length_head,
+    save_length_head)
 from adaflash.plots import plot_online
 from adaflash.training.online import OnlineAdaptation, OnlineConfig
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaflash.models.drafter_checkpoint import load_drafter
+from adaflash.models.drafters.checkpoint import load_drafter
 from adaflash.training.losses import BlockCrossEntropy, position_weights
 from adaflash.training.trainer import TrainConfig, lr_factor, train
 
@@ -151,7 +151,7 @@ def test_trimmed_vocabulary_with_soft_targets_learns_resumes_and_ships(tiny_chec
     for (name, a), (_, b) in zip(_weights(straight).items(), _weights(resumed).items()):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
     assert load_drafter(resumed).draft_vocab.token_ids.tolist() == expected.token_ids.tolist()
-    from benchmarks.scaling_curve import plot_scaling_curve
+    from benchmarks.drafter.scaling_curve import plot_scaling_curve
     from adaflash.training.summary import summarise, to_markdown
 
     summary = summarise(tmp_path / "a")

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from adaflash.models.drafter_checkpoint import load_drafter
-from adaflash.models.target import load_target
+from adaflash.models.drafters.checkpoint import load_drafter
+from adaflash.models.targets.model import load_target
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import speculative_generate
 from adaflash.training.dataset import DraftDataset

@@ -184,7 +184,7 @@ int adaflash_decoder_forward(const int64_t* tokens, const float* embed, int64_t 
 
 // The DFlash drafter's context feed in one call: target features [t, n * hidden] of newly committed positions ->
 // fc -> RMSNorm -> each draft layer's keys (per-head RMSNorm, RoPE) and values written into its context cache.
-// The same kernels in the same order as drafter.py's Python loop, so the cache is bitwise the loop's (tested); the
+// The same kernels in the same order as drafters/dflash.py's Python loop, so the cache is bitwise the loop's (tested); the
 // ~60 torch / ctypes calls of that loop cost ~0.4 ms a step at batch 1, ten times the arithmetic.
 int64_t adaflash_context_scratch_floats(const Shape* s, int64_t tokens) {
   return tokens * (2 * s->hidden + 2 * s->kv_heads * s->head_dim);

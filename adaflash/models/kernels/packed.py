@@ -1,7 +1,7 @@
 """Our CPU kernel library and its linears: the packed fp32 linear and the quantized linear over GGUF blocks
 (packed_linear.cpp, its AVX-512 paths in packed_linear_avx512.cpp), the int8-activation linear over GGUF blocks
 (int8_linear.cpp, its AMX path in int8_amx.cpp; `--dtype int8`); the library also holds the ragged attention
-(attention.cpp, wrapped in attention.py), the fused steps (fused.cpp, used by layers.py and kv_cache.py) and the
+(attention.cpp, wrapped in attention.py), the fused steps (fused.cpp, used by layers.py and kv_cache/ragged.py) and the
 whole-layer step (layer_step.cpp / .py).
 
 Built with the system C++ compiler on first use, once per sources/flags, into $ADAFLASH_CACHE/kernels (a second or
@@ -21,13 +21,15 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from adaflash.models.device.cpu import cpu_flags
+from adaflash.models.files import cache_root
 from adaflash.models.kernels import weight_arena
+from adaflash.models.kernels.quant import BLOCK, QUANT_FORMATS, int8_formats
 
 log = logging.getLogger(__name__)
 
@@ -39,31 +41,6 @@ HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_linea
 # -ffp-contract=off: the fused kernels round like torch's ops (a product, then a sum), never contracted behind our back.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
-BLOCK = 32  # k per GGUF quantization block
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    code: int  # the kernel's Format enum
-    block_bytes: int  # one GGUF block of 32 weights
-    packed_block_bytes: int  # one (panel, block): 16 outputs x 32 k
-
-
-# GGUF formats with a kernel here, by ggml type name (BF16: 32 bf16 a "block", widened exactly).
-QUANT_FORMATS = {"Q4_1": QuantFormat(1, 20, 64 + BLOCK * 8), "Q8_0": QuantFormat(2, 34, 32 + BLOCK * 16),
-                 "BF16": QuantFormat(3, 64, BLOCK * 32)}
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def build_library(out: Path, sources: tuple[Path, ...] = SOURCES) -> None:
     """Compile `sources` (the library's own by default) into the shared library `out`, atomically."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -99,12 +76,10 @@ def library() -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | None:
-    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - cpu_flags()
     if missing:
         log.info("our CPU kernels are unavailable: the CPU lacks %s", sorted(missing))
         return None
-    from adaflash.models.registry import cache_root
-
     digest = source_digest()
     path = cache_root() / "kernels" / f"packed_linear-{digest}.so"
     try:
@@ -273,8 +248,7 @@ class QuantizedLinear(_Packed):
                                             torch.get_num_threads())
 
 
-# The int8-activation kernel's formats, and the offset of its codes in layer_step.cpp's Linear.format.
-INT8_FORMATS = ("Q4_1", "Q8_0")
+# The offset of the int8-activation kernel's format codes in layer_step.cpp's Linear.format.
 INT8_CODE_OFFSET = 16
 
 
@@ -287,7 +261,7 @@ class Int8Linear(_Packed):
         lib = library()
         if lib is None:
             raise RuntimeError("the int8 kernels are unavailable on this machine")
-        n = _check_blocks(blocks, fmt, k, INT8_FORMATS)
+        n = _check_blocks(blocks, fmt, k, int8_formats())
         code = QUANT_FORMATS[fmt].code
         self._lib, self.n, self.k, self.fmt = lib, n, k, fmt
         self.format_code, self._code = INT8_CODE_OFFSET + code, code
@@ -311,7 +285,7 @@ INT8_ISAS = ("avx2", "avx512-vnni", "amx")  # the int8 kernel's paths, by adafla
 def _int8_default_limit() -> int:
     """The best int8 path a process runs: AMX only where ADAFLASH_INT8_AMX=1 asks for it. It is the one path whose
     fresh-process determinism under timing-driven draft lengths is unverified (docs/runtime.md says why), so it stays
-    off until `benchmarks/determinism.py` runs clean with it on an AMX machine. The unit tests still compare its bits
+    off until `benchmarks/runtime/determinism.py` runs clean with it on an AMX machine. The unit tests still compare its bits
     with the other paths wherever the CPU has it."""
     return INT8_ISAS.index("amx" if os.environ.get("ADAFLASH_INT8_AMX") == "1" else "avx512-vnni")
 
@@ -328,7 +302,7 @@ def int8_isa_supported() -> str | None:
     """The best int8 path the CPU has, AMX included whether or not this process runs it (None without the library)."""
     if library() is None:
         return None
-    flags = _cpu_flags()  # read from the CPU's flags: the library's limit is process state other threads run under
+    flags = cpu_flags()  # read from the CPU's flags: the library's limit is process state other threads run under
     if not {"avx512_vnni", "avx512vl", "avx512bw"} <= flags:
         return "avx2"
     return "amx" if {"amx_tile", "amx_int8"} <= flags else "avx512-vnni"

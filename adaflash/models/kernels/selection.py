@@ -1,6 +1,6 @@
 """Which linear kernel runs a weight shape at a row count: timed once per machine, kept in a JSON cache.
 
-Candidates: torch's stock kernel (`layers.linear`: oneDNN where it works), the packed fp32 kernel (packed.py) and,
+Candidates: torch's stock kernel (`stock.linear`: oneDNN where it works), the packed fp32 kernel (packed.py) and,
 where the target came from a GGUF, the quantized kernel over the GGUF's own blocks (bitwise the packed kernel's
 outputs, fewer bytes). Each is timed with its weights evicted from the caches first, as a decode step meets them
 (the model is far larger than the L3). Row counts are bucketed (a count runs with the choice of the next bucket
@@ -26,7 +26,6 @@ import bisect
 import hashlib
 import json
 import os
-import platform
 import tempfile
 import threading
 import time
@@ -36,24 +35,15 @@ from typing import Callable
 
 import torch
 
-from adaflash.models.gguf_blocks import QuantizedWeight
+from adaflash.models.device.cpu import cpu_model
+from adaflash.models.files import cache_root
 from adaflash.models.kernels import packed
-from adaflash.models.layers import linear as stock_linear
+from adaflash.models.kernels.quant import QuantizedWeight, int8_formats
+from adaflash.models.kernels.stock import linear as stock_linear
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STOCK, PACKED, QUANTIZED = "stock", "packed", "quantized"
 _EVICT_BYTES = 64 << 20  # read between timed calls: more than any L3 here, so a timed call streams its weights
-
-
-def cpu_model() -> str:
-    """The CPU's model name (what results and kernel caches are keyed by)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def kernel_fingerprint() -> str:
@@ -64,8 +54,6 @@ def kernel_fingerprint() -> str:
 
 
 def cache_file() -> Path:
-    from adaflash.models.registry import cache_root
-
     key = f"{cpu_model()}|threads={torch.get_num_threads()}|{packed.source_digest()}"
     return cache_root() / "kernels" / f"choices-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
@@ -172,7 +160,7 @@ class FastLinear:
     """One weight's linear: at each row bucket, the kernel that measured fastest; past the buckets torch's, or for an
     exact choice the largest bucket's (the same bits at every row count).
 
-    `quantized`: the weight's own GGUF blocks (gguf_blocks.py), for the quantized kernel. Kernels no bucket chose
+    `quantized`: the weight's own GGUF blocks (targets/gguf_blocks.py), for the quantized kernel. Kernels no bucket chose
     are dropped (their packed copy freed).
     """
 
@@ -181,7 +169,7 @@ class FastLinear:
         self.weight, self.bias = weight, bias
         self._all_rows = None  # the int8 kernel, which runs every row count
         self._past_buckets = None  # what runs past the largest bucket (None: torch's)
-        if choice.int8_activations and quantized is not None and quantized.fmt in packed.INT8_FORMATS:
+        if choice.int8_activations and quantized is not None and quantized.fmt in int8_formats():
             self._all_rows = packed.Int8Linear(quantized.blocks, quantized.fmt, weight.shape[1], bias)
             self.choices = (f"{quantized.fmt}xint8",) * len(ROW_BUCKETS)
             self._bucket_kernels = (self._all_rows,) * len(ROW_BUCKETS)

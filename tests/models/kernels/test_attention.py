@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
+from adaflash.models.device.cpu import cpu_flags
 from adaflash.models.kernels import attention, packed
-from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+from adaflash.models.kv_cache.cache import KVCache
+from adaflash.models.kv_cache.ragged import RaggedAttention, RaggedBatch
 
 pytestmark = pytest.mark.skipif(packed.library() is None, reason="kernels unavailable (no AVX2/FMA or compiler)")
 
@@ -64,7 +66,7 @@ def test_a_tokens_attention_does_not_depend_on_the_rest_of_the_batch():
         assert torch.equal(alone, together[t : t + 1])
 
 
-@pytest.mark.skipif("avx512f" not in packed._cpu_flags(), reason="the CPU has no AVX-512: only the 8-lane path runs")
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the CPU has no AVX-512: only the 8-lane path runs")
 @pytest.mark.parametrize("d", [64, 40, 8, 24])  # 32-lane parts of 2 x 16, 16 + 8, 8 and 16 + 8 lanes
 @pytest.mark.parametrize("half", [False, True])
 def test_the_16_lane_output_pass_gives_the_8_lane_bits(d, half):

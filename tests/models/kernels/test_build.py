@@ -8,11 +8,12 @@ import os
 
 import pytest
 
+from adaflash.models.device.cpu import cpu_flags
 from adaflash.models.kernels import packed
 
 
 def test_the_kernels_build_where_the_cpu_can_run_them():
-    flags = packed._cpu_flags()
+    flags = cpu_flags()
     if not {"avx2", "fma", "f16c"} <= flags:
         pytest.skip("the CPU lacks AVX2 / FMA / F16C: the kernels are rightly unavailable")
     if os.environ.get("ADAFLASH_KERNELS") == "stock" or os.environ.get("ADAFLASH_ALLOW_NO_KERNELS") == "1":
@@ -23,7 +24,7 @@ def test_the_kernels_build_where_the_cpu_can_run_them():
 def test_the_int8_path_is_the_one_the_cpu_flags_name():
     if packed.library() is None:
         pytest.skip("no library (the test above says whether that is a failure)")
-    flags = packed._cpu_flags()
+    flags = cpu_flags()
     vnni = {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
     assert packed.int8_isa_supported() == ("amx" if vnni and {"amx_tile", "amx_int8"} <= flags
                                            else "avx512-vnni" if vnni else "avx2")

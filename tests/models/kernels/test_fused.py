@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from adaflash.models.kernels import packed
-from adaflash.models.kv_cache import KVCache, RaggedAttention, RaggedBatch
+from adaflash.models.kv_cache.cache import KVCache
+from adaflash.models.kv_cache.ragged import RaggedAttention, RaggedBatch
 from adaflash.models.layers import apply_rope, argmax_rows, fused_kernels_available, rms_norm, rope_cos_sin
 
 pytestmark = pytest.mark.skipif(packed.library() is None, reason="kernels unavailable (no AVX2/FMA or compiler)")

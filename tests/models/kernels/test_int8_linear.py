@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaflash.models.gguf_blocks import QuantizedWeight
+from adaflash.models.kernels.quant import QuantizedWeight
 from adaflash.models.kernels import packed, selection
 from tests.models.kernels.test_packed_linear import _gguf_blocks
 

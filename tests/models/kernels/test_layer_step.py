@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from adaflash.models.kernels import layer_step, packed
-from adaflash.models.kv_cache import RaggedBatch
+from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.layers import silu_mul
-from adaflash.models.target import load_target
+from adaflash.models.targets.model import load_target
 
 pytestmark = pytest.mark.skipif(packed.library() is None, reason="our CPU kernels cannot run here")
 
@@ -120,8 +120,8 @@ def test_the_step_steps_aside_where_a_piece_has_no_kernel(tiny_checkpoints, monk
 
 
 def _tiny_drafter():
-    from adaflash.models.drafter import DrafterConfig
-    from adaflash.models.drafter_checkpoint import init_drafter
+    from adaflash.models.drafters.config import DrafterConfig
+    from adaflash.models.drafters.checkpoint import init_drafter
 
     cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                         vocab_size=96, block_size=8, mask_token_id=3, target_layer_ids=(1, 2), num_target_layers=4,

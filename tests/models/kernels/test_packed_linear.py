@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from gguf import GGMLQuantizationType, quants
 
-from adaflash.models.gguf_blocks import QuantizedWeight
+from adaflash.models.device.cpu import cpu_flags
+from adaflash.models.kernels.quant import QuantizedWeight
 from adaflash.models.kernels import packed, selection
 
 pytestmark = pytest.mark.skipif(packed.library() is None, reason="packed kernel unavailable (no AVX2/FMA or compiler)")
@@ -116,7 +117,8 @@ def test_an_exact_choice_gives_a_row_the_same_bits_whatever_the_timing_said(tmp_
     whole = exact(x)
     for rows in (1, 16, 256, 300):
         assert torch.equal(exact(x[:rows]), whole[:rows]), rows
-    assert not torch.equal(free(x), whole)  # torch's sums in another order: the bits the exact choice avoids
+    # (torch's kernel sums in another order on most CPUs - the bits the exact choice avoids - but oneDNN's AVX2 path on
+    # a Zen 3 gave our bits here, so that difference is not asserted)
     assert torch.equal(free(x[:1]), selection.stock_linear(x[:1], deq))
 
 
@@ -153,7 +155,7 @@ def test_quantized_kernel_is_bitwise_the_fp32_kernel_on_the_dequantized_weights(
 def test_bf16_kernel_is_bitwise_the_fp32_kernel_on_bf16_valued_weights(n, k):
     """A drafter saved in bf16 and run in fp32: the BF16 kernel widens each weight exactly, so every row count gives
     the fp32 kernel's outputs bit for bit, from half the bytes."""
-    from adaflash.models.gguf_blocks import exact_bf16_blocks
+    from adaflash.models.kernels.quant import exact_bf16_blocks
 
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16).float()
@@ -168,13 +170,13 @@ def test_bf16_kernel_is_bitwise_the_fp32_kernel_on_bf16_valued_weights(n, k):
     assert bf16.packed.numel() == n * k * 2  # half the packed fp32 copy's bytes
 
 
-@pytest.mark.skipif("avx512bw" not in packed._cpu_flags(), reason="the CPU has no AVX-512: only the 8-lane path runs")
+@pytest.mark.skipif("avx512bw" not in cpu_flags(), reason="the CPU has no AVX-512: only the 8-lane path runs")
 @pytest.mark.parametrize("fmt", ["fp32", "Q4_1", "Q8_0", "BF16"])
 def test_the_16_lane_paths_give_the_8_lane_bits(fmt):
     """Where the CPU has AVX-512 a panel's 16 outputs run as one vector - 1-4 rows (a decode step, a short
     verification) and the blocked path of 5+ rows: each output's FMA chain and each weight's dequantisation
     unchanged, so the same bits."""
-    from adaflash.models.gguf_blocks import exact_bf16_blocks
+    from adaflash.models.kernels.quant import exact_bf16_blocks
 
     n, k = 96, 320
     raw, deq = _gguf_blocks(fmt if fmt in ("Q4_1", "Q8_0") else "Q8_0", n, k, seed=11)
@@ -198,7 +200,7 @@ def test_the_16_lane_paths_give_the_8_lane_bits(fmt):
 
 
 def test_only_exactly_bf16_weights_get_bf16_blocks():
-    from adaflash.models.gguf_blocks import exact_bf16_blocks
+    from adaflash.models.kernels.quant import exact_bf16_blocks
 
     w = torch.randn(16, 64)
     assert exact_bf16_blocks(w) is None  # fp32 values: a bf16 copy would change the weights
@@ -217,8 +219,8 @@ def test_quantized_kernel_rejects_what_it_cannot_run():
 
 
 def test_target_model_uses_the_kernel_unless_told_not_to(tiny_checkpoints, monkeypatch):
-    from adaflash.models.kv_cache import RaggedBatch
-    from adaflash.models.target import load_target
+    from adaflash.models.kv_cache.ragged import RaggedBatch
+    from adaflash.models.targets.model import load_target
 
     path = tiny_checkpoints["qwen2"]  # has q/k/v biases
     ids = torch.randint(0, 96, (12,))

@@ -1,0 +1,72 @@
+"""The quantization formats our kernels run, one row each, and a weight held in one of them.
+
+A GGUF stores a weight as blocks of 32 values of one ggml type; `QUANT_FORMATS` lists the types a kernel here reads
+(by ggml type name), what one block weighs, how the packed kernel lays it out, and whether the int8-activation kernel
+(`--dtype int8`) takes it. A new format is a row here plus its arithmetic in the kernels (packed_linear.cpp,
+int8_linear.cpp); every loader and selector reads this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32  # k per GGUF quantization block
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    name: str  # ggml's type name
+    code: int  # the kernels' Format enum
+    block_bytes: int  # one GGUF block of 32 weights
+    packed_block_bytes: int  # one (panel, block) in the packed kernel: 16 outputs x 32 k
+    int8: bool  # the int8-activation kernel (llama.cpp's arithmetic) takes it
+
+
+# BF16: 32 bf16 a "block", widened exactly (a checkpoint saved in bf16, streamed at half the fp32 bytes).
+QUANT_FORMATS = {f.name: f for f in (
+    QuantFormat("Q4_1", code=1, block_bytes=20, packed_block_bytes=64 + BLOCK * 8, int8=True),
+    QuantFormat("Q8_0", code=2, block_bytes=34, packed_block_bytes=32 + BLOCK * 16, int8=True),
+    QuantFormat("BF16", code=3, block_bytes=64, packed_block_bytes=BLOCK * 32, int8=False),
+)}
+
+
+def int8_formats() -> tuple[str, ...]:
+    """The formats the int8-activation kernel takes."""
+    return tuple(name for name, f in QUANT_FORMATS.items() if f.int8)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    fmt: str  # a key of QUANT_FORMATS
+    blocks: torch.Tensor  # [n, k / 32 * block bytes] uint8, row i = the blocks of our weight's row i
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The blocks of a subset of rows (a drafter's trimmed LM head)."""
+        return QuantizedWeight(self.fmt, self.blocks[index].contiguous())
+
+
+def exact_bf16_blocks(weight: torch.Tensor) -> QuantizedWeight | None:
+    """A weight every value of which is a bf16 (a checkpoint saved in bf16, loaded in fp32) as BF16 "blocks": the
+    quantized kernel streams half the fp32 bytes and computes bitwise the same outputs. None if any value is not."""
+    w = weight.detach()
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % BLOCK:
+        return None
+    half = w.to(torch.bfloat16)
+    if not torch.equal(half.float(), w):
+        return None
+    return QuantizedWeight("BF16", half.contiguous().view(torch.uint8))
+
+
+def q8_0_blocks(weight: torch.Tensor) -> QuantizedWeight | None:
+    """A weight rounded to GGUF Q8_0 blocks (gguf's own quantizer), for the int8 kernel: a drafter beside an int8
+    target (`--dtype int8`). Not the weight's values - a draft's numerics never touch what verification keeps."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = weight.detach()
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % BLOCK:
+        return None
+    raw = quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0)
+    return QuantizedWeight("Q8_0", torch.from_numpy(np.ascontiguousarray(raw)))
