@@ -143,11 +143,12 @@ def assert_same_acceptance_law(target, proposer, model, hf, runs: int = 300, tem
     from adaflash.speculative.sampling import SamplingParams
 
     prompt, bins = in_the_run(target), 5  # no pass (the first token stopped), then 1, 2, 3, 4+ tokens committed
+    new_tokens = bins  # the prefill's token and the first pass's first four: all the bins can tell apart
     ours, theirs = [0] * bins, [0] * bins
     for seed in range(runs):
-        stats = speculative_generate(target, proposer, prompt, 8, SamplingParams(temperature=temperature),
+        stats = speculative_generate(target, proposer, prompt, new_tokens, SamplingParams(temperature=temperature),
                                      draft_length=proposer.block_size - 1, stop_token_ids=STOP, seed=seed).stats
-        tokens, passes = reference_generate(model, hf, prompt, 8, temperature=temperature, seed=seed)
+        tokens, passes = reference_generate(model, hf, prompt, new_tokens, temperature=temperature, seed=seed)
         ours[min(stats.accept_lengths[0], bins - 1) if stats.accept_lengths else 0] += 1
         theirs[min(_first_accept(tokens, passes[0]), bins - 1) if passes else 0] += 1
     assert sum(ours[2:]) > runs // 10, ours  # drafts were kept often enough for the law to say something

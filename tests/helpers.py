@@ -280,3 +280,18 @@ def regenerate_tiny_data(checkpoint: str, out, prompts: list[tuple[str, str]], *
         DataGenConfig(model="tiny", capture_layers=(1, 2), **config),
     )
     return str(out)
+
+
+def private_cache(path: Path) -> Path:
+    """A user cache of a test's own (for ADAFLASH_CACHE): cost models and converted targets start absent there, while
+    its kernels/ is the user cache's own folder - the kernel library and the kernel-choice timings, measured once per
+    machine rather than once a test (timing the shapes again costs seconds, and a target's kernel choice never changes
+    what it computes). Call it before pointing ADAFLASH_CACHE at `path`."""
+    from adaflash.models.files import cache_root
+
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "kernels").symlink_to(kernels.resolve(), target_is_directory=True)
+    return path
+

@@ -13,6 +13,7 @@ from adaflash.cli import _parse_mix, main
 from adaflash.models.targets.config import TransformerConfig
 from adaflash.models.drafters.config import DrafterConfig
 from adaflash.models.drafters.checkpoint import init_drafter, save_drafter
+from tests.helpers import private_cache
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_console_script_is_installed():
 
 @pytest.mark.parametrize("policy", ["fixed:3", "heuristic", "throughput"])
 def test_generate_with_engine_length_policies_equals_ar(tiny_chat_checkpoint, policy, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))  # the throughput policy caches its profiled cost model
+    monkeypatch.setenv("ADAFLASH_CACHE", str(private_cache(tmp_path)))  # the throughput policy caches its cost model here
     base = ["generate", "--prompt", "Count to ten", "--model", tiny_chat_checkpoint, "--max-new-tokens", "10", "--json"]
     assert main(base) == 0
     ar = _json_lines(capsys.readouterr().out)[0]
@@ -128,7 +129,7 @@ def test_generate_with_engine_length_policies_equals_ar(tiny_chat_checkpoint, po
 
 
 def test_demo_runs_all_variants_losslessly(tiny_chat_checkpoint, random_drafter, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
+    monkeypatch.setenv("ADAFLASH_CACHE", str(private_cache(tmp_path / "cache")))
     demo = ["demo", "--model", tiny_chat_checkpoint, "--drafter", random_drafter, "--max-new-tokens", "6"]
     assert main([*demo, "--rounds", "2"]) == 0
     out = capsys.readouterr().out

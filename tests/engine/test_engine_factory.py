@@ -21,6 +21,7 @@ from adaflash.speculative.policies import build_length_policy
 from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
+from tests.helpers import private_cache
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_speculative_methods_need_a_drafter(models):
 
 
 def test_cost_model_policies_profile_once_and_share_it(models, tmp_path, monkeypatch):
-    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
+    monkeypatch.setenv("ADAFLASH_CACHE", str(private_cache(tmp_path / "cache")))
     config = engine_config("dflash", max_batch=2)
     policies = length_policy_factory(config, models)
     assert str(policies.spec) == "throughput" and policies.cost.profile.total_tokens[-1] == 2 * models.proposer.block_size

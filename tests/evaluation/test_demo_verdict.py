@@ -19,10 +19,16 @@ from adaflash.pipeline import Pipeline
 from adaflash.speculative import reference
 from adaflash.speculative.reference import GenerationResult, autoregressive_generate
 from adaflash.speculative.verify import verify_greedy
-from tests.helpers import scripted_dflash
+from tests.helpers import private_cache, scripted_dflash
 
 NEW_TOKENS = 10
 VARIANTS = ("ar", "dflash-full", "dflash-2", "dflash-adaptive", "dflash-adaptive-lookup")
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory):
+    """The user cache the demo runs see (the step costs the adaptive policy learns stay here), shared by this file."""
+    return private_cache(tmp_path_factory.mktemp("demo-cache"))
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +55,10 @@ def _variant(pipeline: Pipeline, method: str) -> str:
     return "dflash-adaptive" if pipeline.prompt_lookup is None else "dflash-adaptive-lookup"
 
 
-def _run_demo(checkpoint: str, oracle: dict, monkeypatch, capsys, tmp_path, change=None):
+def _run_demo(checkpoint: str, oracle: dict, monkeypatch, capsys, cache, change=None):
     """The demo (one round) over the scripted drafter; returns (exit code, printed verdict, every generation as
     (variant, prompt ids, result)). `change(variant, ids, token_ids)`: what the demo is handed instead of a result."""
-    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))  # the step costs the adaptive policy learns stay here
+    monkeypatch.setenv("ADAFLASH_CACHE", str(cache))
     load = Pipeline.load
 
     def scripted_load(model, drafter, dtype, **kwargs):
@@ -90,15 +96,15 @@ def _drafting_happened(runs) -> None:
 
 
 def test_the_demo_says_yes_when_every_output_is_the_oracles(tiny_chat_checkpoint, oracle, monkeypatch, capsys,
-                                                              tmp_path):
-    code, verdict, runs = _run_demo(tiny_chat_checkpoint, oracle, monkeypatch, capsys, tmp_path)
+                                                              demo_cache):
+    code, verdict, runs = _run_demo(tiny_chat_checkpoint, oracle, monkeypatch, capsys, demo_cache)
     assert all(result.token_ids == oracle[ids] for _, ids, result in runs)  # the oracle: all identical
     assert (code, verdict) == (0, "yes")
     _drafting_happened(runs)
 
 
 def test_a_verifier_that_accepts_every_draft_makes_the_demo_say_no(tiny_chat_checkpoint, oracle, monkeypatch,
-                                                                  capsys, tmp_path):
+                                                                  capsys, demo_cache):
     """The product's greedy verifier, faulted in both places it runs (engine and reference loop): each draft is
     judged against itself, so the scripted drafter's corrupted tokens are committed."""
 
@@ -111,7 +117,7 @@ def test_a_verifier_that_accepts_every_draft_makes_the_demo_say_no(tiny_chat_che
 
     monkeypatch.setattr(engine_module, "verify_greedy", accepts_every_draft)
     monkeypatch.setattr(reference, "verify_greedy", accepts_every_draft)
-    code, verdict, runs = _run_demo(tiny_chat_checkpoint, oracle, monkeypatch, capsys, tmp_path)
+    code, verdict, runs = _run_demo(tiny_chat_checkpoint, oracle, monkeypatch, capsys, demo_cache)
     wrong = {name for name, ids, result in runs if result.token_ids != oracle[ids]}
     assert {"dflash-full", "dflash-2"} <= wrong and "ar" not in wrong  # the fault reached the drafting variants'
     assert (code, verdict) == (1, "NO")
@@ -119,7 +125,7 @@ def test_a_verifier_that_accepts_every_draft_makes_the_demo_say_no(tiny_chat_che
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_one_changed_token_in_any_variant_makes_the_demo_say_no(tiny_chat_checkpoint, oracle, monkeypatch, capsys,
-                                                                 tmp_path, variant):
+                                                                 demo_cache, variant):
     """The last token of one variant's output on the last demo prompt, changed: every variant and prompt is
     compared, to the end of the output (the AR run's too: the others then differ from it)."""
     last = list(oracle)[-1]
@@ -129,6 +135,6 @@ def test_one_changed_token_in_any_variant_makes_the_demo_say_no(tiny_chat_checkp
             tokens[-1] ^= 1  # another id of the vocabulary (its size is even)
         return tokens
 
-    code, verdict, _ = _run_demo(tiny_chat_checkpoint, oracle, monkeypatch, capsys, tmp_path, change)
+    code, verdict, _ = _run_demo(tiny_chat_checkpoint, oracle, monkeypatch, capsys, demo_cache, change)
     assert (code, verdict) == (1, "NO")
 

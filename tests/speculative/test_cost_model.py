@@ -15,6 +15,7 @@ from adaflash.speculative.cost_model import (PROFILE_VERSION, CalibratedCost, Co
                                         load_or_profile_cost_model)
 from adaflash.speculative.length_policy import allocate_drafts
 from adaflash.speculative.proposer import DFlashProposer
+from tests.helpers import private_cache
 
 COST = CostModel(total_tokens=(4, 8, 16), verify_s=(0.02, 0.03, 0.07), draft_s=0.005)
 
@@ -126,7 +127,7 @@ def test_a_cached_file_is_read_not_profiled(tmp_path):
 
 
 def test_profile_once_then_cached(tiny_chat_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
+    monkeypatch.setenv("ADAFLASH_CACHE", str(private_cache(tmp_path)))
     target = load_target(tiny_chat_checkpoint, dtype=torch.float32)  # a real vocabulary: the profile feeds ids 100+
     cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=4)
     proposer = DFlashProposer(init_drafter(cfg, seed=2), target)

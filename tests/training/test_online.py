@@ -15,6 +15,7 @@ from adaflash.models.drafters.length_head import (LengthHeadConfig, PositionAcce
     save_length_head)
 from adaflash.plots import plot_online
 from adaflash.training.online import OnlineAdaptation, OnlineConfig
+from tests.helpers import private_cache
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def adaflash_drafter(tiny_chat_checkpoint, tmp_path_factory) -> str:
 
 
 def test_generate_method_adaflash_equals_ar(tiny_chat_checkpoint, adaflash_drafter, capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))  # the cost model is profiled into a throwaway cache
+    monkeypatch.setenv("ADAFLASH_CACHE", str(private_cache(tmp_path)))  # the cost model is profiled into a throwaway cache
     base = ["generate", "--prompt", "Tell me a joke", "--model", tiny_chat_checkpoint, "--max-new-tokens", "16", "--json"]
     assert main(base) == 0
     ar = json.loads(capsys.readouterr().out)
@@ -45,7 +46,7 @@ def test_method_adaflash_needs_a_head(tiny_chat_checkpoint, tmp_path, capsys):
 
 
 def test_online_rounds_publish_swap_and_resume(tiny_chat_checkpoint, adaflash_drafter, tmp_path, monkeypatch):
-    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ADAFLASH_CACHE", str(private_cache(tmp_path / "cache")))
     cfg = OnlineConfig(out_dir=str(tmp_path / "online"), drafter=adaflash_drafter, model=tiny_chat_checkpoint,
                        dtype="fp32", rounds=2, prompts_per_round=3, held_out_prompts=2, max_new_tokens=12, max_batch=2,
                        distill_steps=3, sequences_per_step=1, anchors_per_sequence=4, head_epochs=2, lr=3e-3)

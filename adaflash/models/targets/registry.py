@@ -44,7 +44,7 @@ EMBEDDED_TARGETS = {
 
 
 # Trained drafters that ship inside the package, by target name (DFlash-schema checkpoint directories).
-_ASSETS = Path(__file__).resolve().parent.parent / "assets" / "drafters"
+_ASSETS = Path(__file__).resolve().parents[2] / "assets" / "drafters"
 # Per target and kind: dflash = the DFlash-trained drafter; adaflash = the distilled drafter + length head.
 SHIPPED_DRAFTERS = {
     ("smollm2-135m", "dflash"): _ASSETS / "smollm2-135m",
