@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 ROOT = REPO / "docs" / "results"
 SCRIPTS = REPO / "benchmarks"  # benchmarks/<topic>/ holds the scripts of docs/results/<topic>/
-TOPICS = ("runtime", "drafter", "serving", "adaflash", "peers", "simulation", "reliability")
+TOPICS = ("runtime", "drafter", "serving", "adaflash", "peers", "simulation", "reliability", "testing")
 MARKER = "<!-- tables below are written by benchmarks/results_tables.py; edit above this line -->"
 
 # What a JSON does not record about itself, and the results that are not JSON: stem -> fields.
@@ -287,7 +287,10 @@ def _context(d: dict) -> str:
 def _headline(d: dict) -> str:
     if isinstance(d, dict) and "cells" in d and "servers" in d:
         return _sweep(d)
-    shapes = [("cost_models", lambda d: "; ".join(
+    shapes = [("faults", lambda d: f"{d['caught']} of {d['faults']} faults caught by their guard tests"),
+              ("total_s", lambda d: f"install {_f(d['install_s'], 0)} s + suite {_f(d['pytest_s'], 0)} s = "
+               f"{_f(d['total_s'], 0)} s ({d['summary']})"),
+              ("cost_models", lambda d: "; ".join(
                   f"{m}: median |error| {_f(100 * x['median_abs_error'], 1)}%, largest {_f(100 * x['max_abs_error'], 1)}%, "
                   f"{x['within_10_percent']} of {len(d['rows'])} cells within 10%" for m, x in d["summary"].items())),
               ("summary", lambda d: f"median |error| {_f(100 * d['summary']['median_abs_error'], 1)}%, "

