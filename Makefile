@@ -180,12 +180,12 @@ gpu-check:
 # `make gpu-stage TINY=1 && make gpu-drafter FAKE_CUDA=1 TINY=1` is the dry run at toy scale that `make test` holds.
 STAGE ?= .gpu-stage
 BUDGET_S ?= 480
-TINY_MIX := gsm-symbolic:3,sharegpt-chat:3
+TINY_MIX := gsm-symbolic:2,sharegpt-chat:2
 gpu-stage: install
 	$(PY) gpu/stage.py --out $(STAGE) $(if $(TINY),--mix $(TINY_MIX),)
 gpu-drafter:
 	$(GPU_PY) gpu/drafter.py --stage $(STAGE) --out $(GPU_OUT) --device $(DEVICE) --budget-s $(BUDGET_S) \
-		$(if $(TINY),--tiny --batch-size 4 --max-new-tokens 24 --work $(GPU_OUT)/work,)
+		$(if $(TINY),--tiny --batch-size 4 --max-new-tokens 12 --work $(GPU_OUT)/work,)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

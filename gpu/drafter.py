@@ -32,8 +32,8 @@ from gpu.machine import packages, report_machine  # noqa: E402
 
 SHARD_BYTES = 15 << 20  # the device tool brings back files of at most 16 MiB
 PAYLOAD = "payload.tar"
-TINY_OVERRIDES = dict(max_steps=None, sequences_per_step=2, anchors_per_sequence=8, holdout_samples=2, log_every=1,
-                      save_every=2, num_layers=1)
+TINY_OVERRIDES = dict(max_steps=None, sequences_per_step=1, anchors_per_sequence=8, holdout_samples=2, log_every=1,
+                      save_every=1, num_layers=1)
 
 
 def unpack(stage: Path, work: Path) -> dict:
@@ -143,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         export_checkpoint(checkpoint, drafter_out)
         shutil.copy(Path(cfg.out_dir) / "metrics.jsonl", out / "metrics.jsonl")
 
-    probe_steps = 2 if args.tiny else 10
+    probe_steps = 1 if args.tiny else 10
     probe_start = time.monotonic()
     train(replace(cfg, max_steps=10**6, save_every=10**6), progress=False, stop_after=probe_steps)
     step_s = (time.monotonic() - probe_start) / probe_steps  # an upper bound: the probe pays loading and warm-up
     margin = 30.0 if not args.tiny else 2.0  # the final held-out scoring and export
     total = probe_steps + max(1, int((deadline - time.monotonic() - margin) / step_s))
     if args.tiny:
-        total = probe_steps + 2
+        total = probe_steps + 1
     log("train_probe", seconds_per_step=round(step_s, 3), planned_steps=total)
     final = train(replace(cfg, max_steps=total, time_limit_s=max(1.0, deadline - time.monotonic() - margin),
                           save_every_s=60.0), progress=False, on_checkpoint=exported)
