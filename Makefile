@@ -28,11 +28,14 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(VENV)/bin/adaflash demo
 
+# One pytest worker a CPU (at most 4): most tests are one Python thread over tiny models, so two cores run two files
+# at once. --dist loadfile keeps a file's module fixtures (a loaded target, a server) on one worker.
+PYTEST_WORKERS := -n auto --maxprocesses 4 --dist loadfile
 test: install
-	$(PY) -m pytest -q --timeout=600
+	$(PY) -m pytest -q --timeout=600 $(PYTEST_WORKERS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_WORKERS)
 
 bench: install
 	$(PY) benchmarks/runtime/runtime_speed.py --json docs/results/runtime/runtime_speed.json
