@@ -295,3 +295,12 @@ def private_cache(path: Path) -> Path:
     (path / "kernels").symlink_to(kernels.resolve(), target_is_directory=True)
     return path
 
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (the kernel's pick): what a test's server listens on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+

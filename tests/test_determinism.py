@@ -9,8 +9,7 @@ import json
 import pytest
 
 from adaflash.data import load_prompts
-from adaflash.evaluation.determinism import (VARIANTS, differences, drafting, fresh_process_runs, prepare_cache,
-                                             served_runs)
+from adaflash.evaluation.determinism import VARIANTS, differences, drafting, fresh_process_runs, prepare_cache
 from adaflash.models.kernels import packed
 
 pytestmark = [pytest.mark.slow,
@@ -58,11 +57,6 @@ def test_fp32_throughput_in_fresh_processes_equals_ar(prompts_file, tmp_path):
     report = fresh_process_runs(prompts_file, ["throughput"], ["fp32"], len(states), MAX_NEW, tmp_path, threads=2,
                                 log=lambda _: None, states=states)
     _assert_all_equal_and_drafted(report, "fp32", states)
-
-
-def test_int8_servers_equal_the_ar_server(prompts, tmp_path):
-    report = served_runs(prompts, ["throughput"], ["int8"], MAX_NEW, tmp_path, port=8491, log=lambda _: None)
-    assert report["int8"] == {"ar": [[], []], "throughput": [[], []]}
 
 
 def test_the_checks_can_say_no(tmp_path):

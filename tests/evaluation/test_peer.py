@@ -9,17 +9,12 @@ from pathlib import Path
 import pytest
 
 from adaflash.evaluation.peer import launched_process, llama_server_command, require_binary
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def test_launched_process_waits_for_health_and_stops_the_server(tmp_path: Path):
     (tmp_path / "health").write_text("ok")
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
     with launched_process("static", cmd, f"http://127.0.0.1:{port}/health", tmp_path / "logs" / "static.log") as proc:
         assert proc.poll() is None
@@ -29,7 +24,7 @@ def test_launched_process_waits_for_health_and_stops_the_server(tmp_path: Path):
 def test_a_server_that_dies_before_it_is_healthy_names_its_log(tmp_path: Path):
     cmd = [sys.executable, "-c", "import sys; print('bad flag --frobnicate'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match=r"exited with 3.*dead\.log[\s\S]*bad flag --frobnicate"):
-        with launched_process("dead", cmd, f"http://127.0.0.1:{_free_port()}/health", tmp_path / "dead.log"):
+        with launched_process("dead", cmd, f"http://127.0.0.1:{free_port()}/health", tmp_path / "dead.log"):
             pass
 
 

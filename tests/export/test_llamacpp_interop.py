@@ -31,6 +31,7 @@ import pytest
 from adaflash.evaluation.peer import launched_process, llama_server_command, peer_env
 from tests import helpers
 from tests.export.peer_paths import BIN, CONVERTER, PEER_PYTHON, REPO
+from tests.helpers import free_port
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
 
@@ -63,12 +64,6 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in peer_env(BIN).items() if k != "PYTHONPATH"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float = 900) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -77,7 +72,7 @@ def _post(url: str, body: dict, timeout: float = 900) -> dict:
 
 @contextlib.contextmanager
 def llama_server(args: list[str], log: Path):
-    port = _free_port()
+    port = free_port()
     cmd = llama_server_command(BIN, args, port, parallel=1, ctx_per_slot=CTX, threads=int(THREADS), model_gguf=None)
     with launched_process("llama-server", cmd, f"http://127.0.0.1:{port}/health", log, _env()):
         yield f"http://127.0.0.1:{port}"

@@ -19,19 +19,13 @@ from fastapi.testclient import TestClient
 from adaflash.server.gate import ServerConfig
 from tests.server.live import app_over_engine
 from tests.server.test_server import CHAT, pipeline, random_drafter, wait_for  # noqa: F401
-from tests.helpers import private_cache
+from tests.helpers import free_port, private_cache
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-shutdown-test-90c4e1f2b7"
 WRONG = "sk-shutdown-wrong-1d8e33"
 MODEL = "tiny"
 STEP_S = 0.02  # per engine step (AR: one token): a 150-token stream takes 3+ s
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def serve_cache(tmp_path_factory) -> Path:
 @contextlib.contextmanager
 def serve_process(tmp_path: Path, cache: Path, checkpoint: str, *extra: str):
     """`adaflash serve --method ar` on the tiny checkpoint, every step slowed; yields (process, base URL, log path)."""
-    port, log_path = _free_port(), tmp_path / "serve.log"
+    port, log_path = free_port(), tmp_path / "serve.log"
     env = {**os.environ, "ADAFLASH_TEST_STEP_DELAY": str(STEP_S), "ADAFLASH_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     env.pop("ADAFLASH_API_KEY", None)
     cmd = [sys.executable, "-m", "tests.server.slow_serve", "serve", "--model", checkpoint, "--method", "ar",
