@@ -1,8 +1,8 @@
 """Our CPU kernel library and its linears: the packed fp32 linear and the quantized linear over GGUF blocks
 (packed_linear.cpp, its AVX-512 paths in packed_linear_avx512.cpp), the int8-activation linear over GGUF blocks
 (int8_linear.cpp, its AMX path in int8_amx.cpp; `--dtype int8`); the library also holds the ragged attention
-(attention.cpp, wrapped in attention.py), the fused steps (fused.cpp, used by layers.py and kv_cache/ragged.py) and the
-whole-layer step (layer_step.cpp / .py).
+(attention.cpp, wrapped in attention.py), the fused steps (fused.cpp, used by layers.py and kv_cache/ragged.py) and
+the whole-layer step (layer_step.cpp / .py).
 
 Built with the system C++ compiler on first use, once per sources/flags, into $ADAFLASH_CACHE/kernels (a second or
 two), loaded with ctypes and linked against the OpenMP runtime torch has already loaded (same soname), so both
@@ -41,6 +41,8 @@ HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_linea
 # -ffp-contract=off: the fused kernels round like torch's ops (a product, then a sum), never contracted behind our back.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PANEL = 16  # outputs per packed panel (the kernel needs n % PANEL == 0)
+
+
 def build_library(out: Path, sources: tuple[Path, ...] = SOURCES) -> None:
     """Compile `sources` (the library's own by default) into the shared library `out`, atomically."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -285,8 +287,8 @@ INT8_ISAS = ("avx2", "avx512-vnni", "amx")  # the int8 kernel's paths, by adafla
 def _int8_default_limit() -> int:
     """The best int8 path a process runs: AMX only where ADAFLASH_INT8_AMX=1 asks for it. It is the one path whose
     fresh-process determinism under timing-driven draft lengths is unverified (docs/runtime.md says why), so it stays
-    off until `benchmarks/runtime/determinism.py` runs clean with it on an AMX machine. The unit tests still compare its bits
-    with the other paths wherever the CPU has it."""
+    off until `benchmarks/runtime/determinism.py` runs clean with it on an AMX machine. The unit tests still compare its
+    bits with the other paths wherever the CPU has it."""
     return INT8_ISAS.index("amx" if os.environ.get("ADAFLASH_INT8_AMX") == "1" else "avx512-vnni")
 
 
