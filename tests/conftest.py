@@ -76,15 +76,3 @@ def tiny_soft_data(tiny_checkpoints, tmp_path_factory) -> str:
     return regenerate_tiny_data(tiny_checkpoints["llama"], tmp_path_factory.mktemp("soft-data"),
                                 [(f"p{i}", "chat" if i % 2 else "math") for i in range(10)],
                                 max_new_tokens=24, batch_size=4, shard_size=4, top_logprobs=8)
-
-
-# Files whose tests run whole processes for a minute or more: started first, so that `make test`'s workers (one a CPU,
-# a file each) share them rather than one worker running them while the other has finished.
-LONG_FILES = ("tests/gpu/test_drafter_burst.py", "tests/test_determinism.py", "tests/gpu/test_check.py",
-              "tests/test_determinism_served.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))  # stable: the rest keep order
-

@@ -1,6 +1,6 @@
 """Greedy output does not depend on the run, through the server: a policy's server equals the AR server, every prompt
-sent at once, twice (the second round reuses cached prompt prefixes). Beside tests/test_determinism.py (fresh
-processes) so the two run on different workers."""
+sent at once, twice (the second round reuses cached prompt prefixes). The fresh-process runs are
+tests/test_determinism.py's."""
 
 from __future__ import annotations
 
