@@ -333,6 +333,7 @@ void adaflash_int8_limit_isa(int isa) { isa_limit = isa; }
 
 // Bytes of one packed (panel, block), or 0 for a format without this kernel.
 int64_t adaflash_int8_block_bytes(int format) {
+  if (adaflash::kquant::handles(format)) return adaflash::kquant::block_bytes(format);
   return format == kQ4_1 ? kQ4_1Packed : format == kQ8_0 ? kQ8_0Packed : 0;
 }
 
@@ -383,8 +384,10 @@ void adaflash_int8_linear(const float* x, int64_t m, int64_t k, const uint8_t* p
   // (AMD EPYC, 2 threads: a whole decode step's linears 4.0 ms with one, 4.8 with four at one row).
   const int isa = best_isa();
   const bool use_amx = isa == kAmx && format == kQ8_0 && m >= kAmxMinRows;
-  const PanelRows rows = use_amx ? amx::kQ8_0Rows
-                               : (isa == kAvx2 ? avx2::kPanelRows : vnni::kPanelRows)[format == kQ4_1 ? 0 : 1];
+  // kquant.cpp's formats run their AVX2 path on every CPU (the same integers as a VNNI path would give).
+  const PanelRows rows = adaflash::kquant::handles(format) ? adaflash::kquant::panel_rows(format)
+                         : use_amx                         ? amx::kQ8_0Rows
+                         : (isa == kAvx2 ? avx2::kPanelRows : vnni::kPanelRows)[format == kQ4_1 ? 0 : 1];
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), T = omp_get_num_threads();

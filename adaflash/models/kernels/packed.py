@@ -28,7 +28,8 @@ import torch
 
 from adaflash.models.device.cpu import cpu_flags
 from adaflash.models.files import cache_root
-from adaflash.models.kernels import weight_arena
+from adaflash.models.kernels import kquant, weight_arena
+from adaflash.models.kernels.kquant import KQUANT_CODES
 from adaflash.models.kernels.quant import BLOCK, QUANT_FORMATS, int8_formats
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f)  # one library
                      for f in ("packed_linear_avx512.cpp", "attention.cpp", "fused.cpp", "layer_step.cpp",
-                               "int8_linear.cpp", "int8_amx.cpp")))
+                               "int8_linear.cpp", "int8_amx.cpp", "kquant.cpp")))
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("simd_math.h", "int8_linear.h", "packed_linear.h"))
 # -ffp-contract=off: the fused kernels round like torch's ops (a product, then a sum), never contracted behind our back.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -174,10 +175,21 @@ def _check_blocks(blocks: torch.Tensor, fmt: str, k: int, formats) -> int:
     if fmt not in formats:
         raise ValueError(f"no kernel for {fmt!r} here (have {sorted(formats)})")
     n, spec = blocks.shape[0], QUANT_FORMATS[fmt]
-    if k < BLOCK or k % BLOCK or n % PANEL or blocks.dtype != torch.uint8 or blocks.shape != (n, k // BLOCK * spec.block_bytes):
-        raise ValueError(f"{fmt} blocks for {n} x {k} must be uint8 [{n}, {k // BLOCK * spec.block_bytes}] with "
-                         f"n % {PANEL} == 0 and k % {BLOCK} == 0, got {blocks.dtype} {tuple(blocks.shape)}")
+    if k < spec.block_k or k % spec.block_k or n % PANEL or blocks.dtype != torch.uint8 \
+            or blocks.shape != (n, spec.row_bytes(k)):
+        raise ValueError(f"{fmt} blocks for {n} x {k} must be uint8 [{n}, {spec.row_bytes(k)}] with "
+                         f"n % {PANEL} == 0 and k % {spec.block_k} == 0, got {blocks.dtype} {tuple(blocks.shape)}")
     return n
+
+
+def _pack(lib, pack_fn, blocks: torch.Tensor, fmt: str, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+    """`blocks` packed into `out` (uint8, the kernel's size): by kquant.py for its formats, else by `pack_fn`."""
+    if fmt in KQUANT_CODES:
+        out.copy_(torch.from_numpy(kquant.pack(fmt, blocks.numpy(), k)))
+    else:
+        src = blocks.detach().contiguous()
+        pack_fn(src.data_ptr(), n, k, QUANT_FORMATS[fmt].code, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 class _Packed:
@@ -228,7 +240,7 @@ class PackedLinear(_Packed):
 
 
 class QuantizedLinear(_Packed):
-    """GGUF blocks of an [n, k] weight ([n, k / 32 * block bytes] uint8, one row per output, in the weight's row
+    """GGUF blocks of an [n, k] weight ([n, k / block k * block bytes] uint8, one row per output, in the weight's row
     order) packed for the quantized kernel: the same outputs, bitwise, as PackedLinear on the dequantized weight."""
 
     def __init__(self, blocks: torch.Tensor, fmt: str, k: int, bias: torch.Tensor | None = None) -> None:
@@ -239,9 +251,8 @@ class QuantizedLinear(_Packed):
         spec = QUANT_FORMATS[fmt]
         self._lib, self.n, self.k, self.fmt, self.format_code = lib, n, k, fmt, spec.code
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}]"  # runtime_profile buckets by this prefix
-        src = blocks.detach().contiguous()
-        self.packed = torch.empty(n // PANEL * (k // BLOCK) * spec.packed_block_bytes, dtype=torch.uint8)
-        lib.adaflash_pack_quantized(src.data_ptr(), n, k, spec.code, self.packed.data_ptr(), torch.get_num_threads())
+        self.packed = _pack(lib, lib.adaflash_pack_quantized, blocks, fmt, n, k,
+                            torch.empty(n // PANEL * (k // BLOCK) * spec.packed_block_bytes, dtype=torch.uint8))
         self.bias = _check_bias(bias, n)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -255,7 +266,7 @@ INT8_CODE_OFFSET = 16
 
 
 class Int8Linear(_Packed):
-    """GGUF Q4_1 / Q8_0 blocks of an [n, k] weight with 8-bit activations (int8_linear.cpp: llama.cpp's arithmetic).
+    """GGUF blocks of an [n, k] weight (any int8 format of quant.py) with 8-bit activations (int8_linear.cpp: llama.cpp's arithmetic).
     NOT the fp32 target: each row's activations are rounded to int8 per 32 k. A row's result is the same at every
     row count and row subset, so decode, verification and prefill agree (lossless against the target as it runs)."""
 
@@ -268,11 +279,10 @@ class Int8Linear(_Packed):
         self._lib, self.n, self.k, self.fmt = lib, n, k, fmt
         self.format_code, self._code = INT8_CODE_OFFSET + code, code
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}xint8]"
-        src = blocks.detach().contiguous()
         # In huge pages (weight_arena.py). Only here: the other kernels' copies may be dropped by the per-machine
         # choice, and a weight carved from a shared chunk frees no memory until the whole chunk does.
-        self.packed = weight_arena.empty(n // PANEL * (k // BLOCK) * lib.adaflash_int8_block_bytes(code), torch.uint8)
-        lib.adaflash_pack_int8(src.data_ptr(), n, k, code, self.packed.data_ptr(), torch.get_num_threads())
+        self.packed = _pack(lib, lib.adaflash_pack_int8, blocks, fmt, n, k, weight_arena.empty(
+            n // PANEL * (k // BLOCK) * lib.adaflash_int8_block_bytes(code), torch.uint8))
         self.bias = _check_bias(bias, n)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "int8_linear.h"
 #include "packed_linear.h"
 
 namespace {
@@ -332,8 +333,11 @@ void adaflash_pack_quantized(const uint8_t* src, int64_t n, int64_t k, int forma
 void adaflash_quantized_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int format, int64_t n,
                                const float* bias, float* y, int threads) {
   if (m < 1) return;
-  const int64_t nb = k / kBlock, bytes = packed_block_bytes(format);
-  if (m <= kFewRows) {
+  // kquant.cpp's formats (Q5_0, Q4_K, Q5_K, Q6_K): its layout, dequantized by it into the chunked path at every row
+  // count (they run at speed on the int8 kernel; this one keeps the fp32 target's exact values).
+  const bool kquant = adaflash::kquant::handles(format);
+  const int64_t nb = k / kBlock, bytes = kquant ? adaflash::kquant::block_bytes(format) : packed_block_bytes(format);
+  if (m <= kFewRows && !kquant) {
     static constexpr Few q4_np[] = {nullptr, few_quant<kQ4_1, 1, 2>, few_quant<kQ4_1, 2, 2>, few_quant<kQ4_1, 3, 1>,
                                     few_quant<kQ4_1, 4, 1>};
     static constexpr Few q4_one[] = {nullptr, few_quant<kQ4_1, 1, 1>, few_quant<kQ4_1, 2, 1>, few_quant<kQ4_1, 3, 1>,
@@ -362,7 +366,10 @@ void adaflash_quantized_linear(const float* x, int64_t m, int64_t k, const uint8
     const float* b = bias ? bias + p * kPanel : nullptr;
     for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
       const int64_t k1 = k0 + kChunk < k ? k0 + kChunk : k;
-      if (wide) {
+      if (kquant) {
+        adaflash::kquant::dequant(format, panel, k0 / kBlock, k1 / kBlock, scratch);
+        (wide ? avx512::chunk_rows : chunk_rows)(x, m, k, scratch, k0, k1, y + p * kPanel, n, b);
+      } else if (wide) {
         avx512::dequant(format, panel, k0 / kBlock, k1 / kBlock, scratch);
         avx512::chunk_rows(x, m, k, scratch, k0, k1, y + p * kPanel, n, b);
       } else {

@@ -20,17 +20,28 @@ BLOCK = 32  # k per GGUF quantization block
 class QuantFormat:
     name: str  # ggml's type name
     code: int  # the kernels' Format enum
-    block_bytes: int  # one GGUF block of 32 weights
-    packed_block_bytes: int  # one (panel, block) in the packed kernel: 16 outputs x 32 k
+    block_k: int  # k per GGUF block: 32, or 256 for the super-block ("K") formats
+    block_bytes: int  # one GGUF block
+    packed_block_bytes: int  # one (panel of 16 outputs, 32 k) as the kernels pack it (a super-block's share)
     int8: bool  # the int8-activation kernel (llama.cpp's arithmetic) takes it
+
+    def row_bytes(self, k: int) -> int:
+        return k // self.block_k * self.block_bytes
 
 
 # BF16: 32 bf16 a "block", widened exactly (a checkpoint saved in bf16, streamed at half the fp32 bytes).
+# Q5_0 and the K formats: kquant.cpp (packed by kquant.py). Q4_0 runs as Q4_1 (`runnable`).
 QUANT_FORMATS = {f.name: f for f in (
-    QuantFormat("Q4_1", code=1, block_bytes=20, packed_block_bytes=64 + BLOCK * 8, int8=True),
-    QuantFormat("Q8_0", code=2, block_bytes=34, packed_block_bytes=32 + BLOCK * 16, int8=True),
-    QuantFormat("BF16", code=3, block_bytes=64, packed_block_bytes=BLOCK * 32, int8=False),
+    QuantFormat("Q4_1", code=1, block_k=32, block_bytes=20, packed_block_bytes=64 + BLOCK * 8, int8=True),
+    QuantFormat("Q8_0", code=2, block_k=32, block_bytes=34, packed_block_bytes=32 + BLOCK * 16, int8=True),
+    QuantFormat("BF16", code=3, block_k=32, block_bytes=64, packed_block_bytes=BLOCK * 32, int8=False),
+    QuantFormat("Q5_0", code=4, block_k=32, block_bytes=22, packed_block_bytes=352, int8=True),
+    QuantFormat("Q4_K", code=5, block_k=256, block_bytes=144, packed_block_bytes=2368 // 8, int8=True),
+    QuantFormat("Q5_K", code=6, block_k=256, block_bytes=176, packed_block_bytes=2880 // 8, int8=True),
+    QuantFormat("Q6_K", code=7, block_k=256, block_bytes=210, packed_block_bytes=3360 // 8, int8=True),
 )}
+# GGUF types that run as another format of the table, converted exactly at load.
+CONVERTED_FORMATS = ("Q4_0",)
 
 
 def int8_formats() -> tuple[str, ...]:
@@ -46,6 +57,20 @@ class QuantizedWeight:
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The blocks of a subset of rows (a drafter's trimmed LM head)."""
         return QuantizedWeight(self.fmt, self.blocks[index].contiguous())
+
+
+def runnable(fmt: str, blocks: torch.Tensor) -> QuantizedWeight:
+    """GGUF blocks as a weight our kernels run: Q4_0 (d, 16 bytes of q; w = d * (q - 8)) becomes Q4_1 (d, m = -8 d,
+    the same bytes; w = d * q + m), the same values bitwise (d * q is exact, and so is their sum)."""
+    if fmt != "Q4_0":
+        return QuantizedWeight(fmt, blocks)
+    b = blocks.numpy().reshape(-1, 18)
+    d = b[:, :2].copy().view(np.float16)
+    m = (d.astype(np.float32) * -8).astype(np.float16)
+    if not np.array_equal(m.astype(np.float32), d.astype(np.float32) * -8):
+        raise ValueError("a Q4_0 scale too large to run as Q4_1 (|8 d| overflows fp16)")
+    out = np.concatenate([b[:, :2], m.view(np.uint8), b[:, 2:]], axis=1)
+    return QuantizedWeight("Q4_1", torch.from_numpy(out.reshape(blocks.shape[0], -1)))
 
 
 def exact_bf16_blocks(weight: torch.Tensor) -> QuantizedWeight | None:
