@@ -57,9 +57,7 @@ def _staging(out: Path) -> Path:
 
 
 def _weight_files(target_dir: Path) -> list[Path]:
-    """The checkpoint's own weight files: the index's shards, else model*.safetensors. Our runtime caches packed
-    blocks beside them (`gguf_blocks.safetensors`); vLLM reading that file too is what refused the converted cache
-    ("no module or parameter named 'embed_tokens'")."""
+    """The checkpoint's own weight files: the index's shards, else model*.safetensors."""
     index = target_dir / "model.safetensors.index.json"
     if index.is_file():
         return sorted({target_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -67,8 +65,14 @@ def _weight_files(target_dir: Path) -> list[Path]:
 
 
 def _target_state(target_dir: Path) -> dict[str, torch.Tensor]:
+    """The target's tensors under transformers' names: a checkpoint's, or a GGUF's dequantized (a directory the
+    registry prepared for a GGUF holds no weights)."""
     from adaflash.models.files import read_tensors
+    from adaflash.models.targets.gguf_weights import GGUFWeights, source_gguf
 
+    gguf = source_gguf(target_dir)
+    if gguf is not None:
+        return GGUFWeights(gguf).hf_state()
     files = _weight_files(target_dir)
     if not files:
         raise FileNotFoundError(f"{target_dir} holds no model*.safetensors weights")

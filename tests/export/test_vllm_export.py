@@ -145,18 +145,18 @@ def test_errors_name_the_bad_input_and_leave_nothing_half_written(tiny_chat_chec
     assert not (tmp_path / "out2" / "drafter").exists()
 
 
-def test_target_export_leaves_out_our_runtimes_packed_block_cache(tiny_chat_checkpoint, tmp_path):
-    """The converted target cache also holds gguf_blocks.safetensors (packed blocks with names like `layers.0.qkv`):
-    vLLM loads every *.safetensors of a folder and refused it ("no module or parameter named 'embed_tokens'")."""
-    import shutil
+def test_a_gguf_target_exports_as_the_checkpoint_transformers_loads_from_it(tmp_path):
+    """A registry target is a GGUF whose directory holds no weights: the export dequantizes the file, and the values
+    are what transformers' own GGUF load gives (q / k rows un-permuted for Llama)."""
+    from transformers import AutoModelForCausalLM
 
-    from adaflash.models.targets.gguf_blocks import CACHE_FILE
-    from adaflash.models.files import save_tensors
+    from adaflash.models.targets.registry import target_gguf
 
-    src = tmp_path / "cache"
-    shutil.copytree(tiny_chat_checkpoint, src)
-    save_tensors(src / CACHE_FILE, {"embed_tokens": torch.zeros(2), "layers.0.qkv": torch.zeros(2)})
-    out = export_vllm_target(str(src), tmp_path / "target")
-    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
-    assert set(load_file(str(out / "model.safetensors"))) == set(load_file(str(Path(tiny_chat_checkpoint)
-                                                                                / "model.safetensors")))
+    out = export_vllm_target("smollm2-135m", tmp_path / "target")
+    exported = load_file(str(out / "model.safetensors"))
+    gguf = target_gguf("smollm2-135m")
+    theirs = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state = {k: v for k, v in theirs.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert set(exported) == set(state)
+    for name, value in state.items():
+        assert torch.equal(exported[name], value), name

@@ -34,6 +34,19 @@ def resolve_dtype(name: str = "auto", device: str = "cpu") -> torch.dtype:
     return DTYPES[name]
 
 
+# Formats the fp32 quantized kernel runs exactly but slowly (kquant.cpp dequantizes them into its chunked path): at
+# speed only in the int8 kernel.
+INT8_SPEED_FORMATS = frozenset({"Q5_0", "Q4_K", "Q5_K", "Q6_K"})
+
+
+def auto_dtype_name(name: str, device: str, weight_formats: set[str]) -> str:
+    """`name`, except that auto on a CPU runs a GGUF stored in INT8_SPEED_FORMATS (a Q4_K_M file, say) as int8, the
+    arithmetic llama.cpp runs such a file with, where our kernels run here."""
+    if name == "auto" and device == "cpu" and weight_formats & INT8_SPEED_FORMATS and own_cpu_kernels_available():
+        return INT8
+    return name
+
+
 def int8_activations(name: str) -> bool:
     """Whether dtype `name` asks for the target's int8-activation linears (--dtype int8)."""
     return name == INT8

@@ -7,6 +7,8 @@
 // overhead (13 torch or ctypes calls per layer, 30 layers). This calls the very kernels that loop calls, in the same
 // order on the same values, so the result is bitwise the loop's (tested): only the dispatch between them is gone.
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 extern "C" {
 void adaflash_rms_norm(const float* x, int64_t rows, int64_t d, const float* w, float eps, float* out, int threads);
@@ -34,6 +36,10 @@ struct Linear {
   int64_t format;      // 0: packed fp32, 1..15 the quantized kernel's format code, 16 + it the int8 kernel's
   const float* bias;   // [n] or null
   int64_t n, k;
+  // A fused weight whose stacked parts came in different formats (a GGUF's q / k in Q4_K, its v in Q6_K): the parts,
+  // each its own Linear over the next outputs, and packed / format / bias unused.
+  const Linear* parts;
+  int64_t num_parts;
 };
 
 struct Layer {
@@ -70,6 +76,18 @@ struct Batch {
 };
 
 void run_linear(const Linear& l, const float* x, int64_t m, float* y, int threads) {
+  if (l.parts != nullptr) {  // each part into a scratch, then into its columns of y
+    thread_local std::vector<float> part;
+    int64_t col = 0;
+    for (int64_t i = 0; i < l.num_parts; ++i) {
+      const Linear& p = l.parts[i];
+      part.resize(m * p.n);
+      run_linear(p, x, m, part.data(), threads);
+      for (int64_t r = 0; r < m; ++r) std::memcpy(y + r * l.n + col, part.data() + r * p.n, p.n * sizeof(float));
+      col += p.n;
+    }
+    return;
+  }
   if (l.format == 0)
     adaflash_packed_linear(x, m, l.k, static_cast<const float*>(l.packed), l.n, l.bias, y, threads);
   else if (l.format >= 16)

@@ -26,7 +26,11 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("packed", _p), ("format", _i64), ("bias", _p), ("n", _i64), ("k", _i64)]
+    pass
+
+
+_Linear._fields_ = [("packed", _p), ("format", _i64), ("bias", _p), ("n", _i64), ("k", _i64),
+                    ("parts", ctypes.POINTER(_Linear)), ("num_parts", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -70,7 +74,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _linear_struct(kernel) -> _Linear:
-    return _Linear(kernel.packed.data_ptr(), kernel.format_code, _ptr(kernel.bias), kernel.n, kernel.k)
+    if isinstance(kernel, packed.SplitLinear):
+        parts = getattr(kernel, "_structs", None)
+        if parts is None:  # kept on the kernel: the C structure points into it
+            parts = kernel._structs = (_Linear * len(kernel.parts))(*map(_linear_struct, kernel.parts))
+        return _Linear(None, -1, None, kernel.n, kernel.k, parts, len(kernel.parts))
+    return _Linear(kernel.packed.data_ptr(), kernel.format_code, _ptr(kernel.bias), kernel.n, kernel.k, None, 0)
 
 
 def _batch_struct(attention, cache, cos: torch.Tensor, sin: torch.Tensor, index: Sequence[torch.Tensor]) -> _Batch:

@@ -212,6 +212,11 @@ class _Packed:
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
         raise NotImplementedError
 
+    @property
+    def nbytes(self) -> int:
+        """The packed weights' bytes: what a call streams."""
+        return self.packed.numel() * self.packed.element_size()
+
 
 class PackedLinear(_Packed):
     """An fp32 [n, k] weight (+ bias) packed for the kernel; call it on [m, k] fp32 rows."""
@@ -329,3 +334,25 @@ def int8_isa_limit(isa: str):
         yield
     finally:
         lib.adaflash_int8_limit_isa(_int8_default_limit())
+
+
+class SplitLinear(_Packed):
+    """Kernels over stacked parts of one fused weight (a quant.SplitWeight), each into its own outputs; the layer step
+    runs them as one linear (layer_step.cpp's parts)."""
+
+    def __init__(self, parts: list[_Packed]) -> None:
+        if len({p.k for p in parts}) != 1:
+            raise ValueError(f"split parts must share k, got {[p.k for p in parts]}")
+        self.parts, self.n, self.k = parts, sum(p.n for p in parts), parts[0].k
+        self.format_code, self.bias = -1, None
+        self.label = f"adaflash::split_linear[{self.n}x{self.k}]"
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        col = 0
+        for part in self.parts:
+            y[:, col:col + part.n] = part(x)
+            col += part.n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)

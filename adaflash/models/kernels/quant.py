@@ -59,6 +59,29 @@ class QuantizedWeight:
         return QuantizedWeight(self.fmt, self.blocks[index].contiguous())
 
 
+@dataclass(frozen=True)
+class SplitWeight:
+    """A fused weight (q, k, v stacked; gate, up) whose parts a GGUF stores in different formats (Q4_K q and k, a Q6_K
+    v): each part runs its own kernel into its own outputs."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def fmt(self) -> str:
+        return "+".join(p.fmt for p in self.parts)
+
+    @property
+    def rows_total(self) -> int:
+        return sum(p.blocks.shape[0] for p in self.parts)
+
+
+def stacked(parts: list[QuantizedWeight]) -> QuantizedWeight | SplitWeight:
+    """Parts of one fused weight, in order: one weight where they share a format, else split."""
+    if len({p.fmt for p in parts}) == 1:
+        return QuantizedWeight(parts[0].fmt, torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks)
+    return SplitWeight(tuple(parts))
+
+
 def runnable(fmt: str, blocks: torch.Tensor) -> QuantizedWeight:
     """GGUF blocks as a weight our kernels run: Q4_0 (d, 16 bytes of q; w = d * (q - 8)) becomes Q4_1 (d, m = -8 d,
     the same bytes; w = d * q + m), the same values bitwise (d * q is exact, and so is their sum)."""

