@@ -38,9 +38,9 @@ def path(request, monkeypatch) -> str:
 
 
 def hf_target(path: str):
-    from transformers import AutoModelForCausalLM
+    from adaflash.models.targets.registry import transformers_model
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return transformers_model(path)
 
 
 def repeating_mask_token(hf) -> int:

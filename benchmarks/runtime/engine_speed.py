@@ -22,7 +22,7 @@ from adaflash.engine.engine_factory import EngineConfig, EngineModels, build_eng
 from adaflash.engine.request import Request
 from adaflash.evaluation.flops import linear_flops_per_token, matmul_peak_flops, served_gflops
 from adaflash.models.kernels.dtype import resolve_dtype
-from adaflash.models.targets.registry import load_tokenizer, resolve_target
+from adaflash.models.targets.registry import load_tokenizer, resolve_target, transformers_model
 from adaflash.models.targets.model import load_target_as
 from adaflash.report import write_json
 
@@ -51,8 +51,6 @@ def hf_tokens_per_s(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
@@ -69,7 +67,7 @@ def main() -> None:
     prompts = [tokenizer.apply_chat_template(list(m), add_generation_prompt=True, tokenize=True, return_dict=False)
                for m in chats[: args.batch]]
     ours = load_target_as(checkpoint, args.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
+    hf = transformers_model(checkpoint, dtype)
     engine_runs, hf_runs = [], []
     for _ in range(args.repeats):
         engine_runs.append(engine_tokens_per_s(ours, prompts, args.max_new_tokens))

@@ -34,7 +34,7 @@ from adaflash.models.device.cpu import cpu_has_native_bf16
 from adaflash.models.kernels.dtype import DTYPES
 from adaflash.models.device.cpu import cpu_model
 from adaflash.models.kv_cache.ragged import RaggedBatch
-from adaflash.models.targets.registry import load_tokenizer, resolve_target
+from adaflash.models.targets.registry import load_tokenizer, resolve_target, transformers_model
 from adaflash.models.targets.model import load_target
 from adaflash.report import markdown_table, write_report
 from adaflash.speculative.reference import autoregressive_generate
@@ -102,8 +102,6 @@ def llama_bench_decode(model_name: str, tokens: int, threads: int, repeats: int 
 
 
 def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: int, json_path: str) -> dict:
-    from transformers import AutoModelForCausalLM
-
     checkpoint = resolve_target(model_name)
     tokenizer = load_tokenizer(checkpoint)
     prompts = [
@@ -147,7 +145,7 @@ def run(model_name: str, dtype_names: list[str], max_new_tokens: int, repeats: i
             if dtype == torch.float32:
                 modes[INT8_VARIANT] = modes["chosen"]
                 ours[INT8_VARIANT] = load_target(checkpoint, dtype=dtype, int8_activations=True)
-        hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype).eval()
+        hf = transformers_model(checkpoint, dtype)
         tps = {variant: [] for variant in ours}
         decode_tps = {variant: [] for variant in ours}  # after the first token: what llama-bench's tg measures
         hf_tps, agree = [], []

@@ -38,14 +38,13 @@ def _hf_generate(model, ids: list[int], max_new_tokens: int, eos: list[int], loo
 
 
 def run(args: argparse.Namespace) -> dict:
-    from transformers import AutoModelForCausalLM
 
-    from adaflash.models.targets.registry import resolve_drafter, resolve_target
+    from adaflash.models.targets.registry import resolve_drafter, resolve_target, transformers_model
     from adaflash.pipeline import Pipeline
 
     pipeline = Pipeline.load(args.model, resolve_drafter(args.model, args.drafter), args.dtype, args.length_policy)
     with_lookup = {k: pipeline.with_prompt_lookup(PromptLookup(k)) for k in args.ours_lookup}
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve_target(args.model)), dtype=pipeline.target.dtype).eval()
+    hf = transformers_model(resolve_target(args.model), pipeline.target.dtype)
     eos = list(pipeline.stop_token_ids)
     rows = []
     for domain, dataset in DOMAINS.items():

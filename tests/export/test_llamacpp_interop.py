@@ -138,13 +138,15 @@ def _rate(accepted: int, drafted: int) -> dict:
 @pytest.fixture(scope="module")
 def interop(peer_bins, smollm2_dir, tmp_path_factory) -> dict:
     from adaflash.export.gguf import GGUFExportConfig, export_gguf
+    from adaflash.export.vllm import export_vllm_target
     from adaflash.models.targets.registry import shipped_drafter
     from adaflash.pipeline import Pipeline
 
     work = tmp_path_factory.mktemp("llamacpp")
     drafter_dir = shipped_drafter("smollm2-135m")
     target_gguf = work / "target-f32.gguf"
-    proc = subprocess.run([str(PEER_PYTHON), str(CONVERTER), str(smollm2_dir), "--outtype", "f32", "--outfile",
+    hf_dir = export_vllm_target("smollm2-135m", work / "target-hf")  # the GGUF's values as an HF checkpoint
+    proc = subprocess.run([str(PEER_PYTHON), str(CONVERTER), str(hf_dir), "--outtype", "f32", "--outfile",
                            str(target_gguf)], capture_output=True, text=True, env=_env(), timeout=1800)
     assert proc.returncode == 0, f"llama.cpp's converter failed on the target:\n{proc.stderr[-4000:]}"
     drafter_gguf = work / "drafter-f32.gguf"

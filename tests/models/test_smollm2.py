@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from adaflash.models.kv_cache.ragged import RaggedBatch
-from adaflash.models.targets.registry import load_tokenizer, resolve_target
+from adaflash.models.targets.registry import load_tokenizer, resolve_target, transformers_model
 from adaflash.models.targets.model import load_target
 from adaflash.pipeline import Pipeline
 
@@ -50,7 +49,7 @@ def test_fp32_weights_are_the_ggufs_exact_dequantised_values(smollm2_dir, pipeli
 
 def test_logits_match_transformers(smollm2_dir, pipeline):
     ids = pipeline.encode(messages=[{"role": "user", "content": "What is the capital of France?"}])
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    hf = transformers_model(smollm2_dir)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     target = pipeline.target

@@ -5,8 +5,9 @@
 //
 // Every weight is w = S * q + M with q a small unsigned integer and S, M per 32 k (16 for Q6_K) and output:
 //   Q5_0: S = d, M = -16 d.   Q4_K / Q5_K: S = d * sc, M = -(dmin * m).   Q6_K: S = d * sc, M = -32 S.
-// d * sc has at most 11 + 8 significant bits, exact in fp32, so the fp32 kernel's fma(S, q, M) rounds once where
-// gguf.quants.dequantize does (its products with q are exact but Q6_K's, rounded once there too): bitwise its values.
+// d * sc has at most 11 + 8 significant bits, exact in fp32, so the fp32 kernel's fma(S, q, M) for the K formats
+// rounds once where gguf.quants.dequantize does (S * q is exact), and S * (q - 32), d * (q - 16) for Q6_K and Q5_0
+// are gguf's own products: bitwise its values.
 //
 // Packed per (panel of 16 outputs, block of 32 k) - the body - with the super-block formats' scales once per 256 k
 // ahead of their 8 bodies (quants.py packs it, in numpy):
@@ -202,10 +203,10 @@ void dequant(const uint8_t* panel, int64_t b0, int64_t b1, float* out) {
           const __m256i ql = _mm256_and_si256(_mm256_srli_epi32(lo, 8 * t), _mm256_set1_epi32(0xFF));
           const __m256i qh = _mm256_and_si256(_mm256_srli_epi32(hi, 8 * t), _mm256_set1_epi32(0xFF));
           __m256 wl, wh;
-          if (F == kQ6_K) {  // S * (q - 32): one rounding, as gguf's
-            const __m256i off = _mm256_set1_epi32(32);
+          if (F == kQ6_K || F == kQ5_0) {  // S * (q - 32), d * (q - 16): one rounding and a zero's sign, as gguf's
+            const __m256i off = _mm256_set1_epi32(F == kQ6_K ? 32 : 16);
             wl = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_sub_epi32(ql, off)));
-            wh = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_sub_epi32(qh, off)));
+            wh = _mm256_mul_ps(F == kQ6_K ? s1 : s0, _mm256_cvtepi32_ps(_mm256_sub_epi32(qh, off)));
           } else {  // S * q exact, + M rounded once
             wl = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(ql), s1);
             wh = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(qh), s1);

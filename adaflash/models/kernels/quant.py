@@ -30,7 +30,7 @@ class QuantFormat:
 
 
 # BF16: 32 bf16 a "block", widened exactly (a checkpoint saved in bf16, streamed at half the fp32 bytes).
-# Q5_0 and the K formats: kquant.cpp (packed by kquant.py). Q4_0 runs as Q4_1 (`runnable`).
+# Q5_0 and the K formats: kquant.cpp (packed by kquant.py). Q4_0 runs as Q8_0 (`runnable`).
 QUANT_FORMATS = {f.name: f for f in (
     QuantFormat("Q4_1", code=1, block_k=32, block_bytes=20, packed_block_bytes=64 + BLOCK * 8, int8=True),
     QuantFormat("Q8_0", code=2, block_k=32, block_bytes=34, packed_block_bytes=32 + BLOCK * 16, int8=True),
@@ -76,24 +76,27 @@ class SplitWeight:
 
 
 def stacked(parts: list[QuantizedWeight]) -> QuantizedWeight | SplitWeight:
-    """Parts of one fused weight, in order: one weight where they share a format, else split."""
-    if len({p.fmt for p in parts}) == 1:
-        return QuantizedWeight(parts[0].fmt, torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks)
-    return SplitWeight(tuple(parts))
+    """Parts of one fused weight, in order: neighbours of one format joined, and split where the format changes."""
+    runs: list[list[QuantizedWeight]] = []
+    for part in parts:
+        if runs and runs[-1][0].fmt == part.fmt:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    joined = [QuantizedWeight(r[0].fmt, torch.cat([p.blocks for p in r]) if len(r) > 1 else r[0].blocks) for r in runs]
+    return joined[0] if len(joined) == 1 else SplitWeight(tuple(joined))
 
 
 def runnable(fmt: str, blocks: torch.Tensor) -> QuantizedWeight:
-    """GGUF blocks as a weight our kernels run: Q4_0 (d, 16 bytes of q; w = d * (q - 8)) becomes Q4_1 (d, m = -8 d,
-    the same bytes; w = d * q + m), the same values bitwise (d * q is exact, and so is their sum)."""
+    """GGUF blocks as a weight our kernels run: Q4_0 (d, 16 bytes of nibbles; w = d * (q - 8)) becomes Q8_0 (d, the
+    32 values q - 8 as int8; w = d * q8): gguf's values bitwise, a zero's sign included (Q4_1's d * q + m would give
+    +0 where Q4_0 gives d * 0)."""
     if fmt != "Q4_0":
         return QuantizedWeight(fmt, blocks)
     b = blocks.numpy().reshape(-1, 18)
-    d = b[:, :2].copy().view(np.float16)
-    m = (d.astype(np.float32) * -8).astype(np.float16)
-    if not np.array_equal(m.astype(np.float32), d.astype(np.float32) * -8):
-        raise ValueError("a Q4_0 scale too large to run as Q4_1 (|8 d| overflows fp16)")
-    out = np.concatenate([b[:, :2], m.view(np.uint8), b[:, 2:]], axis=1)
-    return QuantizedWeight("Q4_1", torch.from_numpy(out.reshape(blocks.shape[0], -1)))
+    q = (np.concatenate([b[:, 2:] & 0x0F, b[:, 2:] >> 4], axis=1).astype(np.int8) - np.int8(8)).view(np.uint8)
+    out = np.concatenate([b[:, :2], q], axis=1)
+    return QuantizedWeight("Q8_0", torch.from_numpy(out.reshape(blocks.shape[0], -1)))
 
 
 def exact_bf16_blocks(weight: torch.Tensor) -> QuantizedWeight | None:

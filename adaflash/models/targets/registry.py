@@ -18,7 +18,7 @@ from pathlib import Path
 
 from adaflash.models.files import cache_root, exclusive
 from adaflash.models.targets.config import UnsupportedModelError
-from adaflash.models.targets.gguf_weights import is_prepared, prepare_checkpoint
+from adaflash.models.targets.gguf_weights import is_prepared, prepare_checkpoint, source_gguf
 from adaflash.models.targets.parts import PARTED_MODELS, install
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -144,3 +144,15 @@ def load_tokenizer(checkpoint_dir: str | Path):
         return AutoTokenizer.from_pretrained(str(checkpoint_dir))
     except (OSError, ValueError) as exc:
         raise FileNotFoundError(f"no usable tokenizer in {checkpoint_dir}: {exc}") from exc
+
+
+def transformers_model(checkpoint_dir: str | Path, dtype=None):
+    """transformers' own load of a checkpoint directory - from the GGUF where the registry prepared it for one: the
+    reference our runtime is compared with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = source_gguf(checkpoint_dir)
+    where = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name) if gguf is not None \
+        else dict(pretrained_model_name_or_path=str(checkpoint_dir))
+    return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype or torch.float32).eval()

@@ -211,7 +211,7 @@ def test_only_exactly_bf16_weights_get_bf16_blocks():
 def test_quantized_kernel_rejects_what_it_cannot_run():
     raw, _ = _gguf_blocks("Q4_1", 16, 64, seed=0)
     with pytest.raises(ValueError, match="no kernel for"):
-        packed.QuantizedLinear(raw, "Q5_K", 64)
+        packed.QuantizedLinear(raw, "Q3_K", 64)
     with pytest.raises(ValueError, match=r"uint8 \[16, 40\]"):
         packed.QuantizedLinear(raw[:, :20], "Q4_1", 64)
     with pytest.raises(ValueError, match="k % 32"):
