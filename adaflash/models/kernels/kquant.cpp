@@ -105,75 +105,95 @@ inline __m256i bcast4(const int8_t* p) {
 
 inline __m256i widen(__m256i pairs16) { return _mm256_madd_epi16(pairs16, _mm256_set1_epi16(1)); }
 
-// A tile: R rows x one panel over all of k, a half of the panel at a time. Per block and output, the integer sums
-// are exact: unsigned formats sum q * x (maddubs: u8 x s8 pairs, <= 2 x 63 x 127, widened every step for 5 bits,
-// every block for 4), Q6_K sums (q - 32) * x per 16 k (signs moved onto x as int8_linear.cpp's Q8_0; 4 steps of
-// pairs <= 4 x 8128 fit int16). Then acc = fma(sum, S d_x, acc) and acc = fma(M, d_x sum(x), acc), or Q6_K's two
-// sums each with its S. The same sequence per (row, output) at every tile size: a row's result never depends on m.
+// A tile: R rows x one panel over all of k. Up to 2 rows take both halves of the panel (16 outputs) in one pass over
+// the blocks; more rows take one half a pass (8 outputs), so R accumulators and R running sums stay in registers, and
+// the second pass reads the panel from L1 / L2 (5-11% faster at 8-16 rows for Q4_K and Q5_0 than both halves at once,
+// in one process on a 2-core EPYC; one row's pass is bound by the weight stream, which two passes would idle).
+// Per block and output the integer sums are exact: unsigned formats sum q * x (maddubs: u8 x s8 pairs, <= 2 x 31 x 127
+// for 5 bits, added in int16 over two steps and then widened; 4 bits over the whole block), Q6_K sums (q - 32) * x per
+// 16 k (signs moved onto x as int8_linear.cpp's Q8_0; 4 steps of pairs <= 2 x 32 x 127 fit int16). Then
+// acc = fma(sum, S d_x, acc) and acc = fma(M, d_x sum(x), acc), or Q6_K's two sums each with its S. The same sequence
+// per (row, output) at every tile size: a row's result never depends on m.
 template <int F, int R>
 void tile(const Activations& a, int64_t r0, const uint8_t* panel, int64_t nb, const float* bias, float* y, int64_t ldy,
           const uint8_t* end) {
+  constexpr int H = R <= 2 || F == kQ6_K ? 2 : 1;  // halves a pass (Q6_K: 7-12% slower in two passes at 4-16 rows)
   const int64_t k = nb * kBlock;
-  __m256 acc[R][2];
+  for (int h0 = 0; h0 < 2; h0 += H) {
+    __m256 acc[R][H];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const Where w = locate<F>(panel, b);
-    if (r0 == 0) {
-      const uint8_t* from = w.sub == 0 ? w.header : w.body;
-      prefetch_ahead<_MM_HINT_T0>(from, w.body + body_bytes(F) - from, end);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int hh = 0; hh < H; ++hh) acc[r][hh] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const Where w = locate<F>(panel, b);
+      if (r0 == 0 && h0 == 0) {
+        const uint8_t* from = w.sub == 0 ? w.header : w.body;
+        prefetch_ahead<_MM_HINT_T0>(from, w.body + body_bytes(F) - from, end);
+      }
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256i sum0[R], sum1[R];
+      for (int hh = 0; hh < H; ++hh) {
+        const int h = h0 + hh;
+        __m256i sum0[R], sum1[R];  // sum1: Q6_K's second 16 k; 5 bits: the int16 pairs of two steps
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) sum0[r] = sum1[r] = _mm256_setzero_si256();
+        for (int r = 0; r < R; ++r) sum0[r] = sum1[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-      for (int l = 0; l < 4; ++l) {
-        __m256i lo, hi;
-        values<F>(w.body, h, l, lo, hi);
-        if (F == kQ6_K) {
-          lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(32));
-          hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(32));
+        for (int l = 0; l < 4; ++l) {
+          __m256i lo, hi;
+          values<F>(w.body, h, l, lo, hi);
+          if (F == kQ6_K) {
+            lo = _mm256_sub_epi8(lo, _mm256_set1_epi8(32));
+            hi = _mm256_sub_epi8(hi, _mm256_set1_epi8(32));
+          }
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
+            const __m256i xl = bcast4(x + 4 * l), xh = bcast4(x + 16 + 4 * l);
+            if (F == kQ6_K) {
+              sum0[r] = _mm256_add_epi16(sum0[r],
+                                         _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xl, lo)));
+              sum1[r] = _mm256_add_epi16(sum1[r],
+                                         _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(xh, hi)));
+              asm("" : "+x"(sum0[r]), "+x"(sum1[r]));  // one running sum per row (int8_linear.cpp says why)
+            } else if (bits_of(F) == 4) {
+              sum0[r] = _mm256_add_epi16(sum0[r],
+                                         _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+              asm("" : "+x"(sum0[r]));
+            } else {
+              sum1[r] = _mm256_add_epi16(sum1[r],
+                                         _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+              if (l % 2) {
+                sum0[r] = _mm256_add_epi32(sum0[r], widen(sum1[r]));
+                sum1[r] = _mm256_setzero_si256();
+              }
+              asm("" : "+x"(sum0[r]), "+x"(sum1[r]));
+            }
+          }
         }
+        __m256 s0, s1;
+        scales<F>(w, h, s0, s1);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const int8_t* x = a.q + (r0 + r) * k + b * kBlock;
-          const __m256i xl = bcast4(x + 4 * l), xh = bcast4(x + 16 + 4 * l);
+          const int64_t i = (r0 + r) * nb + b;
+          const __m256 dx = _mm256_set1_ps(a.d[i]);
           if (F == kQ6_K) {
-            sum0[r] = _mm256_add_epi16(sum0[r], _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xl, lo)));
-            sum1[r] = _mm256_add_epi16(sum1[r], _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(xh, hi)));
+            acc[r][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(sum0[r])), _mm256_mul_ps(s0, dx), acc[r][hh]);
+            acc[r][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(sum1[r])), _mm256_mul_ps(s1, dx), acc[r][hh]);
           } else {
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-            sum0[r] = bits_of(F) == 4 ? _mm256_add_epi16(sum0[r], pairs) : _mm256_add_epi32(sum0[r], widen(pairs));
+            const __m256i s = bits_of(F) == 4 ? widen(sum0[r]) : sum0[r];
+            acc[r][hh] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(s0, dx), acc[r][hh]);
+            acc[r][hh] = _mm256_fmadd_ps(s1, _mm256_set1_ps(a.s[i]), acc[r][hh]);
           }
-          asm("" : "+x"(sum0[r]), "+x"(sum1[r]));  // one running sum per row (int8_linear.cpp says why)
-        }
-      }
-      __m256 s0, s1;
-      scales<F>(w, h, s0, s1);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (r0 + r) * nb + b;
-        const __m256 dx = _mm256_set1_ps(a.d[i]);
-        if (F == kQ6_K) {
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(sum0[r])), _mm256_mul_ps(s0, dx), acc[r][h]);
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(sum1[r])), _mm256_mul_ps(s1, dx), acc[r][h]);
-        } else {
-          const __m256i s = bits_of(F) == 4 ? widen(sum0[r]) : sum0[r];
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(s0, dx), acc[r][h]);
-          acc[r][h] = _mm256_fmadd_ps(s1, _mm256_set1_ps(a.s[i]), acc[r][h]);
         }
       }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      for (int hh = 0; hh < H; ++hh) {
+        const int h = h0 + hh;
+        const __m256 out = bias ? _mm256_add_ps(acc[r][hh], _mm256_loadu_ps(bias + h * 8)) : acc[r][hh];
+        _mm256_storeu_ps(y + (r0 + r) * ldy + h * 8, out);
+      }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) {
-      __m256 out = acc[r][h];
-      if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + h * 8));
-      _mm256_storeu_ps(y + (r0 + r) * ldy + h * 8, out);
-    }
 }
 
 constexpr int kRows = 4;
