@@ -4,8 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-src peer-vllm gpu-check gpu-stage \
-	gpu-drafter
+.PHONY: install demo test test-fast bench drafter adaflash-drafter clean peer peer-build peer-src peer-vllm gpu-check \
+	gpu-stage gpu-drafter
 
 install: $(STAMP)
 
@@ -122,8 +122,15 @@ PEER_ARCH ?= -DGGML_NATIVE=ON
 PEER_ARCH_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
-peer: peer-src
-	cd $(PEER_TREE) && cmake -B build $(PEER_ARCH) -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+# The built llama-server must answer a completion (`python -m adaflash.evaluation.peer`); where the native build's
+# does not (an AMX Xeon: it dies at its first matmul), the build is redone once without AMX and checked again.
+peer: peer-src $(STAMP)
+	$(MAKE) peer-build PEER_BUILD_ARCH='$(PEER_ARCH)'
+	$(PY) -m adaflash.evaluation.peer || { echo "rebuilding llama.cpp without AMX"; rm -rf $(PEER_TREE)/build; \
+		$(MAKE) peer-build PEER_BUILD_ARCH='$(PEER_ARCH_NO_AMX)' && $(PY) -m adaflash.evaluation.peer; }
+
+peer-build:
+	cd $(PEER_TREE) && cmake -B build $(PEER_BUILD_ARCH) -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
 		-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$$ORIGIN'
 	cd $(PEER_TREE) && $(NICE) cmake --build build -j2 --target $(PEER_TARGETS)
 	mkdir -p $(PEER)/bin

@@ -123,3 +123,36 @@ def vllm_env(threads: int | None, kv_cache_gib: int = 1) -> dict[str, str]:
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def smoke_test_llama_server(bin_dir: Path | None = None, port: int = 8937) -> str | None:
+    """Start `make peer`'s llama-server on the embedded target's GGUF and complete 4 tokens: None when it answers,
+    else what went wrong (an AMX Xeon's native build dies at its first matmul: docs/deploy.md)."""
+    import tempfile
+
+    from adaflash.models.targets.registry import target_gguf
+
+    bin_dir = bin_dir or peer_bin_dir()
+    cmd = llama_server_command(bin_dir, [], port, parallel=1, ctx_per_slot=512, threads=None,
+                               model_gguf=target_gguf())
+    log = Path(tempfile.mkdtemp(prefix="llama-server-smoke-")) / "server.log"
+    try:
+        with launched_process(LLAMA_SERVER, cmd, f"http://127.0.0.1:{port}/health", log, env=peer_env(bin_dir),
+                              timeout_s=120) as proc:
+            reply = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "The capital of France is",
+                                                                             "n_predict": 4}, timeout=120)
+            if reply.status_code != 200 or proc.poll() is not None:
+                return f"completion answered {reply.status_code} (log {log})"
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+if __name__ == "__main__":  # `make peer`'s check of the binaries it built: exit 1 with the reason where they fail
+    import sys
+
+    problem = smoke_test_llama_server()
+    if problem:
+        print(f"llama-server failed its smoke test: {problem}", file=sys.stderr)
+        sys.exit(1)
+    print("llama-server answered a completion")

@@ -103,3 +103,34 @@ def test_sweep_refuses_a_vllm_peer_without_its_folder_or_an_unknown_baseline(tmp
         err = capsys.readouterr().err
     assert code == 2 and message in err
     assert not (tmp_path / "logs").exists()  # no server was launched
+
+
+def _fake_llama_server(tmp_path: Path, completion_status: int) -> Path:
+    """A stand-in llama-server: answers /health, and /completion with `completion_status` (an AMX build's server that
+    starts, then dies at its first matmul, answers none)."""
+    tmp_path.mkdir()
+    script = tmp_path / "llama-server"
+    script.write_text(f"""#!{sys.executable}
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        self.send_response({completion_status}); self.end_headers(); self.wfile.write(b"{{}}")
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+""")
+    script.chmod(0o755)
+    return tmp_path
+
+
+def test_make_peers_smoke_test_tells_a_server_that_completes_from_one_that_does_not(tmp_path: Path):
+    """`make peer` rebuilds without AMX when the built llama-server cannot answer a completion."""
+    from adaflash.evaluation.peer import smoke_test_llama_server
+
+    assert smoke_test_llama_server(_fake_llama_server(tmp_path / "good", 200), port=free_port()) is None
+    problem = smoke_test_llama_server(_fake_llama_server(tmp_path / "bad", 500), port=free_port())
+    assert problem is not None and "500" in problem

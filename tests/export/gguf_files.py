@@ -27,72 +27,20 @@ class GGUFFile:
     tensors: dict[str, GGUFTensor]
 
 
-# GGUF value types (the format's numbering): scalar struct codes; 8 = string, 9 = array.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-
-
 def read_gguf(path: str | Path) -> GGUFFile:
-    """The file's metadata and tensors, read by the GGUF format's own layout (gguf-py's GGUFReader builds one numpy
-    view per array element: seconds for a 49K-token vocabulary); tensors are dequantised by gguf-py."""
-    import struct
-
+    """The file's metadata and tensors (the runtime's own layout reader, string arrays decoded), dequantised by
+    gguf-py."""
     import gguf
 
-    data = memoryview(Path(path).read_bytes())
-    pos = 0
+    from adaflash.models.targets.gguf_file import GGUFFile as Layout
 
-    def take(fmt: str):
-        nonlocal pos
-        (value,) = struct.unpack_from(fmt, data, pos)
-        pos += struct.calcsize(fmt)
-        return value
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        pos += n
-        return bytes(data[pos - n:pos]).decode("utf-8")
-
-    def value(kind: int):
-        nonlocal pos
-        if kind == 8:
-            return string(), ()
-        if kind != 9:
-            return take(_SCALARS[kind]), ()
-        item, count = take("<I"), take("<Q")
-        if item == 8:
-            return [string() for _ in range(count)], (item,)
-        values = np.frombuffer(data, dtype=_NUMPY[item], count=count, offset=pos)
-        pos += values.nbytes
-        return values.tolist(), (item,)
-
-    if bytes(data[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    pos = 4
-    take("<I")  # version
-    n_tensors, n_kv = take("<Q"), take("<Q")
-    kv, types = {}, {}
-    for _ in range(n_kv):
-        key, kind = string(), take("<I")
-        kv[key], inner = value(kind)
-        types[key] = tuple(gguf.GGUFValueType(t).name for t in (kind, *inner))
-    infos = []
-    for _ in range(n_tensors):
-        name, dims = string(), take("<I")
-        shape = tuple(take("<Q") for _ in range(dims))
-        infos.append((name, shape, gguf.GGMLQuantizationType(take("<I")), take("<Q")))
-    alignment = kv.get("general.alignment", 32)
-    start = -(-pos // alignment) * alignment
+    layout = Layout(path, arrays=True)
     tensors = {}
-    for name, shape, kind, offset in infos:
-        block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-        count = int(np.prod(shape))
-        raw = np.frombuffer(data, dtype=np.uint8, count=count // block * block_bytes, offset=start + offset)
-        rows = raw.reshape(*reversed(shape[1:]), -1) if len(shape) > 1 else raw
-        values = gguf.quants.dequantize(rows, kind).reshape(*reversed(shape))
-        tensors[name] = GGUFTensor(type=kind.name, shape=shape, values=np.asarray(values, dtype=np.float32))
-    return GGUFFile(kv, types, tensors)
+    for name, info in layout.tensors.items():
+        kind = gguf.GGMLQuantizationType[info.type]
+        values = gguf.quants.dequantize(layout.data(name), kind).reshape(*reversed(info.shape))
+        tensors[name] = GGUFTensor(type=info.type, shape=info.shape, values=np.asarray(values, dtype=np.float32))
+    return GGUFFile(layout.kv, layout.types, tensors)
 
 
 def differences(ours: GGUFFile, theirs: GGUFFile) -> list[str]:

@@ -1,5 +1,6 @@
-// y[m, n] = x[m, k] . W[n, k]^T over a GGUF's own Q4_1 / Q8_0 blocks with 8-bit activations: llama.cpp's arithmetic,
-// an opt-in numeric definition of the target (`--dtype int8`), never mixed with the fp32 one.
+// y[m, n] = x[m, k] . W[n, k]^T over a GGUF's own blocks with 8-bit activations (Q4_1 / Q8_0 here, the other formats
+// in kquant.cpp): llama.cpp's arithmetic, a numeric definition of the target (`--dtype int8`), never mixed with the
+// fp32 one.
 //
 // Each row of x is rounded per 32 k (d = max|x| / 127, q = round-half-even(x / d)); a block's 32 products per output
 // are an exact integer sum, scaled once per block. Why: the fp32 quantized kernel dequantizes every

@@ -91,32 +91,29 @@ def _plane(high: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _rows_to_panels(a: np.ndarray, groups: int) -> np.ndarray:
-    """A per-row field [n, groups * w] -> per (panel, group) its 16 rows' values: [n / 16, groups, w * 16 lanes]
-    laid out [w][16] (one vector load per field)."""
+    """A per-row field [n, groups * w] -> per (panel, group) its 16 rows' values laid out [w][16] (one vector load per
+    field), as bytes: [n / 16, groups, w * 16 * itemsize]."""
     n = a.shape[0]
     w = a.shape[1] // groups
-    return a.reshape(n // PANEL, PANEL, groups, w).transpose(0, 2, 3, 1).reshape(n // PANEL, groups, -1)
+    lanes = a.reshape(n // PANEL, PANEL, groups, w).transpose(0, 2, 3, 1).reshape(n // PANEL, groups, -1)
+    return np.ascontiguousarray(lanes).view(np.uint8)
 
 
 def pack(fmt: str, blocks: np.ndarray, k: int) -> np.ndarray:
-    """GGUF blocks of an [n, k] weight -> kquant.cpp's packed bytes (n % 16 == 0, k a multiple of the format's block)."""
+    """GGUF blocks of an [n, k] weight -> kquant.cpp's packed bytes (n % 16 == 0, k a multiple of the format's
+    block)."""
     n = blocks.shape[0]
+    p, nb = n // PANEL, k // BLOCK
     q, f = decode(fmt, blocks, k)
-    v = q.reshape(n // PANEL, 2, 8, k // BLOCK, 2, 4, 4)
+    v = q.reshape(p, 2, 8, nb, 2, 4, 4)
     nib = (v[:, :, :, :, 0] & 0x0F) | ((v[:, :, :, :, 1] & 0x0F) << 4)  # [p, h, j, b, l, t]
-    body = [nib.transpose(0, 3, 4, 1, 2, 5).reshape(n // PANEL, k // BLOCK, 256)]
+    body = [nib.transpose(0, 3, 4, 1, 2, 5).reshape(p, nb, 256)]
     if fmt != "Q4_K":
         body.append(_plane(v >> 4, 6 if fmt == "Q6_K" else 5))
     body = np.concatenate(body, axis=-1)  # [p, b, body bytes]
-    p, nb = n // PANEL, k // BLOCK
-    as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8)  # noqa: E731
     if fmt == "Q5_0":
-        header = as_bytes(_rows_to_panels(f["d"], nb))  # [p, b, 32]
-        return np.concatenate([header, body], axis=-1).reshape(-1)
+        return np.concatenate([_rows_to_panels(f["d"], nb), body], axis=-1).reshape(-1)
     ns = k // SUPER
-    if fmt == "Q6_K":
-        header = np.concatenate([as_bytes(_rows_to_panels(f["d"], ns)), _rows_to_panels(f["sc"], ns)], axis=-1)
-    else:
-        header = np.concatenate([as_bytes(_rows_to_panels(f["d"], ns)), as_bytes(_rows_to_panels(f["dmin"], ns)),
-                                 _rows_to_panels(f["sc"], ns), _rows_to_panels(f["m"], ns)], axis=-1)
+    fields = ("d", "sc") if fmt == "Q6_K" else ("d", "dmin", "sc", "m")
+    header = np.concatenate([_rows_to_panels(f[name], ns) for name in fields], axis=-1)
     return np.concatenate([header, body.reshape(p, ns, -1)], axis=-1).reshape(-1)

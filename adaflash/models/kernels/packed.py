@@ -271,9 +271,10 @@ INT8_CODE_OFFSET = 16
 
 
 class Int8Linear(_Packed):
-    """GGUF blocks of an [n, k] weight (any int8 format of quant.py) with 8-bit activations (int8_linear.cpp: llama.cpp's arithmetic).
-    NOT the fp32 target: each row's activations are rounded to int8 per 32 k. A row's result is the same at every
-    row count and row subset, so decode, verification and prefill agree (lossless against the target as it runs)."""
+    """GGUF blocks of an [n, k] weight (an int8 format of quant.py) with 8-bit activations (int8_linear.cpp, kquant.cpp:
+    llama.cpp's arithmetic). NOT the fp32 target: each row's activations are rounded to int8 per 32 k. A row's result
+    is the same at every row count and row subset, so decode, verification and prefill agree (lossless against the
+    target as it runs)."""
 
     def __init__(self, blocks: torch.Tensor, fmt: str, k: int, bias: torch.Tensor | None = None) -> None:
         lib = library()

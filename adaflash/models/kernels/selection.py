@@ -16,8 +16,8 @@ step's, and which counts took it would depend on how the timing fell in the proc
 depending on the run). Drafters choose freely: their numbers shape drafts, never what verification keeps.
 
 `int8_activations` (the target's `--dtype int8`) is another numeric definition, not a kernel choice: a weight with
-Q4_1 / Q8_0 blocks runs the int8-activation kernel at every row count, prefill included (one model for every pass);
-weights without such blocks choose as above.
+blocks of quant.int8_formats() runs the int8-activation kernel at every row count, prefill included (one model for
+every pass); weights without such blocks choose as above.
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ class FastLinear:
     """One weight's linear: at each row bucket, the kernel that measured fastest; past the buckets torch's, or for an
     exact choice the largest bucket's (the same bits at every row count).
 
-    `quantized`: the weight's own GGUF blocks (targets/gguf_weights.py), for the quantized kernel. Kernels no bucket chose
-    are dropped (their packed copy freed).
+    `quantized`: the weight's own GGUF blocks (targets/gguf_weights.py; a SplitWeight: a kernel per part), for the
+    quantized kernel. Kernels no bucket chose are dropped (their packed copy freed).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice,

@@ -104,6 +104,6 @@ class GGUFFile:
     def data(self, name: str) -> np.ndarray:
         t = self.tensors[name]
         raw = self._map[t.offset:t.offset + t.nbytes]
-        if t.type in ("F32", "F16", "BF16"):
-            raw = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[t.type])
+        if t.type in ("F32", "F16"):  # as values; every other type as its bytes (what gguf.quants reads)
+            raw = raw.view(np.float32 if t.type == "F32" else np.float16)
         return raw.reshape(*reversed(t.shape[1:]), -1) if len(t.shape) > 1 else raw

@@ -105,8 +105,8 @@ class TargetModel(nn.Module):
         Packs a second copy of the weights (the originals stay: training, the drafter's head and export read
         them); `quantized` (our weight name -> the GGUF's blocks of exactly its values) adds the quantized kernel.
         False, changing nothing, where the kernels cannot run (not fp32 on CPU, no AVX2, ADAFLASH_KERNELS=stock).
-        `int8_activations`: every linear with Q4_1 / Q8_0 blocks runs the int8-activation kernel at every row count
-        instead (llama.cpp's arithmetic; not the fp32 target). A Qwen3-MoE target packs its attention and dense-layer
+        `int8_activations`: every linear with blocks of int8_formats() runs the int8-activation kernel at every row
+        count instead (llama.cpp's arithmetic; not the fp32 target). A Qwen3-MoE target packs its attention and dense-layer
         linears only, and runs layer by layer (the fused layer step has no experts: models/targets/moe.py).
         """
         if not fast_linears_available(self.embed_tokens):  # (an int8 target's LM head may live in its blocks only)
@@ -349,7 +349,8 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: s
         model = target_from_hf_tensors(cfg, tensors, dtype, device, f"checkpoint {path}")
         if fast_linears_available(model.embed_tokens):
             model.use_fast_linears(None, int8_activations)
-    if int8_activations and not any(f.choices[0].endswith("xint8") for layer in model.layers for f in layer.fast.values()):
+    runs_int8_here = any(f.choices[0].endswith("xint8") for layer in model.layers for f in layer.fast.values())
+    if int8_activations and not runs_int8_here:
         raise ValueError(f"--dtype int8 needs our CPU kernels and a GGUF target with blocks of {list(int8_formats())}; "
                          f"{path} runs none here (use fp32)")
     return model.eval()
@@ -439,4 +440,5 @@ def load_target_as(path: str | Path, dtype_name: str = "auto", device: str | tor
     gguf = source_gguf(path)
     if gguf is not None:
         dtype_name = auto_dtype_name(dtype_name, device.type, GGUFWeights(gguf).linear_formats())
-    return load_target(path, resolve_dtype(dtype_name, device.type), device, int8_activations=int8_activations(dtype_name))
+    return load_target(path, resolve_dtype(dtype_name, device.type), device,
+                       int8_activations=int8_activations(dtype_name))
