@@ -184,8 +184,11 @@ def _check_blocks(blocks: torch.Tensor, fmt: str, k: int, formats) -> int:
 
 def _pack(lib, pack_fn, blocks: torch.Tensor, fmt: str, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
     """`blocks` packed into `out` (uint8, the kernel's size): by kquant.py for its formats, else by `pack_fn`."""
-    if fmt in KQUANT_CODES:
-        out.copy_(torch.from_numpy(kquant.pack(fmt, blocks.numpy(), k)))
+    if fmt in KQUANT_CODES:  # in slices of rows: numpy's temporaries stay small beside a 150K-row LM head
+        src, step = blocks.numpy(), 4096
+        per_row = out.numel() // blocks.shape[0]
+        for r in range(0, blocks.shape[0], step):
+            out[r * per_row:(r + step) * per_row] = torch.from_numpy(kquant.pack(fmt, src[r:r + step], k))
     else:
         src = blocks.detach().contiguous()
         pack_fn(src.data_ptr(), n, k, QUANT_FORMATS[fmt].code, out.data_ptr(), torch.get_num_threads())

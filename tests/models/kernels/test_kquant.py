@@ -123,3 +123,11 @@ def test_a_split_weight_runs_each_part_into_its_outputs():
     fast = FastLinear(torch.empty(48, k, device="meta"), bias, KernelChoice(int8_activations=True), weight)
     each = torch.cat([packed.Int8Linear(p.blocks, p.fmt, k, b)(x) for p, b in zip(parts, bias.split([32, 16]))], 1)
     assert torch.equal(fast(x), each)
+
+
+def test_a_weight_of_more_rows_than_a_packing_slice_packs_as_its_parts():
+    raw = torch.from_numpy(random_blocks("Q6_K", 4096 + 32, 256, seed=9))
+    x = torch.randn(2, 256)
+    whole = packed.Int8Linear(raw, "Q6_K", 256)(x)
+    assert torch.equal(whole[:, 4096:], packed.Int8Linear(raw[4096:], "Q6_K", 256)(x))
+    assert torch.equal(whole[:, :32], packed.Int8Linear(raw[:32], "Q6_K", 256)(x))
