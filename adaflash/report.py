@@ -20,11 +20,16 @@ def write_json(obj: Any, path: str | Path) -> Path:
     return path
 
 
-def write_report(stem: str | Path, report: dict[str, Any], markdown: str) -> tuple[Path, Path]:
-    """STEM.json (`report`) and STEM.md (`markdown`), the folder made; a suffix on `stem` (`out.json`) is replaced."""
+def beside(stem: str | Path, ext: str) -> Path:
+    """STEM + `ext`; a report suffix on `stem` (`out.json`) is replaced, any other dot kept (`served_qwen2.5-0.5b`)."""
     stem = Path(stem)
-    md = stem.with_suffix(".md")
-    json_path = write_json(report, stem.with_suffix(".json"))
+    return stem.with_suffix(ext) if stem.suffix in (".json", ".md", ".png") else Path(f"{stem}{ext}")
+
+
+def write_report(stem: str | Path, report: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """STEM.json (`report`) and STEM.md (`markdown`), the folder made (`beside`)."""
+    md = beside(stem, ".md")
+    json_path = write_json(report, beside(stem, ".json"))
     md.write_text(markdown, encoding="utf-8")
     return json_path, md
 

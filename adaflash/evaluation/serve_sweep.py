@@ -40,7 +40,7 @@ from adaflash.evaluation.peer import (LLAMA_SERVER, launched_process, llama_serv
 from adaflash.evaluation.serve_bench import run_level
 from adaflash.models.targets.config import TransformerConfig
 from adaflash.models.device.cpu import cpu_model
-from adaflash.report import markdown_table, write_report
+from adaflash.report import beside, markdown_table, write_report
 
 
 def launched_server(name: str, serve_args: list[str], port: int, max_batch: int, log_dir: Path, threads: int | None = None,
@@ -265,8 +265,8 @@ def _cmd(args: argparse.Namespace) -> int:
         if args.matmul_peak:
             peaks.append(matmul_peak_gflops())
     _write(out, args, names, servers, peer_cmds, cells, peaks, config)
-    plot_sweep(cells, names, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    plot_sweep(cells, names, beside(out, ".png"))
+    print(f"wrote {beside(out, '.json')}, {beside(out, '.md')}, {beside(out, '.png')}")
     return 0 if all(r["failed"] == 0 for c in cells for r in c["results"].values()) else 1
 
 

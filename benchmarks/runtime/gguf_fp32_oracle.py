@@ -3,6 +3,8 @@ transformers' own load of the same file, greedy, on held-out prompts; and what a
 
     python benchmarks/runtime/gguf_fp32_oracle.py --model qwen2.5-coder-0.5b --prompts 8 --new-tokens 32 \
         --json docs/results/runtime/gguf_fp32_oracle.json
+    python benchmarks/runtime/gguf_fp32_oracle.py --memory-only qwen2.5-coder-0.5b,qwen2.5-coder-1.5b \
+        --json docs/results/runtime/gguf_memory.json
 
 Per prompt (gsm8k, humaneval, mt-bench, sharegpt-chat, in turn): our greedy tokens and transformers' `generate`
 (greedy) from the same chat-templated ids, compared up to the first EOS ours chose. Our runtime sums in another order
@@ -95,9 +97,25 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--memory-only", default=None, metavar="MODELS",
+                        help="only the fresh-process memory of each of these comma-separated models")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     configure_process(None)
+    if args.memory_only:
+        results = {"command": f"python benchmarks/runtime/gguf_fp32_oracle.py --memory-only {args.memory_only} "
+                              f"--json {args.json}", "machine": {"cpu": cpu_model(), "threads": torch.get_num_threads()},
+                   "models": {m: {**peak_rss_of_a_generation(m), "file_GB": round(target_gguf(m).stat().st_size / 1e9, 3)}
+                              for m in args.memory_only.split(",")}}
+        text = "\n".join(["# Memory of a process generating from a GGUF (`--dtype auto`, 16 tokens)", "",
+                          f"Command: `{results['command']}`  ", f"Machine: {cpu_label(results['machine'])}.", "",
+                          markdown_table(["model", "numerics", "file GB", "peak resident GB (VmHWM)",
+                                          "resident after generating GB"],
+                                         [[m, r["numerics"], r["file_GB"], r["peak_rss_GB"], r["rss_after_GB"]]
+                                          for m, r in results["models"].items()])]) + "\n"
+        write_report(args.json, results, text)
+        print(text)
+        return
     results = run(args.model, args.prompts, args.new_tokens, args.json)
     write_report(args.json, results, to_markdown(results))
     print(to_markdown(results))

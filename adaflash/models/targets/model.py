@@ -106,8 +106,8 @@ class TargetModel(nn.Module):
         them); `quantized` (our weight name -> the GGUF's blocks of exactly its values) adds the quantized kernel.
         False, changing nothing, where the kernels cannot run (not fp32 on CPU, no AVX2, ADAFLASH_KERNELS=stock).
         `int8_activations`: every linear with blocks of int8_formats() runs the int8-activation kernel at every row
-        count instead (llama.cpp's arithmetic; not the fp32 target). A Qwen3-MoE target packs its attention and dense-layer
-        linears only, and runs layer by layer (the fused layer step has no experts: models/targets/moe.py).
+        count instead (llama.cpp's arithmetic; not the fp32 target). A Qwen3-MoE target packs its attention and
+        dense-layer linears only, and runs layer by layer (the fused layer step has no experts: models/targets/moe.py).
         """
         if not fast_linears_available(self.embed_tokens):  # (an int8 target's LM head may live in its blocks only)
             return False
