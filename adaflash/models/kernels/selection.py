@@ -164,10 +164,12 @@ class FastLinear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: KernelChoice,
-                 quantized: QuantizedWeight | None = None) -> None:
+                 quantized: QuantizedWeight | SplitWeight | None = None) -> None:
         self.weight, self.bias = weight, bias
         self._all_rows = None  # the int8 kernel, which runs every row count
         self._past_buckets = None  # what runs past the largest bucket (None: torch's)
+        if quantized is not None and _rows(quantized) != weight.shape[0]:
+            raise ValueError(f"{quantized.fmt} blocks for {_rows(quantized)} rows, weight has {weight.shape[0]}")
         if choice.int8_activations and quantized is not None and runs_int8(quantized):
             self._all_rows = _kernel(packed.Int8Linear, quantized, weight.shape[1], bias)
             self.choices = (f"{quantized.fmt}xint8",) * len(ROW_BUCKETS)
@@ -210,6 +212,10 @@ class FastLinear:
         if kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
             return kernel(x)
         return stock_linear(x, self.weight, self.bias)  # also once the weights changed after packing
+
+
+def _rows(quantized: QuantizedWeight | SplitWeight) -> int:
+    return quantized.rows_total if isinstance(quantized, SplitWeight) else quantized.blocks.shape[0]
 
 
 def runs_int8(quantized: QuantizedWeight | SplitWeight) -> bool:

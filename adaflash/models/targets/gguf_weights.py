@@ -102,9 +102,6 @@ class GGUFWeights:
             raise ValueError(f"{self.path} lacks {name or hf_name} (needed for {hf_name})")
         return tensor
 
-    def type_of(self, hf_name: str) -> str:
-        return self._tensor(hf_name).type
-
     def linear_formats(self) -> set[str]:
         """The types of the layers' 2-D weights (what decides how `--dtype auto` runs the file)."""
         return {t.type for name, t in self._tensors.items()

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-
 from adaflash.models.files import cache_root, exclusive
 from adaflash.models.targets.config import UnsupportedModelError
 from adaflash.models.targets.gguf_weights import is_prepared, prepare_checkpoint, source_gguf
