@@ -182,7 +182,7 @@ def _check_blocks(blocks: torch.Tensor, fmt: str, k: int, formats) -> int:
     return n
 
 
-def _pack(lib, pack_fn, blocks: torch.Tensor, fmt: str, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+def _pack(pack_fn, blocks: torch.Tensor, fmt: str, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
     """`blocks` packed into `out` (uint8, the kernel's size): by kquant.py for its formats, else by `pack_fn`."""
     if fmt in KQUANT_CODES:  # in slices of rows: numpy's temporaries stay small beside a 150K-row LM head
         src, step = blocks.numpy(), 4096
@@ -259,7 +259,7 @@ class QuantizedLinear(_Packed):
         spec = QUANT_FORMATS[fmt]
         self._lib, self.n, self.k, self.fmt, self.format_code = lib, n, k, fmt, spec.code
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}]"  # runtime_profile buckets by this prefix
-        self.packed = _pack(lib, lib.adaflash_pack_quantized, blocks, fmt, n, k,
+        self.packed = _pack(lib.adaflash_pack_quantized, blocks, fmt, n, k,
                             torch.empty(n // PANEL * (k // BLOCK) * spec.packed_block_bytes, dtype=torch.uint8))
         self.bias = _check_bias(bias, n)
 
@@ -290,7 +290,7 @@ class Int8Linear(_Packed):
         self.label = f"adaflash::packed_linear[{n}x{k} {fmt}xint8]"
         # In huge pages (weight_arena.py). Only here: the other kernels' copies may be dropped by the per-machine
         # choice, and a weight carved from a shared chunk frees no memory until the whole chunk does.
-        self.packed = _pack(lib, lib.adaflash_pack_int8, blocks, fmt, n, k, weight_arena.empty(
+        self.packed = _pack(lib.adaflash_pack_int8, blocks, fmt, n, k, weight_arena.empty(
             n // PANEL * (k // BLOCK) * lib.adaflash_int8_block_bytes(code), torch.uint8))
         self.bias = _check_bias(bias, n)
 

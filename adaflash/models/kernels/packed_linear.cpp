@@ -10,8 +10,8 @@
 // chains, fewer instructions.
 // n must be a multiple of 16 (the Python side falls back to the stock kernel otherwise).
 //
-// Quantized weights (a GGUF's own Q4_1 / Q8_0 blocks here, Q5_0 and the K formats dequantized by kquant.cpp): 4-8x fewer bytes to stream at
-// a decode step. A panel's k-chunk is dequantized into an L1 scratch with exactly gguf's arithmetic (d * q rounded,
+// Quantized weights (a GGUF's own Q4_1 / Q8_0 blocks here, Q5_0 and the K formats dequantized by kquant.cpp): 4-8x
+// fewer bytes to stream at a decode step. A panel's k-chunk is dequantized into an L1 scratch with exactly gguf's arithmetic (d * q rounded,
 // then + m rounded: one FMA, since d * q has at most 11 + 4 significant bits and is exact in fp32; Q8_0's d * q
 // alone) and run through the same micro-kernel, so the output is bitwise the fp32 kernel's on the dequantized weights - the same
 // target, fewer bytes.
