@@ -19,7 +19,6 @@ import argparse
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
