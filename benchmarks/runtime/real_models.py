@@ -40,7 +40,7 @@ from adaflash.models.targets.registry import target_gguf
 from adaflash.pipeline import Pipeline
 from adaflash.report import markdown_table, write_report
 from adaflash.speculative.reference import autoregressive_generate
-from benchmarks.runtime.runtime_speed import measure_read_bandwidth
+from benchmarks.runtime.runtime_speed import forward_cost_ms, measure_read_bandwidth
 
 PASSES = (1, 2, 4, 8, 16)
 PROMPT_SETS = (("gsm8k", 5), ("humaneval", 5), ("mt-bench", 5), ("sharegpt-chat", 5))
@@ -62,18 +62,16 @@ def llama_bench(gguf, threads: int) -> dict[str, float]:
     return out
 
 
-def pass_ms(model, context: int, q: int, repeats: int = 3, last_only: bool = False) -> float:
-    """Median ms of one forward appending q tokens to a `context`-token cache."""
-    cache = model.new_cache(1, context + q)
-    if context:
-        model(torch.arange(context) % 1000 + 100, RaggedBatch.build([0], [0], [context]), cache)
+def prefill_ms(model, tokens: int, repeats: int = 2) -> float:
+    """Median ms of a prefill of `tokens` into an empty cache, logits of the last row only (as llama-bench's pp)."""
+    cache = model.new_cache(1, tokens)
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats):
         t = time.perf_counter()
-        model(torch.arange(q) + 100, RaggedBatch.build([0], [context], [q]), cache,
-              logit_indices=torch.tensor([q - 1]) if last_only else None)
+        model(torch.arange(tokens) % 1000 + 100, RaggedBatch.build([0], [0], [tokens]), cache,
+              logit_indices=torch.tensor([tokens - 1]))
         times.append(time.perf_counter() - t)
-        cache.rollback(0, context)
+        cache.rollback(0, 0)
     return 1000 * statistics.median(times[1:])
 
 
@@ -81,9 +79,9 @@ def ours_round(pipeline: Pipeline) -> dict[str, float]:
     ids = pipeline.encode(messages=[{"role": "user", "content": DECODE_PROMPT}])
     r = autoregressive_generate(pipeline.target, ids, 128)  # no stop tokens: a fixed length
     out = {"decode_tok_s": (len(r.token_ids) - 1) / (r.stats.elapsed_s - r.stats.first_token_s)}
-    for q in PASSES:
-        out[f"pass{q}_ms"] = pass_ms(pipeline.target, 256, q)
-    out["prefill512_tok_s"] = 512 / pass_ms(pipeline.target, 0, 512, repeats=1, last_only=True) * 1000
+    for q, ms in forward_cost_ms(pipeline.target, 256, PASSES, repeats=3).items():
+        out[f"pass{q}_ms"] = ms
+    out["prefill512_tok_s"] = 512 / prefill_ms(pipeline.target, 512) * 1000
     return out
 
 

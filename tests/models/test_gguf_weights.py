@@ -142,3 +142,14 @@ def test_a_type_or_architecture_we_do_not_run_is_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(UnsupportedModelError, match="architecture 'phi3'"):
         GGUFWeights(other)
+
+
+def test_a_prepared_folder_finds_its_gguf_under_a_path_with_spaces(tmp_path):
+    from adaflash.models.targets.gguf_weights import is_prepared, source_gguf
+
+    folder = tmp_path / "my models"
+    folder.mkdir()
+    gguf = folder / "tiny model.gguf"
+    write_gguf(gguf)
+    path = prepared(tmp_path, gguf)
+    assert source_gguf(path) == gguf.resolve() and is_prepared(gguf, path)

@@ -58,7 +58,6 @@ extern const PanelRows kQ8_0Rows;  // Q8_0 only (see int8_amx.cpp)
 namespace adaflash::kquant {
 bool handles(int format);
 int64_t block_bytes(int format);  // one packed (panel, block of 32), averaged over a super-block
-int64_t k_multiple(int format);   // 32, or 256 for the super-block formats
 adaflash::int8::PanelRows panel_rows(int format);
 void dequant(int format, const uint8_t* panel, int64_t b0, int64_t b1, float* out);
 }  // namespace adaflash::kquant

@@ -256,9 +256,6 @@ int64_t block_bytes(int format) {
   return 0;
 }
 
-// k must be a multiple of what a format's scales span: 32, or 256 for the super-block formats.
-int64_t k_multiple(int format) { return format == kQ5_0 ? 32 : 256; }
-
 PanelRows panel_rows(int format) {
   switch (format) {
     case kQ5_0: return ::panel_rows<kQ5_0>;

@@ -190,7 +190,7 @@ def source_gguf(checkpoint_dir: str | Path) -> Path | None:
         return None
     if not line.startswith("gguf "):
         return None
-    path = Path(line.split(" ")[1])
+    path = Path(line.removeprefix("gguf ").rsplit(" ", 2)[0])  # "gguf PATH SIZE MTIME": a path may hold spaces
     return path if path.is_file() else None
 
 
