@@ -21,7 +21,7 @@ from adaflash.evaluation.serve_sweep import register_cli as register_sweep_cli
 from adaflash.evaluation.tau import register_cli as register_eval_cli
 from adaflash.evaluation.vocab_coverage import register_cli as register_vocab_cli
 from adaflash.export.gguf import register_cli as register_export_cli
-from adaflash.models.targets.registry import DEFAULT_TARGET, resolve_drafter
+from adaflash.models.targets.registry import DEFAULT_TARGET, DEMO_TARGET, resolve_drafter
 from adaflash.server.cli import register_cli as register_serve_cli
 from adaflash.simulation.cli import register_cli as register_simulate_cli
 from adaflash.speculative.config import METHODS, SpeculativeConfig
@@ -42,9 +42,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          "fixed draft length) or --prompt-lookup")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
-    drafter = resolve_drafter(args.model, args.drafter, speculative.drafter)
+    drafter = None if args.draft_model else resolve_drafter(args.model, args.drafter, speculative.drafter)
     pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab,
-                             carry_policy_state=args.carry_policy_state)
+                             carry_policy_state=args.carry_policy_state,
+                             draft_model=args.draft_model if speculative.uses_drafter else None, draft_max=args.draft_max)
     items = [(None, None, user_messages(args.prompt))] if prompts is None else [(p.id, p.domain, p.messages) for p in prompts]
     for prompt_id, domain, messages in items:
         completion = pipeline.complete(
@@ -75,7 +76,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from adaflash.evaluation.demo import run_demo
 
     return run_demo(model=args.model, drafter=args.drafter, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                    draft_vocab=args.draft_vocab, rounds=args.rounds)
+                    draft_vocab=args.draft_vocab, rounds=args.rounds, draft_model=args.draft_model,
+                    draft_max=args.draft_max)
 
 
 def _cmd_data_list(args: argparse.Namespace) -> int:
@@ -200,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="AR vs speculative decoding on a few chat, code and math prompts")
     add_model_args(demo)
+    demo.set_defaults(model=DEMO_TARGET)  # the real CPU target; --model smollm2-135m: the suite's small one
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--rounds", type=int, default=5, help="runs of every prompt and method; medians are reported")
     demo.set_defaults(func=_cmd_demo)

@@ -16,6 +16,11 @@ WITH_ADAFLASH_DEFAULT = f"{REFERENCE_LOOP_DEFAULT}; adaflash for --method adafla
 def add_model_args(p: argparse.ArgumentParser, length_policy_default: str = REFERENCE_LOOP_DEFAULT) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET, help=f"registry name or HF checkpoint dir (default {DEFAULT_TARGET})")
     p.add_argument("--drafter", default=None, help="DFlash drafter checkpoint dir (default: the shipped one, if any)")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="an autoregressive draft model of the target's tokenizer drafts instead of a DFlash drafter "
+                   "(registry name, GGUF or HF dir; llama.cpp's -md), in --dtype; e.g. qwen2.5-coder-0.5b for the 1.5B")
+    p.add_argument("--draft-max", type=int, default=4, metavar="K",
+                   help="with --draft-model: the most tokens it drafts a step (default 4; llama.cpp's --draft-max)")
     p.add_argument("--draft-vocab", default=None, metavar="K|full",
                    help="use only the K most frequent ids of the drafter's trimmed vocabulary, or 'full' to ignore it")
     p.add_argument("--dtype", default="auto", help="auto (on a CPU: fp32 where our kernels run, else bf16 if native; "

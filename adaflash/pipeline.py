@@ -9,7 +9,7 @@ engine at batch 1, built by the same `build_engine` as `serve`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,7 +22,8 @@ from adaflash.models.drafters.length_head import load_length_head
 from adaflash.models.targets.registry import DEFAULT_TARGET, load_tokenizer, resolve_target
 from adaflash.models.targets.model import TargetModel, load_target_as
 from adaflash.models.targets.text_codec import TextCodec
-from adaflash.speculative.config import LengthPolicySpec, SpeculativeConfig, length_policy_of
+from adaflash.speculative.config import FIXED, LengthPolicySpec, SpeculativeConfig, length_policy_of
+from adaflash.speculative.draft_model import DraftModelProposer
 from adaflash.speculative.prompt_lookup import PromptLookup
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import (
@@ -35,8 +36,9 @@ from adaflash.speculative.sampling import SamplingParams
 
 __all__ = ["Completion", "Pipeline"]
 
-# Token ids 3-16 of SmolLM2's vocabulary are code/meta specials that chat never uses; one is the mask.
-DEFAULT_MASK_TOKEN_IDS = {"smollm2-135m": 16}
+# Token ids 3-16 of SmolLM2's vocabulary are code/meta specials that chat never uses; one is the mask. Qwen2.5's
+# embedding has padding rows past its tokenizer's 151665 ids, never emitted: 151669 (as z-lab's Qwen3 drafters).
+DEFAULT_MASK_TOKEN_IDS = {"smollm2-135m": 16, "qwen2.5-coder-1.5b": 151669, "qwen2.5-coder-0.5b": 151669}
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class Pipeline:
         self,
         target: TargetModel,
         tokenizer,
-        proposer: DFlashProposer | None,
+        proposer: DFlashProposer | DraftModelProposer | None,
         model_name: str,
         length_policy: LengthPolicySpec | str | None = None,
         length_head=None,
@@ -65,7 +67,7 @@ class Pipeline:
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
-        self.proposer = proposer
+        self.proposer = proposer  # a DFlash drafter's, or a draft model's (with_draft_model)
         self.length_head = length_head  # carried by the drafter checkpoint, if trained (adaflash.models.length_head)
         self.model_name = model_name
         # What a generation named by its method alone runs with (`speculative`): the length policy of the methods
@@ -89,13 +91,17 @@ class Pipeline:
         cls, model: str = DEFAULT_TARGET, drafter: str | Path | None = None, dtype: str = "auto",
         length_policy: LengthPolicySpec | str | None = None, draft_vocab: str | None = None,
         carry_policy_state: bool = False, prompt_lookup: PromptLookup | None = None, device: str | None = None,
+        draft_model: str | None = None, draft_max: int = 4,
     ) -> "Pipeline":
-        """`device`: where the models run (default: the process's, `--device`; models/device/placement.py)."""
+        """`device`: where the models run (default: the process's, `--device`; models/device/placement.py).
+        `draft_model`: an autoregressive draft model drafts (`with_draft_model`) instead of `drafter`."""
         length_policy = length_policy_of(length_policy)  # a bad spec fails before the (slow) load
         checkpoint = resolve_target(model)
         target = load_target_as(checkpoint, dtype, device)
         pipeline = cls(target, load_tokenizer(checkpoint), None, model_name=str(model), length_policy=length_policy,
                        carry_policy_state=carry_policy_state, prompt_lookup=prompt_lookup)
+        if draft_model is not None:
+            return pipeline.with_draft_model(draft_model, dtype, draft_max)
         return pipeline if drafter is None else pipeline.with_drafter(drafter, draft_vocab)
 
     def with_untrained_drafter(self, num_layers: int = 1, block_size: int = 16, seed: int = 0) -> "Pipeline":
@@ -115,6 +121,19 @@ class Pipeline:
         proposer = DFlashProposer(load_drafter(drafter, self.target.dtype, device, draft_vocab), self.target)
         return Pipeline(self.target, self.tokenizer, proposer, self.model_name, self.length_policy,
                         load_length_head(drafter, device), self.carry_policy_state, self.prompt_lookup)
+
+    def with_draft_model(self, model: str, dtype: str = "auto", max_draft: int = 4) -> "Pipeline":
+        """The same loaded target with an autoregressive draft model drafting up to `max_draft` tokens a step
+        (llama.cpp's `-md`): a registry name, GGUF or HF checkpoint of the target's tokenizer, loaded in `dtype`."""
+        checkpoint = resolve_target(model)
+        theirs = load_tokenizer(checkpoint).get_vocab()
+        if theirs != self.tokenizer.get_vocab():
+            raise ValueError(f"draft model {model!r} does not share the target's tokenizer ({len(theirs)} against "
+                             f"{len(self.tokenizer.get_vocab())} tokens, or the same count with other ids)")
+        draft = load_target_as(checkpoint, dtype, self.target.device)
+        proposer = DraftModelProposer(draft, self.target, max_draft, name=Path(str(model)).name)
+        return Pipeline(self.target, self.tokenizer, proposer, self.model_name, self.length_policy, None,
+                        self.carry_policy_state, self.prompt_lookup)
 
     def with_length_policy(self, length_policy: LengthPolicySpec | str | None,
                            carry_policy_state: bool | None = None) -> "Pipeline":
@@ -165,6 +184,13 @@ class Pipeline:
             config = self.speculative(method, draft_length)
         if config.uses_drafter and self.proposer is None:
             raise ValueError(f"--method {config.name} needs a drafter (--drafter PATH)")
+        if config.uses_drafter and isinstance(self.proposer, DraftModelProposer) and not config.runs_on_engine:
+            # A draft model has no reference loop of its own: the engine at batch 1, drafting a fixed length.
+            length = config.draft_length or self.proposer.max_draft
+            if length > self.proposer.max_draft:
+                raise ValueError(f"--draft-length {length} exceeds the draft model's {self.proposer.max_draft} drafts "
+                                 "a step (--draft-max)")
+            config = replace(config, length_policy=LengthPolicySpec(FIXED, length), draft_length=None)
         if record_trace is not None and not config.runs_on_engine:
             raise ValueError("--record-trace records the serving engine's steps: give --length-policy (fixed:K for a "
                              "fixed draft length) or --prompt-lookup")

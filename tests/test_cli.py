@@ -56,6 +56,23 @@ def test_generate_json_ar_and_dflash_agree(tiny_chat_checkpoint, tmp_path, capsy
         assert _json_lines(capsys.readouterr().out)[0]["token_ids"] == ar["token_ids"]
 
 
+def test_generate_with_a_draft_model_equals_ar(tiny_chat_checkpoint, capsys):
+    """--draft-model: the target drafting for itself (every draft accepted), on the engine at batch 1, fixed or under
+    the throughput policy: the same tokens as plain decoding."""
+    base = ["generate", "--prompt", "Tell me a joke", "--model", tiny_chat_checkpoint, "--max-new-tokens", "12", "--json"]
+    assert main(base) == 0
+    ar = _json_lines(capsys.readouterr().out)[0]
+    for extra in ([], ["--draft-length", "2"], ["--length-policy", "throughput"]):
+        assert main(base + ["--method", "dflash", "--draft-model", tiny_chat_checkpoint, "--draft-max", "3", *extra]) == 0
+        spec = _json_lines(capsys.readouterr().out)[0]
+        assert spec["token_ids"] == ar["token_ids"]
+        if not extra or extra[0] == "--draft-length":
+            assert spec["stats"]["accept_len_mean"] > 1
+    assert main(base + ["--method", "dflash", "--draft-model", tiny_chat_checkpoint, "--draft-max", "3",
+                        "--draft-length", "5"]) == 2
+    assert "exceeds the draft model's 3 drafts" in capsys.readouterr().err
+
+
 def test_generate_prompts_file_and_sampling(tiny_chat_checkpoint, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(

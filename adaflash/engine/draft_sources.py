@@ -8,6 +8,10 @@ proposed. `Drafting` (drafting.py) chains the sources. Two of them:
 - `PromptLookupSource`: n-gram matches in the request's own tokens (no model pass), sized by `LookupLength`.
 - `DrafterSource`: the DFlash drafter with its length policy, its context cache and the target features waiting to
   be fed to it. All the drafter's work of a step (context feed, block pass, draft head) runs here.
+- `DraftModelSource`: a smaller model of the same tokenizer drafting autoregressively with its length policy; its
+  context is the request's committed tokens, which its proposer catches up on by itself.
+
+The last two are the engine's `drafter`, one at a time: both keep a context per slot and run a length policy.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from adaflash.models.kv_cache.cache import KVCache
 from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.speculative.length_policy import LengthPolicy, LookupLength
 from adaflash.speculative.prompt_lookup import PromptLookup, point_mass
+from adaflash.speculative.draft_model import DraftModelProposer
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.sampling import SamplingParams
 
@@ -214,6 +219,63 @@ class DrafterSource:
         step = self._step
         priced = step.fed <= self.max_draft + 1 and (not step.hidden or step.hidden.keys() <= set(step.drafting))
         self.policy.observe_step(lengths, seconds, priced)
+
+
+class DraftModelSource:
+    """A draft model and its length policy: the policy decides each request's drafts (no block hidden states exist
+    here, so the learned heads' policies do not apply), the proposer drafts them. Its cache holds committed tokens only,
+    so a new request in a slot keeps what the target keeps of its prompt and the proposer feeds the rest."""
+
+    name = "draft-model"
+
+    def __init__(self, proposer: DraftModelProposer, policy: LengthPolicy, cache: KVCache) -> None:
+        self.proposer, self.policy, self.cache = proposer, policy, cache
+        self.max_draft = proposer.max_draft
+        self._held = False  # the last step was the drafting check's plain arm: the policy decided nothing
+        self._fed = 0  # the most committed tokens one request's cache caught up on in the last step
+
+    def context_length(self, slot: int) -> None:
+        return None  # no limit on a reused prompt prefix: the proposer catches up from the tokens
+
+    def restart_context(self, slot: int, keep: int) -> None:
+        self.cache.rollback(slot, min(keep, self.cache.lengths[slot]))
+
+    def add_context(self, slot: int, start: int, features: torch.Tensor | None) -> None:
+        pass  # the committed tokens are the context: the request holds them
+
+    def feed_context(self, slots: Sequence[int]) -> int:
+        return 0
+
+    def propose(self, requests: Sequence[Request]) -> list[Draft | None]:
+        self._held, self._fed = False, 0
+        wanted = self.policy.decide(requests, self.max_draft)
+        capped = [max(0, min(k, self.max_draft, r.remaining - 1)) for r, k in zip(requests, wanted)]
+        drafts: list[Draft | None] = [NO_DRAFT] * len(requests)
+        drafting = [i for i, k in enumerate(capped) if k > 0]
+        if drafting:
+            sub = [requests[i] for i in drafting]
+            lengths = [capped[i] for i in drafting]
+            histories = [r.prompt_ids + r.output_ids for r in sub]
+            self._fed = max(len(h) - self.cache.lengths[r.slot] for r, h in zip(sub, histories))
+            drafted = self.proposer.propose(self.cache, [r.slot for r in sub], histories, lengths,
+                                            [r.sampling for r in sub], [r.generator for r in sub])
+            for i, chunk, probs in zip(drafting, drafted.tokens.split(lengths), drafted.probs):
+                drafts[i] = Draft(tuple(chunk.tolist()), probs)
+        return drafts
+
+    def hold(self, requests: Sequence[Request]) -> "DraftModelSource":
+        """A step of the drafting check's plain arm: no policy decision, no draft model pass."""
+        self._held, self._fed = True, 0
+        return self
+
+    def feedback(self, requests: Sequence[Request], drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        if not self._held:
+            for r, k, a in zip(requests, drafted, accepted):
+                self.policy.feedback(r, k, a)
+
+    def observe_step(self, lengths: Sequence[int], seconds: float) -> None:
+        # Priced only when the catch-up was a step's kept tokens, not a prompt (as DrafterSource.observe_step).
+        self.policy.observe_step(lengths, seconds, self._fed <= self.max_draft + 1)
 
 
 class _DrafterStep:

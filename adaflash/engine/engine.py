@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from adaflash.engine.draft_sources import DrafterSource, PromptLookupSource
+from adaflash.engine.draft_sources import DrafterSource, DraftModelSource, PromptLookupSource
 from adaflash.engine.drafting import Drafting, StepDrafts
 from adaflash.engine.prefix_reuse import SlotPrefixes
 from adaflash.engine.request import Request, StepOutput
@@ -26,6 +26,7 @@ from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.layers import argmax_rows
 from adaflash.models.targets.model import TargetModel
 from adaflash.speculative.cost_model import CalibratedCost, CostModel
+from adaflash.speculative.draft_model import DraftModelProposer
 from adaflash.speculative.drafting_check import DraftingChecks
 from adaflash.speculative.length_policy import FixedLength, LengthPolicy, LookupLength
 from adaflash.speculative.prompt_lookup import PromptLookup
@@ -38,7 +39,7 @@ class Engine:
     def __init__(
         self,
         target: TargetModel,
-        proposer: DFlashProposer | None = None,
+        proposer: DFlashProposer | DraftModelProposer | None = None,
         policy: LengthPolicy | None = None,
         max_batch: int = 8,
         max_queue: int = 64,
@@ -82,7 +83,9 @@ class Engine:
         self.max_draft = proposer.block_size - 1 if proposer else 0  # the drafter's most drafts a step
         self.max_verified = max_verified(proposer, prompt_lookup)
         drafter = None
-        if proposer is not None:  # the recorder observes the drafter's outcomes
+        if isinstance(proposer, DraftModelProposer):
+            drafter = DraftModelSource(proposer, policy, proposer.new_cache(max_batch, max_len))
+        elif proposer is not None:  # the recorder observes the drafter's outcomes
             drafter = DrafterSource(proposer, policy, proposer.new_cache(max_batch, max_len), recorder)
         self.drafting = Drafting(lookup, drafter, drafting_checks, clock)
         self._policy_without_drafter = policy if drafter is None else None  # decides nothing; its name is shown
@@ -115,7 +118,7 @@ class Engine:
     # ---- the drafter's parts, read and set by its callers (hot swap, profiles, tests) ---------------
 
     @property
-    def proposer(self) -> DFlashProposer | None:
+    def proposer(self) -> DFlashProposer | DraftModelProposer | None:
         drafter = self.drafting.drafter
         return drafter.proposer if drafter is not None else None
 
@@ -195,7 +198,7 @@ class Engine:
         target's own cache, hence every output token, is untouched (the swap stays lossless).
         """
         drafter = self.drafting.drafter
-        if drafter is None or tuple(proposer.capture_layers) != tuple(self.capture) or proposer.block_size != self.max_draft + 1:
+        if not isinstance(drafter, DrafterSource) or tuple(proposer.capture_layers) != tuple(self.capture) or proposer.block_size != self.max_draft + 1:
             raise ValueError("a hot-swapped drafter must read the same target layers with the same block size")
         policy = _checked(policy) if policy is not None else None
         self.drafting.close_run()

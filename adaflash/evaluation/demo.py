@@ -2,6 +2,8 @@
 
 Checks that every method produces the same tokens (greedy) and prints tokens/s, accept length and speedup: medians
 over rounds in which the methods alternate prompt by prompt (this CPU's speed drifts by tens of percent a minute).
+Where the target has a smaller sibling of its tokenizer (registry.DRAFT_MODELS; or --draft-model), that draft model
+drafting autoregressively is one more variant: the classic CPU setup (llama.cpp's -md) beside the block drafter.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import statistics
 import sys
 from tqdm import tqdm
 
-from adaflash.models.targets.registry import shipped_drafter
+from adaflash.models.targets.registry import paired_draft_model, shipped_drafter
 from adaflash.pipeline import Pipeline
 from adaflash.speculative.prompt_lookup import PromptLookup
 
@@ -27,9 +29,10 @@ DEMO_LOOKUP_TOKENS = 3
 
 
 def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, draft_vocab: str | None = None,
-             rounds: int = 5) -> int:
+             rounds: int = 5, draft_model: str | None = None, draft_max: int = 4) -> int:
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    draft_model = draft_model or paired_draft_model(model)
     shipped = shipped_drafter(model)
     if drafter is None and shipped is not None:
         drafter = str(shipped)
@@ -59,6 +62,13 @@ def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, d
         "dflash-adaptive": (with_policy("throughput"), "dflash"),
         "dflash-adaptive-lookup": (with_policy("throughput", PromptLookup(DEMO_LOOKUP_TOKENS)), "dflash"),
     }
+    speculative = {"dflash-full": "full-block", "dflash-2": "2 drafts", "dflash-adaptive": "adaptive",
+                   "dflash-adaptive-lookup": "adaptive+lookup"}
+    if draft_model is not None:  # under the same adaptive policy as the drafter's
+        drafting = pipeline.with_draft_model(draft_model, dtype, draft_max).with_length_policy("throughput")
+        variants["draft-model"] = (drafting, "dflash")
+        speculative["draft-model"] = f"{draft_model} adaptive"
+        print(f"draft model: {draft_model} (up to {draft_max} drafts a step)", file=sys.stderr)
     # Every round runs each prompt under every variant back to back, the variants' order rotated round by round, so
     # a drift of the machine's speed falls on all of them; a speedup is the median over rounds of a run's tok/s over
     # the same round's AR run.
@@ -80,8 +90,6 @@ def run_demo(model: str, drafter: str | None, dtype: str, max_new_tokens: int, d
                 for name, res in results.items():
                     runs[domain][name].append(res.stats)
 
-    speculative = {"dflash-full": "full-block", "dflash-2": "2 drafts", "dflash-adaptive": "adaptive",
-                   "dflash-adaptive-lookup": "adaptive+lookup"}
     header = "".join(f"{label + ' tok/s':>{len(label) + 8}}{'accept':>8}{'speedup':>9}"
                      for label in speculative.values())
     print(f"\n{'domain':<13}{'AR tok/s':>10}{header}   (medians of {rounds} round(s))")

@@ -344,14 +344,15 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     # these flags: Pipeline.speculative).
     policy = length_policy_of(args.length_policy)
     configs = [SpeculativeConfig.among(m, policy, args.draft_length) for m in methods]
-    drafter = resolve_drafter(args.model, args.drafter, shared_drafter(configs))
+    drafter = None if args.draft_model else resolve_drafter(args.model, args.drafter, shared_drafter(configs))
     try:
         prompts = _load_prompts(args)
     except DatasetUnavailableError as exc:  # a RuntimeError: say which package to install, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     pipeline = Pipeline.load(args.model, drafter, args.dtype, policy, args.draft_vocab,
-                             carry_policy_state=args.carry_policy_state)
+                             carry_policy_state=args.carry_policy_state, draft_model=args.draft_model,
+                             draft_max=args.draft_max)
     report = run_offline_bench(pipeline, prompts, methods, args.max_new_tokens, args.draft_length, args.batch_size)
     report["length_policy_state"] = policy_state_label(pipeline.carry_policy_state)
     print(format_table(report))

@@ -174,7 +174,7 @@ def _cmd_tau(args: argparse.Namespace) -> int:
     # these flags: Pipeline.speculative).
     policy = length_policy_of(args.length_policy)
     configs = [SpeculativeConfig.among(m, policy, args.draft_length) for m in METHODS]
-    drafter = resolve_drafter(args.model, args.drafter, shared_drafter(configs))  # the DFlash drafter
+    drafter = None if args.draft_model else resolve_drafter(args.model, args.drafter, shared_drafter(configs))
     command = command_line(
         ["adaflash", "eval", "tau"],
         [("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens), ("--draft-length", args.draft_length),
@@ -188,7 +188,8 @@ def _cmd_tau(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     pipeline = Pipeline.load(args.model, drafter, args.dtype, policy, args.draft_vocab,
-                             carry_policy_state=args.carry_policy_state)
+                             carry_policy_state=args.carry_policy_state, draft_model=args.draft_model,
+                             draft_max=args.draft_max)
     report = run_tau_eval(pipeline, args.out_dir, args.limit, args.max_new_tokens, args.draft_length, command, prompts=prompts)
     print(format_markdown(report))
     print(f"wrote {', '.join(str(Path(args.out_dir) / f) for f in FILES)}", file=sys.stderr)

@@ -39,12 +39,16 @@ def build_runner(args: argparse.Namespace, config: EngineConfig | None = None):
     # With --watch-versions the newest published version, if any, is what serves first.
     published = latest_version(args.watch_versions) if args.watch_versions and drafts else None
     drafter = None  # plain decoding loads none, even if --drafter names one
-    if drafts:
+    draft_model = args.draft_model if drafts else None
+    if draft_model and args.watch_versions:
+        raise ValueError("--watch-versions hot-swaps DFlash drafters; a --draft-model is not swapped")
+    if drafts and not draft_model:
         drafter = str(published) if published else resolve_drafter(args.model, args.drafter, config.speculative.drafter)
 
     def build():
-        pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab)
-        models = pipeline.engine_models(drafter_version=Path(drafter).name if drafter else "")
+        pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab, draft_model=draft_model,
+                                 draft_max=args.draft_max)
+        models = pipeline.engine_models(drafter_version=Path(drafter).name if drafter else (draft_model or ""))
         if config.needs_cost_model:
             print("adaflash serve: loading or profiling the cost model (once per machine)", file=sys.stderr, flush=True)
         policies = length_policy_factory(config, models)  # also what each hot-swapped drafter's policy comes from
@@ -53,7 +57,7 @@ def build_runner(args: argparse.Namespace, config: EngineConfig | None = None):
 
     runner, (pipeline, policies) = EngineRunner.launch(build)
     watcher = None
-    if args.watch_versions and drafts:
+    if args.watch_versions and drafter:
         from adaflash.engine.hot_swap import VersionWatcher
 
         watcher = VersionWatcher(runner, args.watch_versions, policies, Path(drafter), draft_vocab=args.draft_vocab)

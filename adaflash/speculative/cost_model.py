@@ -253,26 +253,19 @@ def profile_cost_model(target, proposer, max_tokens: int, context: int = 128, re
     times = _round_robin(verify, points, repeats)
     widths, width_s = [], []
     if proposer is not None:
-        dcache = proposer.new_cache(1, context + proposer.block_size)
-        hidden = torch.zeros(context, len(proposer.capture_layers) * target.config.hidden_size, dtype=target.dtype)
-        proposer.add_context(dcache, hidden, RaggedBatch.build([0], [0], [context]))
         widths = profile_widths(proposer.block_size)
-        fed = RaggedBatch.build([0], [context], [2])
+        probe = proposer.step_probe(context)
 
         def draft_step(w: int) -> None:
-            """What a drafting request costs the drafter in one step: feeding the features of the last step's kept
-            positions (two, typically: at batch 1 the feed is a third of the drafter's time), then a block of
-            anchor + drafts, whose cost grows with the draft length."""
-            proposer.add_context(dcache, hidden[:2], fed)
-            proposer.propose(dcache, [0], [100 % vocab], [w - 1], [SamplingParams()], [None])
-            dcache.rollback(0, context)
+            probe(w)
             synchronize(target.device)
 
         width_s = _round_robin(draft_step, widths, repeats)
     batches, batch_s = [], []
     if batched_drafter is None:
         batched_drafter = target.device.type == "cuda"  # a GPU runs the drafting requests in one pass
-    if proposer is not None and batched_drafter:
+    if proposer is not None and batched_drafter and proposer.capture_layers:  # (a DFlash drafter's pass)
+        hidden = torch.zeros(context, len(proposer.capture_layers) * target.config.hidden_size, dtype=target.dtype)
         most = max(1, max_tokens // proposer.block_size)
         batches = profile_batches(most)
         slots = list(range(most))
@@ -400,8 +393,7 @@ def cost_model_file(target, proposer, model_name: str, max_tokens: int) -> Path:
     if proposer is None:
         drafter = "-nodrafter"
     else:
-        d = proposer.drafter.config
-        drafter = f"-L{d.num_layers}-B{d.block_size}-V{d.draft_vocab_size or 'full'}"
+        drafter = proposer.cost_key
     if target.device.type == "cpu":
         machine = f"th{torch.get_num_threads()}-k{kernel_fingerprint()}"
     else:  # a GPU's pass costs depend on the GPU, not on the host's threads or our CPU kernels

@@ -10,7 +10,7 @@ its K rows of the target's LM head only, and its tokens map back to target ids; 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -65,8 +65,31 @@ class DFlashProposer:
     def capture_layers(self) -> tuple[int, ...]:
         return self.drafter.config.target_layer_ids
 
+    @property
+    def cost_key(self) -> str:
+        """What tells this drafter's cost profile from another's (speculative/cost_model.py): the draft vocabulary too,
+        since trimming it exists to make drafting cheaper."""
+        d = self.drafter.config
+        return f"-L{d.num_layers}-B{d.block_size}-V{d.draft_vocab_size or 'full'}"
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return self.drafter.new_cache(num_slots, max_len + self.block_size)
+
+    def step_probe(self, context: int) -> Callable[[int], None]:
+        """What one drafting request costs the drafter in a step, by width (anchor + drafts): feeding the features of
+        the last step's kept positions (two, typically: at batch 1 the feed is a third of the drafter's time), then a
+        block of anchor + drafts, whose cost grows with the draft length (the cost model's profile times it)."""
+        cache = self.new_cache(1, context + self.block_size)
+        hidden = torch.zeros(context, len(self.capture_layers) * self.target.config.hidden_size, dtype=self.target.dtype)
+        self.add_context(cache, hidden, RaggedBatch.build([0], [0], [context]))
+        fed, anchor = RaggedBatch.build([0], [context], [2]), 100 % self.target.config.vocab_size
+
+        def step(width: int) -> None:
+            self.add_context(cache, hidden[:2], fed)
+            self.propose(cache, [0], [anchor], [width - 1], [SamplingParams()], [None])
+            cache.rollback(0, context)
+
+        return step
 
     def add_context(self, cache: KVCache, features: torch.Tensor, batch: RaggedBatch) -> None:
         self.drafter.extend_context(cache, features, batch)

@@ -28,11 +28,13 @@ from adaflash.models.drafters.config import DrafterConfig
 from adaflash.models.drafters.dflash import DFlashDrafter
 from adaflash.models.drafters.checkpoint import as_dflash2, deepen_drafter, init_drafter, load_drafter, save_drafter
 from adaflash.training.checkpoint import load_checkpoint, save_checkpoint, writing
+from adaflash.models.targets.gguf_weights import GGUFWeights, source_gguf
 from adaflash.models.targets.registry import resolve_target
 from adaflash.models.targets.model import TargetModel, load_target
 from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.layers import rms_norm
 from adaflash.models.drafters.draft_vocab import DraftHead, DraftVocab, count_tokens
+from adaflash.training.datagen import load_manifest
 from adaflash.training.dataset import (block_inputs, block_soft_targets, first_anchor, load_training_data,
                                       sample_anchors)
 from adaflash.training.losses import IGNORE, SoftTargets, build_loss
@@ -178,6 +180,29 @@ def _dflash2_fields(cfg: TrainConfig) -> dict:
                 selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
 
 
+def training_target(cfg: TrainConfig, device: torch.device, needs_teacher: bool) -> TargetModel:
+    """The frozen target: fp32 on a CPU (exact features, our kernels), bf16 on a GPU. Where it never runs - every data
+    directory holds its features and the loss reads no teacher logits - a GGUF target on a CPU loads as int8: its
+    linears stay blocks, so a 1.5B's training process holds ~3 GB, not the ~18 GB of its fp32 load; the embedding,
+    all the drafter reads of it besides the LM head's rows (`dense_lm_head`), is fp32 either way."""
+    checkpoint = resolve_target(cfg.model)
+    dirs = (cfg.data_dir,) if isinstance(cfg.data_dir, (str, Path)) else cfg.data_dir
+    manifests = [load_manifest(d) for d in dirs]
+    stored = all(m is not None and m["config"].get("store_features", True) for m in manifests)
+    copies_layers = cfg.init_from_target and cfg.init_from is None  # (a new drafter may start from its dense layers)
+    light = (device.type == "cpu" and stored and not needs_teacher and not copies_layers
+             and source_gguf(checkpoint) is not None)
+    return load_target(checkpoint, torch.float32 if device.type == "cpu" else torch.bfloat16, device,
+                       int8_activations=light)
+
+
+def dense_lm_head(target: TargetModel, model: str) -> torch.Tensor:
+    """The target's LM head in fp32: an int8 target's untied head is only blocks, dequantized here from its GGUF."""
+    if not target.lm_head.is_meta:
+        return target.lm_head
+    return GGUFWeights(source_gguf(resolve_target(model))).dense("lm_head.weight")
+
+
 def lr_factor(step: int, total: int, warmup_frac: float) -> float:
     """Linear warm-up, then cosine decay to zero."""
     warmup = max(1, int(total * warmup_frac))
@@ -303,10 +328,9 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    # The frozen target: fp32 on a CPU (exact features, our kernels), bf16 on a GPU.
-    target = load_target(resolve_target(cfg.model), torch.float32 if device.type == "cpu" else torch.bfloat16, device)
     loss_fn = build_loss(cfg.loss, gamma=cfg.gamma, alpha=cfg.alpha, tau=cfg.tau, temperature=cfg.temperature,
                          soft_weight=cfg.soft_weight, weighting=cfg.position_weighting, dpace_alpha=cfg.dpace_alpha)
+    target = training_target(cfg, device, loss_fn.needs_teacher)
 
     def make_optimizer(model):
         return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -331,7 +355,7 @@ def train(cfg: TrainConfig, progress: bool = True, stop_after: int | None = None
                          f"{drafter.draft_vocab.size} ids (init_from or the checkpoint in {cfg.out_dir})")
     if cfg.draft_vocab_size and drafter.draft_vocab is None and step == 0:
         drafter.set_draft_vocab(data_vocab([dataset.samples[i] for i in train_ids], cfg.draft_vocab_size, target.config.vocab_size))
-    head = DraftHead(target.lm_head, drafter.draft_vocab)
+    head = DraftHead(dense_lm_head(target, cfg.model), drafter.draft_vocab)
     teachers = teachers or TeacherCache(target, drafter.config.target_layer_ids, keep=cfg.cache_teacher)
     steps_per_epoch = len(train_ids) // cfg.sequences_per_step
     if steps_per_epoch == 0:

@@ -17,6 +17,7 @@ from adaflash.engine import engine as engine_module
 from adaflash.evaluation import demo
 from adaflash.pipeline import Pipeline
 from adaflash.speculative import reference
+from adaflash.speculative.draft_model import DraftModelProposer
 from adaflash.speculative.reference import GenerationResult, autoregressive_generate
 from adaflash.speculative.verify import verify_greedy
 from tests.helpers import private_cache, scripted_dflash
@@ -48,6 +49,8 @@ def _variant(pipeline: Pipeline, method: str) -> str:
     """Which of the demo's variants a generation is, told by the pipeline it runs on (demo.run_demo's table)."""
     if method == "ar":
         return "ar"
+    if isinstance(pipeline.proposer, DraftModelProposer):
+        return "draft-model"
     if pipeline.length_policy is None:
         return "dflash-full"
     if str(pipeline.length_policy) == "fixed:2":
@@ -55,7 +58,7 @@ def _variant(pipeline: Pipeline, method: str) -> str:
     return "dflash-adaptive" if pipeline.prompt_lookup is None else "dflash-adaptive-lookup"
 
 
-def _run_demo(checkpoint: str, oracle: dict, monkeypatch, capsys, cache, change=None):
+def _run_demo(checkpoint: str, oracle: dict, monkeypatch, capsys, cache, change=None, draft_model=None):
     """The demo (one round) over the scripted drafter; returns (exit code, printed verdict, every generation as
     (variant, prompt ids, result)). `change(variant, ids, token_ids)`: what the demo is handed instead of a result."""
     monkeypatch.setenv("ADAFLASH_CACHE", str(cache))
@@ -79,10 +82,11 @@ def _run_demo(checkpoint: str, oracle: dict, monkeypatch, capsys, cache, change=
 
     monkeypatch.setattr(demo.Pipeline, "load", scripted_load)
     monkeypatch.setattr(Pipeline, "generate_ids", recorded)
-    code = demo.run_demo(checkpoint, None, "fp32", NEW_TOKENS, rounds=1)
+    code = demo.run_demo(checkpoint, None, "fp32", NEW_TOKENS, rounds=1, draft_model=draft_model, draft_max=3)
     verdict = [line for line in capsys.readouterr().out.splitlines() if line.startswith("outputs identical to AR:")]
     assert len(verdict) == 1
-    assert sorted((name, ids) for name, ids, _ in runs) == sorted((v, ids) for v in VARIANTS for ids in oracle)
+    variants = VARIANTS + (("draft-model",) if draft_model else ())
+    assert sorted((name, ids) for name, ids, _ in runs) == sorted((v, ids) for v in variants for ids in oracle)
     return code, verdict[0].rsplit(" ", 1)[1], runs
 
 
@@ -101,6 +105,25 @@ def test_the_demo_says_yes_when_every_output_is_the_oracles(tiny_chat_checkpoint
     assert all(result.token_ids == oracle[ids] for _, ids, result in runs)  # the oracle: all identical
     assert (code, verdict) == (0, "yes")
     _drafting_happened(runs)
+
+
+def test_the_demo_with_a_draft_model_says_yes_and_a_changed_token_there_says_no(tiny_chat_checkpoint, oracle,
+                                                                                 monkeypatch, capsys, demo_cache):
+    """The draft-model variant (the target drafting for itself here: every draft right) is one more column the
+    verdict covers."""
+    code, verdict, runs = _run_demo(tiny_chat_checkpoint, oracle, monkeypatch, capsys, demo_cache,
+                                    draft_model=tiny_chat_checkpoint)
+    assert (code, verdict) == (0, "yes")
+    assert all(result.token_ids == oracle[ids] for _, ids, result in runs)
+
+    def change(name, ids, tokens):
+        if name == "draft-model":
+            tokens[-1] ^= 1
+        return tokens
+
+    code, verdict, _ = _run_demo(tiny_chat_checkpoint, oracle, monkeypatch, capsys, demo_cache, change,
+                                 draft_model=tiny_chat_checkpoint)
+    assert (code, verdict) == (1, "NO")
 
 
 def test_a_verifier_that_accepts_every_draft_makes_the_demo_say_no(tiny_chat_checkpoint, oracle, monkeypatch,

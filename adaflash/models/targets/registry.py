@@ -21,6 +21,7 @@ from adaflash.models.targets.gguf_weights import is_prepared, prepare_checkpoint
 from adaflash.models.targets.parts import PARTED_MODELS, install
 
 DEFAULT_TARGET = "smollm2-135m"
+DEMO_TARGET = "qwen2.5-coder-1.5b"  # what `adaflash demo` shows: a real model a CPU user runs
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,14 @@ _ASSETS = Path(__file__).resolve().parents[2] / "assets" / "drafters"
 SHIPPED_DRAFTERS = {
     ("smollm2-135m", "dflash"): _ASSETS / "smollm2-135m",
     ("smollm2-135m", "adaflash"): _ASSETS / "smollm2-135m-adaflash",
+    ("qwen2.5-coder-1.5b", "dflash"): _ASSETS / "qwen2.5-coder-1.5b",
 }
+# A registry target's smaller sibling of the same tokenizer: its draft model (`--draft-model`; the demo's variant).
+DRAFT_MODELS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+
+def paired_draft_model(model: str) -> str | None:
+    return DRAFT_MODELS.get(model)
 
 
 def shipped_drafter(model: str, kind: str = "dflash") -> Path | None:
