@@ -53,9 +53,14 @@ class DFlashProposer:
             self._head_linear = target.fast_lm_head
         else:
             blocks = target.lm_head_blocks.rows(self.head.ids) if target.lm_head_blocks is not None else None
-            # An int8 target's head rows run int8 too (a draft's numerics never touch what verification keeps).
+            # An int8 target's head rows run int8 too (a draft's numerics never touch what verification keeps); an
+            # untied int8 head is only blocks (its weight on the meta device): their kernel is the only way to run it.
+            from_blocks = w.is_meta and blocks is not None and target.int8_activations
             self._head_linear = (FastLinear(w, None, KernelChoice(target.int8_activations), blocks)
-                                 if fast_linears_available(w) and packable(w) else None)
+                                 if (fast_linears_available(w) or from_blocks) and packable(w) else None)
+        if w.is_meta and self._head_linear is None:
+            raise ValueError("the target's LM head is not in memory (an int8 target keeps only its blocks) and no "
+                             "kernel runs those rows here: load the target with --dtype fp32")
 
     @property
     def block_size(self) -> int:

@@ -110,9 +110,12 @@ class DraftHead:
 
     def __init__(self, lm_head: torch.Tensor, vocab: DraftVocab | None) -> None:
         self.vocab = vocab
-        self.ids = vocab.token_ids.to(lm_head.device) if vocab is not None else None
-        self.weight = lm_head[self.ids].contiguous() if vocab is not None else lm_head
-        self._rows = vocab.to_draft().to(lm_head.device) if vocab is not None else None
+        # The maps live where the logits are: with the head, or on the CPU for an int8 target's head, which is only
+        # blocks (its weight on the meta device; its rows run in the quantized kernel).
+        device = torch.device("cpu") if lm_head.is_meta else lm_head.device
+        self.ids = vocab.token_ids.to(device) if vocab is not None else None
+        self.weight = lm_head[self.ids.to(lm_head.device)].contiguous() if vocab is not None else lm_head
+        self._rows = vocab.to_draft().to(device) if vocab is not None else None
 
     def rows_of(self, token_ids: torch.Tensor, ignore: int | None = None) -> torch.Tensor:
         """Target ids -> head rows (-1 outside the draft vocabulary); entries equal to `ignore` stay as they are."""
