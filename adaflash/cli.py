@@ -24,7 +24,7 @@ from adaflash.export.gguf import register_cli as register_export_cli
 from adaflash.models.targets.registry import DEFAULT_TARGET, DEMO_TARGET, resolve_drafter
 from adaflash.server.cli import register_cli as register_serve_cli
 from adaflash.simulation.cli import register_cli as register_simulate_cli
-from adaflash.speculative.config import METHODS, SpeculativeConfig
+from adaflash.speculative.config import METHODS, SpeculativeConfig, draft_model_of
 from adaflash.training.cli import register_cli as register_train_cli
 
 DEFAULT_DATA_MIX = "gsm-symbolic:300,sharegpt-chat:250,sharegpt-code:150,champ:100"
@@ -42,10 +42,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          "fixed draft length) or --prompt-lookup")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = read_prompts_file(args.prompts_file) if args.prompts_file else None
-    drafter = None if args.draft_model else resolve_drafter(args.model, args.drafter, speculative.drafter)
+    draft_model = draft_model_of(args, speculative)
+    drafter = None if draft_model else resolve_drafter(args.model, args.drafter, speculative.drafter)
     pipeline = Pipeline.load(args.model, drafter, args.dtype, draft_vocab=args.draft_vocab,
-                             carry_policy_state=args.carry_policy_state,
-                             draft_model=args.draft_model if speculative.uses_drafter else None, draft_max=args.draft_max)
+                             carry_policy_state=args.carry_policy_state, draft_model=draft_model,
+                             draft_max=args.draft_max)
     items = [(None, None, user_messages(args.prompt))] if prompts is None else [(p.id, p.domain, p.messages) for p in prompts]
     for prompt_id, domain, messages in items:
         completion = pipeline.complete(

@@ -71,6 +71,8 @@ def test_generate_with_a_draft_model_equals_ar(tiny_chat_checkpoint, capsys):
     assert main(base + ["--method", "dflash", "--draft-model", tiny_chat_checkpoint, "--draft-max", "3",
                         "--draft-length", "5"]) == 2
     assert "exceeds the draft model's 3 drafts" in capsys.readouterr().err
+    assert main(base + ["--draft-model", tiny_chat_checkpoint]) == 2  # --method ar: nothing would draft
+    assert "--draft-model drafts for --method dflash" in capsys.readouterr().err
 
 
 def test_generate_prompts_file_and_sampling(tiny_chat_checkpoint, tmp_path, capsys):

@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from adaflash.cli_args import add_model_args, add_prompt_lookup_arg
-from adaflash.speculative.config import METHODS, SpeculativeConfig
+from adaflash.speculative.config import METHODS, SpeculativeConfig, draft_model_of
 
 if TYPE_CHECKING:
     from adaflash.engine.engine_factory import EngineConfig
@@ -39,7 +39,7 @@ def build_runner(args: argparse.Namespace, config: EngineConfig | None = None):
     # With --watch-versions the newest published version, if any, is what serves first.
     published = latest_version(args.watch_versions) if args.watch_versions and drafts else None
     drafter = None  # plain decoding loads none, even if --drafter names one
-    draft_model = args.draft_model if drafts else None
+    draft_model = draft_model_of(args, config.speculative)
     if draft_model and args.watch_versions:
         raise ValueError("--watch-versions hot-swaps DFlash drafters; a --draft-model is not swapped")
     if drafts and not draft_model:

@@ -221,6 +221,14 @@ class SpeculativeConfig:
         return self.length_policy or ENGINE_DEFAULT_POLICY
 
 
+def draft_model_of(args: argparse.Namespace, config: SpeculativeConfig) -> str | None:
+    """--draft-model, where the config drafts (a draft model with --method ar would be loaded for nothing: refused)."""
+    model = getattr(args, "draft_model", None)
+    if model is not None and not config.uses_drafter:
+        raise ValueError(f"--draft-model drafts for --method dflash; --method {config.name} drafts with no model")
+    return model
+
+
 def prompt_lookup_of(args: argparse.Namespace) -> PromptLookup | None:
     """The `PromptLookup` that --prompt-lookup (and --prompt-lookup-length) ask for; None: off."""
     tokens, length = getattr(args, "prompt_lookup", None), getattr(args, "prompt_lookup_length", None)

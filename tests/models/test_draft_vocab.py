@@ -55,6 +55,11 @@ def test_draft_head_maps_rows_and_restricts_logits():
     torch.testing.assert_close(head.restrict(logits), logits[:, [9, 7, 3]])
     full = DraftHead(lm_head, None)
     assert full.weight is lm_head and full.rows_of(torch.tensor([4])).tolist() == [4]
+    # An int8 target's untied head is only blocks (a meta weight): the maps still run on the host's logits.
+    blocks_only = DraftHead(torch.empty(VOCAB, 8, device="meta"), DraftVocab(torch.tensor([9, 7, 3]), VOCAB))
+    assert blocks_only.weight.is_meta and blocks_only.weight.shape == (3, 8)
+    assert blocks_only.ids_of(torch.tensor([2, 0])).tolist() == [3, 9]
+    assert blocks_only.rows_of(torch.tensor([7, 4])).tolist() == [1, -1]
 
 
 def test_checkpoint_keeps_the_vocabulary_beside_dflash_config(tmp_path):
