@@ -198,7 +198,9 @@ class Engine:
         target's own cache, hence every output token, is untouched (the swap stays lossless).
         """
         drafter = self.drafting.drafter
-        if not isinstance(drafter, DrafterSource) or tuple(proposer.capture_layers) != tuple(self.capture) or proposer.block_size != self.max_draft + 1:
+        if not isinstance(drafter, DrafterSource):
+            raise ValueError("only a DFlash drafter is hot-swapped (this engine drafts with a draft model, or none)")
+        if tuple(proposer.capture_layers) != tuple(self.capture) or proposer.block_size != self.max_draft + 1:
             raise ValueError("a hot-swapped drafter must read the same target layers with the same block size")
         policy = _checked(policy) if policy is not None else None
         self.drafting.close_run()
