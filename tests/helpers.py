@@ -304,3 +304,16 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
+def run_engine(engine, arrivals: dict, max_steps: int = 500) -> dict[str, list[int]]:
+    """Step `engine`, adding the requests of `arrivals[step]` at that step, until it runs empty: each request's tokens."""
+    outputs: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        for r in arrivals.get(step, []):
+            engine.add_request(r)
+            outputs[r.request_id] = []
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        if not engine.has_work() and step > max(arrivals):
+            break
+    return outputs

@@ -15,7 +15,7 @@ from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
 from adaflash.speculative.length_policy import CostModel, FixedLength, HeuristicLength, ThroughputLength
 from adaflash.speculative.reference import autoregressive_generate
 from adaflash.speculative.sampling import SamplingParams
-from tests.helpers import PassClock, decode_batches, drafting_happened, exact_joint, law_pvalue
+from tests.helpers import PassClock, decode_batches, drafting_happened, exact_joint, law_pvalue, run_engine
 
 PROMPTS = [[3, 14, 15, 92], [65, 35], [89, 79, 32, 38, 46, 26, 43], [11], [7, 7, 7, 7, 7, 7], [50, 51, 52],
            [23, 9, 40, 2], [60]]
@@ -47,19 +47,6 @@ def expected(target):
             for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))}
 
 
-def _run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 2000) -> dict[str, list[int]]:
-    outputs: dict[str, list[int]] = {}
-    for step in range(max_steps):
-        for r in arrivals.get(step, []):
-            engine.add_request(r)
-            outputs[r.request_id] = []
-        for out in engine.step():
-            outputs[out.request_id] += out.new_token_ids
-        if not engine.has_work() and step > max(arrivals):
-            break
-    return outputs
-
-
 POLICIES = {
     "fixed:4": lambda: (FixedLength(4), None),
     "fixed:1": lambda: (FixedLength(1), None),
@@ -82,7 +69,7 @@ def test_greedy_engine_with_a_draft_model_equals_the_target_alone(target, drafts
     batches = decode_batches(engine)
     reqs = [Request(f"r{i}", p, n, stop_token_ids=(1,)) for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))]
     with clock.driving(target):
-        got = _run(engine, {step: reqs[part] for step, part in ARRIVALS.items()})
+        got = run_engine(engine, {step: reqs[part] for step, part in ARRIVALS.items()}, max_steps=2000)
     assert got == expected
     assert sorted(engine.scheduler.free_slots) == list(range(max_batch))
     assert max(batches) == max_batch
@@ -127,7 +114,7 @@ def test_sampling_with_a_draft_model_preserves_the_target_law(target, drafts):
     engine = Engine(target, DraftModelProposer(drafts["noisy"], target, max_draft=2), FixedLength(2), max_batch=16,
                     max_queue=n, max_len=64)
     reqs = [Request(f"s{i}", prompt, 3, sampling=params, seed=i) for i in range(n)]
-    got = _run(engine, {0: reqs}, max_steps=10_000)
+    got = run_engine(engine, {0: reqs}, max_steps=10_000)
     counts = dict.fromkeys(exact, 0)
     for toks in got.values():
         counts[tuple(toks)] += 1

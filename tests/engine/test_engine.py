@@ -20,25 +20,13 @@ from adaflash.speculative.reference import autoregressive_generate
 from adaflash.speculative.sampling import SamplingParams
 from tests.helpers import (TINY_VOCAB, PassClock, decode_batches, drafting_happened, exact_joint, law_pvalue,
                            scripted_dflash)
+from tests.helpers import run_engine as _run
 
 # Verify cost grows with total tokens past a knee, like a CPU under load.
 COST = CostModel(total_tokens=(1, 8, 32, 128), verify_s=(0.01, 0.011, 0.03, 0.12), draft_s=0.002)
 # A GPU's: nearly flat up to a hundred tokens, so drafting pays even with eight requests decoding.
 FLAT_COST = CostModel(total_tokens=(1, 8, 32, 128), verify_s=(0.01, 0.0101, 0.0105, 0.014), draft_s=0.001)
 
-
-
-def _run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500) -> dict[str, list[int]]:
-    outputs: dict[str, list[int]] = {}
-    for step in range(max_steps):
-        for r in arrivals.get(step, []):
-            engine.add_request(r)
-            outputs[r.request_id] = []
-        for out in engine.step():
-            outputs[out.request_id] += out.new_token_ids
-        if not engine.has_work() and step > max(arrivals):
-            break
-    return outputs
 
 
 PROMPTS = [[3, 14, 15, 92], [65, 35], [89, 79, 32, 38, 46, 26, 43], [11], [7, 7, 7, 7, 7, 7]]
