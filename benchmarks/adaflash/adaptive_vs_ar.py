@@ -72,10 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--variants", default=None, help="comma-separated variant names to run (default: all; ar always)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     threads = configure_process(args.threads, "cpu")
     runs = variants(args.model, args.dtype)
+    if args.variants:
+        wanted = {"ar", *args.variants.split(",")}
+        runs = {name: run for name, run in runs.items() if name in wanted}
     base = runs["ar"][0]
     prompts = [(domain, base.encode(messages=q.messages)) for domain, name in DOMAINS.items()
                for q in load_prompts(name, "eval", limit=args.per_domain)]
