@@ -317,3 +317,17 @@ def run_engine(engine, arrivals: dict, max_steps: int = 500) -> dict[str, list[i
         if not engine.has_work() and step > max(arrivals):
             break
     return outputs
+
+
+def engine_law_pvalue(engine, prompt: list[int], params, exact: dict, n: int = 900):
+    """`n` seeded sampling requests of `prompt` run together on `engine`: the chi-square p-value of their outputs'
+    counts against the `exact` joint law (exact_joint), and the requests (for their accept lengths)."""
+    from adaflash.engine.request import Request
+
+    length = len(next(iter(exact)))
+    reqs = [Request(f"s{i}", prompt, length, sampling=params, seed=i) for i in range(n)]
+    got = run_engine(engine, {0: reqs}, max_steps=10_000)
+    counts = dict.fromkeys(exact, 0)
+    for toks in got.values():
+        counts[tuple(toks)] += 1
+    return law_pvalue(counts, exact), reqs

@@ -15,7 +15,7 @@ from adaflash.speculative.drafting_check import DraftingCheck, DraftingChecks
 from adaflash.speculative.length_policy import CostModel, FixedLength, HeuristicLength, ThroughputLength
 from adaflash.speculative.reference import autoregressive_generate
 from adaflash.speculative.sampling import SamplingParams
-from tests.helpers import PassClock, decode_batches, drafting_happened, exact_joint, law_pvalue, run_engine
+from tests.helpers import PassClock, decode_batches, drafting_happened, exact_joint, engine_law_pvalue, run_engine
 
 PROMPTS = [[3, 14, 15, 92], [65, 35], [89, 79, 32, 38, 46, 26, 43], [11], [7, 7, 7, 7, 7, 7], [50, 51, 52],
            [23, 9, 40, 2], [60]]
@@ -113,12 +113,8 @@ def test_sampling_with_a_draft_model_preserves_the_target_law(target, drafts):
     n = 900
     engine = Engine(target, DraftModelProposer(drafts["noisy"], target, max_draft=2), FixedLength(2), max_batch=16,
                     max_queue=n, max_len=64)
-    reqs = [Request(f"s{i}", prompt, 3, sampling=params, seed=i) for i in range(n)]
-    got = run_engine(engine, {0: reqs}, max_steps=10_000)
-    counts = dict.fromkeys(exact, 0)
-    for toks in got.values():
-        counts[tuple(toks)] += 1
-    assert law_pvalue(counts, exact) > 1e-3
+    pvalue, reqs = engine_law_pvalue(engine, prompt, params, exact, n)
+    assert pvalue > 1e-3
     drafting_happened(reqs)
     assert any(a == 1 for r in reqs for a in r.accept_lengths)  # rejections too
 

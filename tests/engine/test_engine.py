@@ -18,9 +18,9 @@ from adaflash.speculative.length_policy import CostModel, FixedLength, Heuristic
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
 from adaflash.speculative.sampling import SamplingParams
-from tests.helpers import (TINY_VOCAB, PassClock, decode_batches, drafting_happened, exact_joint, law_pvalue,
+from tests.helpers import (TINY_VOCAB, PassClock, decode_batches, drafting_happened, exact_joint,
                            scripted_dflash)
-from tests.helpers import run_engine as _run
+from tests.helpers import engine_law_pvalue, run_engine as _run
 
 # Verify cost grows with total tokens past a knee, like a CPU under load.
 COST = CostModel(total_tokens=(1, 8, 32, 128), verify_s=(0.01, 0.011, 0.03, 0.12), draft_s=0.002)
@@ -278,12 +278,8 @@ def test_sampling_engine_preserves_the_target_law(target):
     engine = Engine(target, scripted_dflash(target, [prompt + list(likely)]), FixedLength(2), max_batch=16,
                     max_queue=n, max_len=64)
     batches = decode_batches(engine)
-    reqs = [Request(f"s{i}", prompt, 3, sampling=params, seed=i) for i in range(n)]
-    got = _run(engine, {0: reqs}, max_steps=10_000)
-    counts = dict.fromkeys(exact, 0)
-    for toks in got.values():
-        counts[tuple(toks)] += 1
-    assert law_pvalue(counts, exact) > 1e-3
+    pvalue, reqs = engine_law_pvalue(engine, prompt, params, exact, n)
+    assert pvalue > 1e-3
     drafting_happened(reqs)
     assert max(batches) == 16 and any(a == 1 for r in reqs for a in r.accept_lengths)  # rejections too
 
