@@ -76,8 +76,8 @@ class ScriptedProposer:
         self.capture_layers = (0,)
         self.rng = torch.Generator().manual_seed(seed)
 
-    def new_cache(self, num_slots: int, max_len: int):
-        return self._cache_type(1, num_slots, 1, 1, 1, torch.float32)
+    def new_cache(self, num_slots: int, max_len: int, **pool):
+        return self._cache_type(1, num_slots, max_len, 1, 1, torch.float32, **pool)  # lengths only
 
     def add_context(self, cache, features, batch) -> None:
         for slot, end in zip(batch.slots, batch.ends):

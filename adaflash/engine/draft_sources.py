@@ -109,24 +109,19 @@ class DrafterSource:
 
     # ---- context ---------------------------------------------------------------------------------
 
-    def context_length(self, slot: int) -> int:
-        """Positions of `slot` the drafter's context holds or has waiting: what a new request there may reuse."""
-        held = int(self.cache.lengths[slot])
-        if slot in self._pending:
-            start, chunks = self._pending[slot]
-            held = start + sum(len(c) for c in chunks)
-        return held
+    def adopt_prefix(self, slot: int, tokens: Sequence[int], limit: int) -> int:
+        """The cached context blocks of the prompt's prefix (fed by an earlier request), up to `limit` positions: the
+        target keeps no more than this, so the features of every later position reach the drafter."""
+        return self.cache.adopt(slot, tokens, limit)
 
-    def restart_context(self, slot: int, keep: int) -> None:
-        """A new request takes `slot`, whose context keeps its first `keep` positions, fed or still waiting: a finished
-        request's waiting features stay until then, since the next request there may reuse their prefix (one kept
-        from drafting fed none, and its prompt is the likeliest prefix of the next)."""
-        fed = int(self.cache.lengths[slot])
-        self.cache.rollback(slot, min(keep, fed))
-        pending = self._pending.pop(slot, None)
-        if pending is not None and keep > fed:  # waiting features of the kept prefix: still to be fed
-            start, chunks = pending
-            self._pending[slot] = (start, [torch.cat(chunks)[: keep - start]])
+    def release(self, slot: int, committed: Sequence[int]) -> None:
+        """Empty the slot, keeping the full blocks of its context for later prompts (`committed`: the tokens; none, no
+        sharing): features still waiting are fed first (a request kept from drafting fed none, and its prompt is the
+        likeliest prefix of the next: a drafter pass over them costs far less than the target's prefill it saves)."""
+        if committed and slot in self._pending:
+            self.feed_context([slot])
+        self._pending.pop(slot, None)
+        self.cache.release(slot, committed)
 
     def add_context(self, slot: int, start: int, features: torch.Tensor) -> None:
         """Target features of committed positions from `start` on (after any still pending for the slot)."""
@@ -234,11 +229,14 @@ class DraftModelSource:
         self._held = False  # the last step was the drafting check's plain arm: the policy decided nothing
         self._fed = 0  # the most committed tokens one request's cache caught up on in the last step
 
-    def context_length(self, slot: int) -> None:
-        return None  # no limit on a reused prompt prefix: the proposer catches up from the tokens
+    def adopt_prefix(self, slot: int, tokens: Sequence[int], limit: int) -> int:
+        """What its cache holds of the prompt's prefix; no limit on the target's: the proposer catches up from the
+        tokens."""
+        self.cache.adopt(slot, tokens, limit)
+        return limit
 
-    def restart_context(self, slot: int, keep: int) -> None:
-        self.cache.rollback(slot, min(keep, self.cache.lengths[slot]))
+    def release(self, slot: int, committed: Sequence[int]) -> None:
+        self.cache.release(slot, committed)
 
     def add_context(self, slot: int, start: int, features: torch.Tensor | None) -> None:
         pass  # the committed tokens are the context: the request holds them

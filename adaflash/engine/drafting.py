@@ -211,13 +211,15 @@ class Drafting:
 
     # ---- the drafter's context (prompt lookup reads the request's own tokens) ----------------------
 
-    def context_length(self, slot: int) -> int | None:
-        """Positions of `slot` the drafter's context holds, fed or waiting (None: no drafter)."""
-        return self.drafter.context_length(slot) if self.drafter is not None else None
+    def adopt_prefix(self, slot: int, tokens: Sequence[int], limit: int) -> int:
+        """A new request in `slot` whose target cache kept `limit` positions of its prompt `tokens`: the drafter maps in
+        what its own cache holds of them; returns the positions the target may keep (no drafter: all)."""
+        return self.drafter.adopt_prefix(slot, tokens, limit) if self.drafter is not None else limit
 
-    def restart_context(self, slot: int, keep: int) -> None:
+    def release(self, slot: int, committed: Sequence[int]) -> None:
+        """The request in `slot` is over: the drafter empties the slot, keeping its full blocks of `committed`."""
         if self.drafter is not None:
-            self.drafter.restart_context(slot, keep)
+            self.drafter.release(slot, committed)
 
     def add_context(self, slot: int, start: int, features: torch.Tensor | None) -> None:
         if self.drafter is not None:

@@ -18,10 +18,9 @@ import torch
 
 from adaflash.engine.draft_sources import DrafterSource, DraftModelSource, PromptLookupSource
 from adaflash.engine.drafting import Drafting, StepDrafts
-from adaflash.engine.prefix_reuse import SlotPrefixes
 from adaflash.engine.request import Request, StepOutput
 from adaflash.engine.scheduler import Scheduler
-from adaflash.models.kv_cache.cache import KVCache
+from adaflash.models.kv_cache.cache import DEFAULT_BLOCK_SIZE, KVCache
 from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.layers import argmax_rows
 from adaflash.models.targets.model import TargetModel
@@ -51,6 +50,8 @@ class Engine:
         max_prefill_tokens: int = 2048,
         drafting_checks: DraftingChecks | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        kv_pool_tokens: int | None = None,
+        kv_block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         """`capture_layers`: target layers whose features a plain (drafter-less) engine returns to requests that
         ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers.
@@ -61,7 +62,11 @@ class Engine:
         alone): a 64-prompt pass ran ~0.8x the tokens a second of 450-1800-token passes (its intermediates outgrow the
         caches and glibc's reused heap, and are faulted in afresh; docs/results/serving/prefill_pass_size.txt).
         `drafting_checks`: the drafting check the draft sources run behind (adaptive lengths; None: they always ask).
-        `clock`: what the drafting checks and the length policies read a step's cost from (wall time by default)."""
+        `clock`: what the drafting checks and the length policies read a step's cost from (wall time by default).
+        `kv_pool_tokens`: the positions the target's paged KV cache holds for all requests together (default every
+        slot's max_len); a request is admitted only while the pool can hold all it may write (its prompt, its
+        max_new_tokens and a step's drafts), so a running request never runs short; the rest wait in the queue.
+        `kv_block_size`: positions a KV block holds."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
@@ -76,7 +81,9 @@ class Engine:
         policy = _checked(policy or FixedLength(proposer.block_size - 1 if proposer else 0))
         self.scheduler = Scheduler(max_batch, max_queue)
         self.max_len = max_len
-        self.target_cache = target.new_cache(max_batch, max_len)
+        pool = {"pool_tokens": kv_pool_tokens, "block_size": kv_block_size}
+        self.target_cache = target.new_cache(max_batch, max_len, **pool)
+        self._reserved: dict[int, int] = {}  # slot -> the target blocks its request may come to hold
         if proposer is not None and capture_layers is not None and tuple(capture_layers) != tuple(proposer.capture_layers):
             raise ValueError(f"capture_layers {tuple(capture_layers)} differ from the drafter's {proposer.capture_layers}")
         self.capture = tuple(proposer.capture_layers if proposer else capture_layers or ())
@@ -84,25 +91,49 @@ class Engine:
         self.max_verified = max_verified(proposer, prompt_lookup)
         drafter = None
         if isinstance(proposer, DraftModelProposer):
-            drafter = DraftModelSource(proposer, policy, proposer.new_cache(max_batch, max_len))
+            drafter = DraftModelSource(proposer, policy, proposer.new_cache(max_batch, max_len, **pool))
         elif proposer is not None:  # the recorder observes the drafter's outcomes
-            drafter = DrafterSource(proposer, policy, proposer.new_cache(max_batch, max_len), recorder)
+            drafter = DrafterSource(proposer, policy, proposer.new_cache(max_batch, max_len, **pool), recorder)
+        self._pool = pool
         self.drafting = Drafting(lookup, drafter, drafting_checks, clock)
         self._policy_without_drafter = policy if drafter is None else None  # decides nothing; its name is shown
-        # A new request reuses the prompt prefix its slot's cache already holds, where that is exact (prefix_reuse.py).
-        self.prefixes = SlotPrefixes(max_batch) if target.rows_independent else None
+        # A new request maps in the cached blocks of its prompt's prefix (KVCache.adopt) only where that is exact: a
+        # position's K/V bitwise the same whatever pass computed them (TargetModel.rows_independent), so outputs never
+        # depend on what ran before.
+        self.share_prefixes = target.rows_independent
         self.prompt_tokens = self.prompt_tokens_reused = 0  # prefilled prompt tokens, and those a slot already held
 
     # ---- requests ----------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        need = len(request.prompt_ids) + request.max_new_tokens + self.max_verified + 1
+        need = self._positions(request)
         if need > self.max_len:
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
                 f"exceeds the context of {self.max_len - self.max_verified - 1} tokens"
             )
+        cache = self.target_cache
+        if cache.blocks_for(need) > cache.num_blocks:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                f"exceeds the KV cache pool of {cache.num_blocks * cache.block_size - self.max_verified - 1} tokens"
+            )
         self.scheduler.add(request)
+
+    def _positions(self, request: Request) -> int:
+        """The most positions `request` may write: its prompt, its tokens, and the drafts of a step verified past them."""
+        return len(request.prompt_ids) + request.max_new_tokens + self.max_verified + 1
+
+    def _fits(self, request: Request) -> bool:
+        """Admission by the KV pool: what every running request may come to hold, and this one, fit in it."""
+        need = self.target_cache.blocks_for(self._positions(request))
+        return sum(self._reserved.values()) + need <= self.target_cache.num_blocks
+
+    def kv_stats(self) -> dict[str, int]:
+        """The target pool's blocks: in all, held by requests, reserved for what they may write, and its block size."""
+        cache = self.target_cache
+        return {"blocks": cache.num_blocks, "held": cache.blocks_held(), "reserved": sum(self._reserved.values()),
+                "block_size": cache.block_size}
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.find(request_id)
@@ -148,7 +179,9 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        admitted = self.scheduler.admit(self._choose_slot if self.prefixes is not None else None)
+        admitted = self.scheduler.admit(self._fits)
+        for r in admitted:
+            self._reserved[r.slot] = self.target_cache.blocks_for(self._positions(r))
         # In slot order: when the slots in use are contiguous, attention reads the caches as views, not gathered copies.
         decoding = sorted((r for r in self.scheduler.running if r not in admitted), key=lambda r: r.slot)
         outputs = self._prefill(admitted) if admitted else []
@@ -171,24 +204,27 @@ class Engine:
 
     def _release(self, request: Request) -> None:
         if request.slot is not None and request in self.scheduler.running:
-            if self.prefixes is not None:  # what the slot's cache holds: every position below its length
-                held = self.target_cache.lengths[request.slot]
-                self.prefixes.remember(request.slot, (request.prompt_ids + request.output_ids)[:held])
+            # The caches keep the full blocks of committed tokens for later prompts that start with them (or none).
+            committed = request.prompt_ids + request.output_ids if self.share_prefixes else ()
+            self.target_cache.release(request.slot, committed)
+            self.drafting.release(request.slot, committed)
+            self._reserved.pop(request.slot, None)
         self.scheduler.release(request)
         if not self.scheduler.running:  # what the checks learned is whole whenever the engine runs empty
             self.drafting.close_run()
 
-    def _choose_slot(self, request: Request, free_slots: list[int]) -> int:
-        return self.prefixes.best_slot(request.prompt_ids, free_slots)
-
-    def _reusable(self, request: Request) -> int:
-        """Leading prompt positions `request`'s slot holds and may keep (none where the prompt's features are asked
-        for, or without reuse); with a drafter, no more than its context holds too (fed, or waiting to be fed)."""
-        if self.prefixes is None or request.return_features:
+    def _adopt_prefix(self, request: Request) -> int:
+        """Map into `request`'s empty slots the cached blocks of its prompt's longest cached prefix (none where the
+        prompt's features are asked for, or without sharing); with a drafter, no more than its cache holds too.
+        Returns the prompt positions kept; the last prompt token is always computed (its logits pick the first token)."""
+        if not self.share_prefixes or request.return_features:
             return 0
-        keep = self.prefixes.reusable(request.slot, request.prompt_ids)
-        drafter_held = self.drafting.context_length(request.slot)
-        return keep if drafter_held is None else min(keep, drafter_held)
+        slot, prompt = request.slot, request.prompt_ids
+        keep = self.target_cache.adopt(slot, prompt, len(prompt) - 1)
+        held = self.drafting.adopt_prefix(slot, prompt, keep)
+        if held < keep:
+            self.target_cache.rollback(slot, held)
+        return min(keep, held)
 
     def swap_proposer(self, proposer: DFlashProposer, policy: LengthPolicy | None = None, version: str = "") -> None:
         """Between steps, a new drafter (a published checkpoint) takes over; running requests keep going.
@@ -204,7 +240,7 @@ class Engine:
             raise ValueError("a hot-swapped drafter must read the same target layers with the same block size")
         policy = _checked(policy) if policy is not None else None
         self.drafting.close_run()
-        draft_cache = proposer.new_cache(self.scheduler.max_batch, self.max_len)
+        draft_cache = proposer.new_cache(self.scheduler.max_batch, self.max_len, **self._pool)
         with torch.inference_mode():
             for r in self.scheduler.running:
                 committed = (r.prompt_ids + r.output_ids)[: r.position]
@@ -236,12 +272,7 @@ class Engine:
         return picks
 
     def _prefill(self, requests: Sequence[Request]) -> list[StepOutput]:
-        kept = [self._reusable(r) for r in requests]
-        for r, keep in zip(requests, kept):
-            self.target_cache.rollback(r.slot, keep)
-            self.drafting.restart_context(r.slot, keep)
-            if self.prefixes is not None:
-                self.prefixes.forget(r.slot)  # the slot is being rewritten; _release records what it holds then
+        kept = [self._adopt_prefix(r) for r in requests]
         self.prompt_tokens += sum(len(r.prompt_ids) for r in requests)
         self.prompt_tokens_reused += sum(kept)
         outputs = []

@@ -27,18 +27,14 @@ class Scheduler:
             raise QueueFullError(f"{len(self.running)} running and {len(self.waiting)} waiting: at capacity")
         self.waiting.append(request)
 
-    def admit(self, choose_slot: Callable[[Request, list[int]], int] | None = None) -> list[Request]:
-        """Move waiting requests into free slots; returns the newly admitted (they need a prefill). `choose_slot`
-        picks one of the free slots for a request (default: the last in `free_slots`: low slots first, then the most
-        recently freed)."""
+    def admit(self, fits: Callable[[Request], bool] | None = None) -> list[Request]:
+        """Move waiting requests, oldest first, into free slots (low slots first, then the most recently freed);
+        returns the newly admitted (they need a prefill). `fits`: whether the next one's memory is there now; the first
+        that does not fit waits, and so do those behind it (no request overtakes a longer one for ever)."""
         admitted = []
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and (fits is None or fits(self.waiting[0])):
             request = self.waiting.popleft()
-            if choose_slot is None:
-                request.slot = self.free_slots.pop()
-            else:
-                request.slot = choose_slot(request, self.free_slots)
-                self.free_slots.remove(request.slot)
+            request.slot = self.free_slots.pop()
             self.running.append(request)
             admitted.append(request)
         return admitted

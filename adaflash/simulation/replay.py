@@ -206,8 +206,8 @@ class ReplayTarget:
         self._by_prompt = {r.prompt: i for i, r in enumerate(trace.records)}
         self.slot_record: dict[int, int] = {}  # slot -> index of the record it replays
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(1, num_slots, 1, 1, 1, torch.float32)
+    def new_cache(self, num_slots: int, max_len: int, **pool) -> KVCache:
+        return KVCache(1, num_slots, max_len, 1, 1, torch.float32, **pool)  # lengths only: nothing is written
 
     def __call__(self, token_ids: torch.Tensor, batch: RaggedBatch, cache: KVCache, capture_layers=(),
                  logit_indices: torch.Tensor | None = None) -> ForwardOutput:
@@ -245,8 +245,8 @@ class ReplayDrafter:
     def block_size(self) -> int:
         return self.target.trace.block_size
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(1, num_slots, 1, 1, 1, torch.float32)
+    def new_cache(self, num_slots: int, max_len: int, **pool) -> KVCache:
+        return KVCache(1, num_slots, max_len, 1, 1, torch.float32, **pool)  # lengths only: nothing is written
 
     def add_context(self, cache: KVCache, features: torch.Tensor, batch: RaggedBatch) -> None:
         for slot, end in zip(batch.slots, batch.ends):

@@ -45,8 +45,8 @@ class SyntheticTarget:
     def __init__(self, config: SyntheticConfig = SyntheticConfig()) -> None:
         self.config = config
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(1, num_slots, 1, 1, 1, torch.float32)
+    def new_cache(self, num_slots: int, max_len: int, **pool) -> KVCache:
+        return KVCache(1, num_slots, max_len, 1, 1, torch.float32, **pool)  # lengths only: nothing is written
 
     def __call__(self, token_ids: torch.Tensor, batch: RaggedBatch, cache: KVCache, capture_layers=(),
                  logit_indices: torch.Tensor | None = None) -> ForwardOutput:
@@ -120,8 +120,8 @@ class SyntheticDrafter:
     def block_size(self) -> int:
         return self.strength.block_size
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(1, num_slots, 1, 1, 1, torch.float32)
+    def new_cache(self, num_slots: int, max_len: int, **pool) -> KVCache:
+        return KVCache(1, num_slots, max_len, 1, 1, torch.float32, **pool)  # lengths only: nothing is written
 
     def add_context(self, cache: KVCache, features: torch.Tensor, batch: RaggedBatch) -> None:
         for slot, start, end in zip(batch.slots, batch.starts, batch.ends):

@@ -313,7 +313,10 @@ def measure_step_table(target, batches: Sequence[int], new_tokens: Sequence[int]
 
     widest, device = max(new_tokens), target.device
     longest = max([max(contexts) + widest, *prefill_tokens])
-    cache = target.new_cache(max([*batches, *prefill_batches]), longest)
+    slots = max([*batches, *prefill_batches])
+    cache = target.new_cache(slots, longest)
+    for slot in range(slots):  # every slot's blocks held throughout: a cell sets its context length only
+        cache.grow(slot, longest)
     cache.k.normal_(0, 1)
     cache.v.normal_(0, 1)
     vocab = target.config.vocab_size

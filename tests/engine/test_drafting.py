@@ -71,8 +71,8 @@ def test_without_sources_every_request_decodes_one_token():
     step = drafting.propose(_requests(3))
     assert step.drafts == (NO_DRAFT,) * 3 and not step.any and step.sources == (None,) * 3
     drafting.feedback(step, [0, 0, 0])  # nobody to tell
-    drafting.restart_context(0, 0)
-    assert drafting.context_length(0) is None  # no drafter: no context to keep
+    assert drafting.adopt_prefix(0, [1, 2, 3], 2) == 2  # no drafter: nothing limits what the target keeps
+    drafting.release(0, [1, 2, 3])
 
 
 class HeldDrafter(Scripted):

@@ -201,7 +201,7 @@ def test_int8_engine_reuses_a_slots_prompt_prefix_exactly(smollm2_dir, pipeline)
                                        add_special_tokens=False)
     proposer = DFlashProposer(load_drafter(shipped_drafter("smollm2-135m"), dtype=torch.float32), int8)
     for drafter in (None, proposer):
-        engine = Engine(int8, drafter, max_batch=1, max_len=512)
+        engine = Engine(int8, drafter, max_batch=1, max_len=512, kv_block_size=8)  # shared in blocks of 8
         answer = run(engine, ids)
         second = ids + answer + follow
         again = run(engine, second)
@@ -243,7 +243,8 @@ def test_a_request_kept_from_drafting_leaves_its_whole_prefix_for_the_next(smoll
     second = ids + answer + follow
     engine.policy = FixedLength(3)
     again = run(engine, second)
-    assert engine.prompt_tokens_reused == len(ids) + len(answer) - 1  # every position the slot computed
+    held = len(ids) + len(answer) - 1  # every position the slot computed, in whole blocks
+    assert engine.prompt_tokens_reused == held // engine.target_cache.block_size * engine.target_cache.block_size
     fresh = run(Engine(int8, proposer, FixedLength(3), max_batch=1, max_len=512), second)
     assert again.output_ids == fresh.output_ids and sum(again.draft_lengths) > 0
     assert again.accept_lengths == fresh.accept_lengths  # the drafter's context is a fresh one's

@@ -207,10 +207,11 @@ class DFlashDrafter(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """Context K/V per draft layer. Its length = context positions; block K/V are written past it, never kept."""
+    def new_cache(self, num_slots: int, max_len: int, **pool) -> KVCache:
+        """Context K/V per draft layer. Its length = context positions; block K/V are written past it, never kept.
+        `pool`: KVCache's pool_tokens / block_size."""
         c = self.config
-        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device, **pool)
 
     def _rope(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin of the batch's positions (one sequence's: views of the table, no gather)."""
@@ -223,6 +224,7 @@ class DFlashDrafter(nn.Module):
         features = features.to(device=self.device, dtype=self.dtype)
         cos, sin = self._rope(batch)
         attention = RaggedAttention(batch, causal=False, device=self.device)
+        attention.reserve(cache)
         if self._steps_current(self._context_step) and self._context_step.run(features, attention, cache, cos, sin):
             attention.commit_lengths(cache)
             return
@@ -267,7 +269,9 @@ class DFlashDrafter(nn.Module):
         batch = RaggedBatch.build(slots, [cache.lengths[s] for s in slots], [b] * r)
         if max(batch.ends) > cache.max_len:
             raise ValueError(f"block end {max(batch.ends)} exceeds the drafter cache's {cache.max_len} positions")
-        return (RaggedAttention(batch, causal=False, device=self.device), *self._rope(batch))
+        attention = RaggedAttention(batch, causal=False, device=self.device)
+        attention.reserve(cache)
+        return (attention, *self._rope(batch))
 
     @torch.inference_mode()
     def draft_logits(self, cache: KVCache, block_ids: torch.Tensor, slots: Sequence[int], embed: torch.Tensor,

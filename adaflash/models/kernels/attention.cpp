@@ -1,14 +1,16 @@
 // Attention of a few new queries per sequence (decode steps, verification and draft blocks) over each sequence's
-// own cached keys, read in place from the slot cache: no padding to the batch's longest sequence, no mask tensor,
-// and the query heads sharing a KV head read it together (GQA).
+// own cached keys, read in place from the paged cache's blocks through the slot's block table: no padding to the
+// batch's longest sequence, no mask tensor, no gathered copy, and the query heads sharing a KV head read it together
+// (GQA).
 //
 // Why own it: batched decode attention is the KV cache streamed once per step, and SDPA over a padded
 // [n, heads, qmax, key_len] batch ran at ~4 GB/s here. Each query row's result depends only on that row, its keys
 // and their order (never on the other rows or sequences of the batch), so a token gets bitwise the same attention
 // alone or in any batch this kernel runs (RaggedAttention sends a batch with a prefill-length query to SDPA).
 //
-// The cache holds fp32, or fp16 (the int8 target's: what batched decode streams is halved, as in llama.cpp's
-// default cache); fp16 values widen exactly, so the arithmetic after the load is the same for both.
+// The cache holds fp32, fp16 (the int8 target's: what batched decode streams is halved, as in llama.cpp's default
+// cache) or bf16; both 16-bit types widen exactly, so the arithmetic after the load is the same for all three. A key's
+// arithmetic never depends on the block it sits in: the same bits at every block size.
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -46,9 +48,25 @@ inline float softmax_in_place(float* scores, int64_t len, float max) {
 
 constexpr int64_t kKeysAhead = 8;  // the score pass's software prefetch distance, in keys
 
-// 8 cache values as fp32 (fp16 widened exactly).
+// 8 cache values as fp32 (fp16 and bf16 widened exactly).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const adaflash::bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// One sequence's keys (or values) of one KV head in the paged cache: key j in block table[j >> shift], row
+// j & (block size - 1). A run of 4 keys starting at a multiple of 4 sits in one block (block sizes are powers of two
+// >= 8).
+template <typename KV>
+struct Rows {
+  const KV* base;         // the layer's block 0, this head
+  const int64_t* table;   // the sequence's blocks
+  int64_t shift, stride;  // log2 block size; elements from one block to the next
+  int64_t d;
+  const KV* at(int64_t j) const { return base + table[j >> shift] * stride + (j & ((int64_t{1} << shift) - 1)) * d; }
+};
 
 // Scores of R query rows that read the same keys (the query heads of one token that share a KV head, GQA) over keys
 // j < len: scores_r[j] = q_r . k_j * scale, and each row's maximum in max[r]. d % 8 == 0. Each key row is loaded once
@@ -56,7 +74,7 @@ inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(
 // reduction tree; keys below a multiple of 8 take the 4-key tree, the rest one by one - the split the 8-key version of
 // this kernel had, so every score keeps its bits.
 template <int R, typename KV>
-void score_keys(const float* const* q, const KV* k, const KV* v, int64_t len, int64_t d, float scale,
+void score_keys(const float* const* q, const Rows<KV>& k, const Rows<KV>& v, int64_t len, int64_t d, float scale,
                 float* const* scores, float* max) {
   // 4 keys at a time for the R rows (3 x 4 accumulators, the rows' q vectors and a key vector: 16 registers).
   __m128 vmax4[R];
@@ -67,9 +85,12 @@ void score_keys(const float* const* q, const KV* k, const KV* v, int64_t len, in
     // Software prefetch: the keys kKeysAhead rows on into L1, and these 4 keys' values into L2 for the output pass
     // (a sequence's KV head is a short stream the hardware prefetcher barely ramps up on). Batched decode steps
     // 0.90-0.97x the time (docs/notes.md: attention_prefetch_ab.txt); the values' prefetch is most of it.
+    const KV* k4 = k.at(j0);
+    const char* k_ahead = reinterpret_cast<const char*>(j0 + kKeysAhead < len ? k.at(j0 + kKeysAhead) : k4);
+    const char* v4 = reinterpret_cast<const char*>(v.at(j0));
     for (int64_t c = 0; c < 4 * d * static_cast<int64_t>(sizeof(KV)); c += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(k + (j0 + kKeysAhead) * d) + c, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(v + j0 * d) + c, _MM_HINT_T1);
+      _mm_prefetch(k_ahead + c, _MM_HINT_T0);
+      _mm_prefetch(v4 + c, _MM_HINT_T1);
     }
     __m256 acc[R][4];
 #pragma GCC unroll 4
@@ -82,7 +103,7 @@ void score_keys(const float* const* q, const KV* k, const KV* v, int64_t len, in
       for (int r = 0; r < R; ++r) qi[r] = _mm256_loadu_ps(q[r] + i);
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
-        const __m256 ku = load8(k + (j0 + u) * d + i);
+        const __m256 ku = load8(k4 + u * d + i);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(qi[r], ku, acc[r][u]);
       }
@@ -104,7 +125,7 @@ void score_keys(const float* const* q, const KV* k, const KV* v, int64_t len, in
     float m = lanes[0];
     for (int u = 1; u < 4; ++u) m = lanes[u] > m ? lanes[u] : m;
     for (int64_t j = blocked; j < len; ++j) {  // the last len % 8 keys one by one
-      const KV* kj = k + j * d;
+      const KV* kj = k.at(j);
       __m256 acc = _mm256_setzero_ps();
       for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), load8(kj + i), acc);
       const float sc = hsum(acc) * scale;
@@ -118,23 +139,28 @@ void score_keys(const float* const* q, const KV* k, const KV* v, int64_t len, in
 // output_lanes for V vectors of 8 lanes, a count known when compiled (counted at run time per key: 1.02-1.09x the
 // time).
 template <int R, int V, typename KV>
-inline void output_vecs(const float* const* p, const KV* v, int64_t len, int64_t d, int64_t i0, const float* sum,
-                        float* const* out) {
+inline void output_vecs(const float* const* p, const Rows<KV>& v, int64_t len, int64_t d, int64_t i0,
+                        const float* sum, float* const* out) {
   __m256 acc[R][V];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int u = 0; u < V; ++u) acc[r][u] = _mm256_setzero_ps();
-  for (int64_t jj = 0; jj < len; ++jj) {
-    __m256 pj[R];
+  const int64_t block = int64_t{1} << v.shift;
+  for (int64_t j0 = 0; j0 < len; j0 += block) {  // block by block, each key in order: one FMA chain per lane
+    const KV* vb = v.at(j0) + i0;
+    const int64_t n = len - j0 < block ? len - j0 : block;
+    for (int64_t jj = 0; jj < n; ++jj) {
+      __m256 pj[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r][jj]);
-    const KV* vj = v + jj * d + i0;
+      for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r][j0 + jj]);
+      const KV* vj = vb + jj * d;
 #pragma GCC unroll 4
-    for (int u = 0; u < V; ++u) {
-      const __m256 vu = load8(vj + u * 8);
+      for (int u = 0; u < V; ++u) {
+        const __m256 vu = load8(vj + u * 8);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(pj[r], vu, acc[r][u]);
+        for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(pj[r], vu, acc[r][u]);
+      }
     }
   }
 #pragma GCC unroll 4
@@ -148,7 +174,7 @@ inline void output_vecs(const float* const* p, const KV* v, int64_t len, int64_t
 // out_r[i0, i0 + 32) = sum_j p_rj v_j / sum_r over keys j < len, for the R rows (p: softmax_in_place's numerators).
 // Each output lane is one FMA chain over the keys in order, whichever lanes a call takes.
 template <int R, typename KV>
-void output_lanes(const float* const* p, const KV* v, int64_t len, int64_t d, int64_t i0, const float* sum,
+void output_lanes(const float* const* p, const Rows<KV>& v, int64_t len, int64_t d, int64_t i0, const float* sum,
                   float* const* out) {
   switch ((d - i0 < 32 ? d - i0 : 32) / 8) {
     case 4: return output_vecs<R, 4>(p, v, len, d, i0, sum, out);
@@ -172,25 +198,34 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const adaflash::bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 template <int R, int V, typename KV>
-void output_vecs(const float* const* p, const KV* v, int64_t len, int64_t d, int64_t i0, const float* sum,
+void output_vecs(const float* const* p, const Rows<KV>& v, int64_t len, int64_t d, int64_t i0, const float* sum,
                  float* const* out) {
   __m512 acc[R][V];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int u = 0; u < V; ++u) acc[r][u] = _mm512_setzero_ps();
-  for (int64_t jj = 0; jj < len; ++jj) {
-    __m512 pj[R];
+  const int64_t block = int64_t{1} << v.shift;
+  for (int64_t j0 = 0; j0 < len; j0 += block) {
+    const KV* vb = v.at(j0) + i0;
+    const int64_t n = len - j0 < block ? len - j0 : block;
+    for (int64_t jj = 0; jj < n; ++jj) {
+      __m512 pj[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) pj[r] = _mm512_set1_ps(p[r][jj]);
-    const KV* vj = v + jj * d + i0;
+      for (int r = 0; r < R; ++r) pj[r] = _mm512_set1_ps(p[r][j0 + jj]);
+      const KV* vj = vb + jj * d;
 #pragma GCC unroll 4
-    for (int u = 0; u < V; ++u) {
-      const __m512 vu = load16(vj + u * 16);
+      for (int u = 0; u < V; ++u) {
+        const __m512 vu = load16(vj + u * 16);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(pj[r], vu, acc[r][u]);
+        for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(pj[r], vu, acc[r][u]);
+      }
     }
   }
 #pragma GCC unroll 4
@@ -203,11 +238,11 @@ void output_vecs(const float* const* p, const KV* v, int64_t len, int64_t d, int
 
 // As ::output_lanes, in 16-lane vectors (a last 8 lanes by the 8-lane version).
 template <int R, typename KV>
-void output_lanes(const float* const* p, const KV* v, int64_t len, int64_t d, int64_t i0, const float* sum,
+void output_lanes(const float* const* p, const Rows<KV>& v, int64_t len, int64_t d, int64_t i0, const float* sum,
                   float* const* out) {
   const int64_t lanes = d - i0 < 32 ? d - i0 : 32;
-  if (lanes >= 32) return output_vecs<R, 2>(p, v, len, d, i0, sum, out);
-  if (lanes >= 16) output_vecs<R, 1>(p, v, len, d, i0, sum, out);
+  if (lanes >= 32) return avx512::output_vecs<R, 2>(p, v, len, d, i0, sum, out);  // (qualified: Rows brings ::'s in)
+  if (lanes >= 16) avx512::output_vecs<R, 1>(p, v, len, d, i0, sum, out);
   if (lanes % 16) ::output_vecs<R, 1>(p, v, len, d, i0 + lanes / 16 * 16, sum, out);
 }
 }  // namespace avx512
@@ -222,7 +257,7 @@ bool allow_avx512 = true;  // tests turn it off to compare the 8-lane path's bit
 // R rows over keys [0, len) in one go: scores, softmax, outputs (the K/V head stays in this core's caches). Wide: the
 // output pass in 16-lane vectors.
 template <int R, bool Wide, typename KV>
-void attend_rows(const float* const* q, const KV* k, const KV* v, int64_t len, int64_t d, float scale,
+void attend_rows(const float* const* q, const Rows<KV>& k, const Rows<KV>& v, int64_t len, int64_t d, float scale,
                  float* const* scores, float* const* out) {
   float max[R], sum[R];
   score_keys<R>(q, k, v, len, d, scale, scores, max);
@@ -241,10 +276,11 @@ constexpr int kMaxRows = 3;
 // The cache's rows for every query token of the batch (see adaflash_ragged_attention), with KV its element type.
 template <typename KV>
 void ragged_attention(const float* q, int64_t heads, int64_t d, const KV* k, const KV* v, int64_t kv_heads,
-                      int64_t max_len, int64_t num_seqs, const int64_t* token_start, const int64_t* slot,
-                      const int64_t* key_len, float scale, float* out, int threads) {
-  using AttendRows = void (*)(const float* const*, const KV*, const KV*, int64_t, int64_t, float, float* const*,
-                              float* const*);
+                      int64_t block_shift, int64_t table_len, const int64_t* tables, int64_t num_seqs,
+                      const int64_t* token_start, const int64_t* slot, const int64_t* key_len, float scale, float* out,
+                      int threads) {
+  using AttendRows = void (*)(const float* const*, const Rows<KV>&, const Rows<KV>&, int64_t, int64_t, float,
+                              float* const*, float* const*);
   static constexpr AttendRows kNarrow[kMaxRows + 1] = {nullptr, attend_rows<1, false, KV>,
                                                        attend_rows<2, false, KV>, attend_rows<3, false, KV>};
   static constexpr AttendRows kWide[kMaxRows + 1] = {nullptr, attend_rows<1, true, KV>, attend_rows<2, true, KV>,
@@ -259,6 +295,8 @@ void ragged_attention(const float* q, int64_t heads, int64_t d, const KV* k, con
   // batch-1 verification or prefill 0.88-0.95x the time of ~4 (16 alike).
   const int64_t per_seq_head = num_seqs * kv_heads;
   const int64_t parts = (8 * threads + per_seq_head - 1) / per_seq_head;
+  const int64_t block_elems = (int64_t{1} << block_shift) * d;
+  const int64_t max_len = table_len << block_shift;
 #pragma omp parallel num_threads(threads)
   {
     // Per thread, kept between calls: a fresh zero-filled vector was 3 x max_len floats per thread per layer (with a
@@ -271,8 +309,9 @@ void ragged_attention(const float* q, int64_t heads, int64_t d, const KV* k, con
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t part = 0; part < parts; ++part) {
-          const KV* ks = k + (slot[s] * kv_heads + h) * max_len * d;
-          const KV* vs = v + (slot[s] * kv_heads + h) * max_len * d;
+          const int64_t* table = tables + slot[s] * table_len;
+          const Rows<KV> ks{k + h * block_elems, table, block_shift, kv_heads * block_elems, d};
+          const Rows<KV> vs{v + h * block_elems, table, block_shift, kv_heads * block_elems, d};
           const int64_t n = token_start[s + 1] - token_start[s];
           for (int64_t t = token_start[s] + n * part / parts; t < token_start[s] + n * (part + 1) / parts; ++t) {
             for (int64_t g0 = 0; g0 < groups; g0 += per_chunk) {
@@ -301,20 +340,24 @@ extern "C" {
 // restores the default.
 void adaflash_attention_allow_avx512(int allow) { allow_avx512 = allow != 0; }
 
-// q: [T, heads, d] (the batch's new tokens, sequence by sequence); k, v: one layer of the slot cache,
-// [slots, kv_heads, max_len, d], fp32 or (kv_half) fp16; sequence s owns tokens [token_start[s], token_start[s + 1])
-// and cache slot slot[s]; token t attends keys [0, key_len[t]) of its slot. out: [T, heads, d]. heads % kv_heads ==
-// 0, d % 8 == 0.
+// q: [T, heads, d] (the batch's new tokens, sequence by sequence); k, v: one layer of the paged cache,
+// [blocks, kv_heads, 1 << block_shift, d], of kv_type (0 fp32, 1 fp16, 2 bf16); tables: per slot table_len blocks;
+// sequence s owns tokens [token_start[s], token_start[s + 1]) and cache slot slot[s]; token t attends keys
+// [0, key_len[t]) of its slot. out: [T, heads, d]. heads % kv_heads == 0, d % 8 == 0.
 void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const void* k, const void* v,
-                               int64_t kv_heads, int64_t max_len, int64_t num_seqs, const int64_t* token_start,
-                               const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads,
-                               int kv_half) {
-  if (kv_half)
-    ragged_attention(q, heads, d, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), kv_heads, max_len,
-                     num_seqs, token_start, slot, key_len, scale, out, threads);
+                               int64_t kv_heads, int64_t block_shift, int64_t table_len, const int64_t* tables,
+                               int64_t num_seqs, const int64_t* token_start, const int64_t* slot,
+                               const int64_t* key_len, float scale, float* out, int threads, int kv_type) {
+#define ADAFLASH_ATTEND(KV)                                                                                     \
+  ragged_attention(q, heads, d, static_cast<const KV*>(k), static_cast<const KV*>(v), kv_heads, block_shift,  \
+                   table_len, tables, num_seqs, token_start, slot, key_len, scale, out, threads)
+  if (kv_type == 1)
+    ADAFLASH_ATTEND(uint16_t);
+  else if (kv_type == 2)
+    ADAFLASH_ATTEND(adaflash::bf16);
   else
-    ragged_attention(q, heads, d, static_cast<const float*>(k), static_cast<const float*>(v), kv_heads, max_len,
-                     num_seqs, token_start, slot, key_len, scale, out, threads);
+    ADAFLASH_ATTEND(float);
+#undef ADAFLASH_ATTEND
 }
 
 }  // extern "C"

@@ -14,18 +14,23 @@
 
 namespace {
 
-// A cache element from an fp32 value: itself, or fp16 rounded to nearest even (as torch's .to(float16)).
+// A cache element from an fp32 value: itself, or fp16 / bf16 rounded to nearest even (as torch's .to(float16) and
+// .to(bfloat16)).
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(uint16_t* dst, float x) {
   *dst = static_cast<uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x), _MM_FROUND_TO_NEAREST_INT), 0));
 }
+inline void store(adaflash::bf16* dst, float x) { *dst = adaflash::to_bf16(x); }
 
 template <typename KV>
 void rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
-              const float* sin, KV* k_cache, KV* v_cache, int64_t max_len, const int64_t* slot,
-              const int64_t* position, float* q_out) {
-  const int64_t half = hd / 2, width = (nq + 2 * nkv) * hd;
+              const float* sin, KV* k_cache, KV* v_cache, int64_t block_shift, int64_t table_len,
+              const int64_t* tables, const int64_t* slot, const int64_t* position, float* q_out) {
+  const int64_t half = hd / 2, width = (nq + 2 * nkv) * hd, block = int64_t{1} << block_shift;
   for (int64_t t = 0; t < tokens; ++t) {
+    // The token's row in its block: head h at ((block * nkv + h) * block size + row) * hd.
+    const int64_t blk = tables[slot[t] * table_len + (position[t] >> block_shift)];
+    const int64_t within = position[t] & (block - 1);
     const float* row = qkv + t * width;
     const float* c = cos + t * hd;
     const float* s = sin + t * hd;
@@ -38,11 +43,11 @@ void rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t
       if (h < nq)
         rotate(q_out + (t * nq + h) * hd);
       else
-        rotate(k_cache + ((slot[t] * nkv + (h - nq)) * max_len + position[t]) * hd);
+        rotate(k_cache + ((blk * nkv + (h - nq)) * block + within) * hd);
     }
     for (int64_t h = 0; h < nkv; ++h) {
       const float* x = row + (nq + nkv + h) * hd;
-      KV* y = v_cache + ((slot[t] * nkv + h) * max_len + position[t]) * hd;
+      KV* y = v_cache + ((blk * nkv + h) * block + within) * hd;
       for (int64_t i = 0; i < hd; ++i) store(y + i, x[i]);
     }
   }
@@ -77,19 +82,24 @@ void adaflash_rms_norm(const float* x, int64_t rows, int64_t d, const float* w, 
 }
 
 // The fused q/k/v projection's output [T, (nq + 2 nkv) * hd] -> RoPE'd queries q_out [T, nq, hd], RoPE'd keys and
-// the values written into one layer of the slot cache ([slots, nkv, max_len, hd], fp32 or (kv_half) fp16) at each
-// token's slot and position. RoPE (half-split, as HF checkpoints use): y = x * cos + rotate_half(x) * sin, each
+// the values written into one layer of the paged cache ([blocks, nkv, 1 << block_shift, hd] of kv_type: 0 fp32,
+// 1 fp16, 2 bf16; `tables`: per slot table_len blocks) at each token's slot and position. RoPE (half-split, as HF checkpoints use): y = x * cos + rotate_half(x) * sin, each
 // product and the sum rounded as torch computes them (built with -ffp-contract=off), so the values are bitwise the
-// unfused path's (an fp16 cache: then rounded as torch's .to(float16)).
+// unfused path's (a 16-bit cache: then rounded as torch's .to() rounds).
 void adaflash_rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
-                       const float* sin, void* k_cache, void* v_cache, int64_t max_len, const int64_t* slot,
-                       const int64_t* position, float* q_out, int kv_half) {
-  if (kv_half)
-    rope_qkv(qkv, tokens, nq, nkv, hd, cos, sin, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache),
-             max_len, slot, position, q_out);
+                       const float* sin, void* k_cache, void* v_cache, int64_t block_shift, int64_t table_len,
+                       const int64_t* tables, const int64_t* slot, const int64_t* position, float* q_out,
+                       int kv_type) {
+#define ADAFLASH_ROPE(KV)                                                                                          \
+  rope_qkv(qkv, tokens, nq, nkv, hd, cos, sin, static_cast<KV*>(k_cache), static_cast<KV*>(v_cache), block_shift, \
+           table_len, tables, slot, position, q_out)
+  if (kv_type == 1)
+    ADAFLASH_ROPE(uint16_t);
+  else if (kv_type == 2)
+    ADAFLASH_ROPE(adaflash::bf16);
   else
-    rope_qkv(qkv, tokens, nq, nkv, hd, cos, sin, static_cast<float*>(k_cache), static_cast<float*>(v_cache), max_len,
-             slot, position, q_out);
+    ADAFLASH_ROPE(float);
+#undef ADAFLASH_ROPE
 }
 
 // The MLP's activation over the fused gate/up projection [rows, 2 * inter] (gate first, as the weights are stacked):

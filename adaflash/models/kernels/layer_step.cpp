@@ -13,12 +13,13 @@
 extern "C" {
 void adaflash_rms_norm(const float* x, int64_t rows, int64_t d, const float* w, float eps, float* out, int threads);
 void adaflash_rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
-                       const float* sin, void* k_cache, void* v_cache, int64_t max_len, const int64_t* slot,
-                       const int64_t* position, float* q_out, int kv_half);
+                       const float* sin, void* k_cache, void* v_cache, int64_t block_shift, int64_t table_len,
+                       const int64_t* tables, const int64_t* slot, const int64_t* position, float* q_out,
+                       int kv_type);
 void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const void* k, const void* v,
-                               int64_t kv_heads, int64_t max_len, int64_t num_seqs, const int64_t* token_start,
-                               const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads,
-                               int kv_half);
+                               int64_t kv_heads, int64_t block_shift, int64_t table_len, const int64_t* tables,
+                               int64_t num_seqs, const int64_t* token_start, const int64_t* slot,
+                               const int64_t* key_len, float scale, float* out, int threads, int kv_type);
 void adaflash_silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* out, int threads);
 void adaflash_packed_linear(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
                             float* y, int threads);
@@ -62,8 +63,10 @@ struct Shape {
 };
 
 struct Batch {
-  int64_t tokens, num_seqs, max_len, layer_stride;  // layer_stride: elements per layer of the K (and V) cache
-  int64_t kv_half;                                  // the cache holds fp16 (else fp32)
+  int64_t tokens, num_seqs, layer_stride;  // layer_stride: elements per layer of the K (and V) cache
+  int64_t kv_type;                         // the cache's elements: 0 fp32, 1 fp16, 2 bf16
+  int64_t block_shift, table_len;          // the paged cache's block size (log2) and block-table row length
+  const int64_t* tables;                   // per slot its blocks
   void* k_cache;
   void* v_cache;
   const float* cos;  // [tokens, head_dim]
@@ -100,7 +103,7 @@ void run_linear(const Linear& l, const float* x, int64_t m, float* y, int thread
 
 // One layer of the K or V cache.
 void* layer_of(const Batch* b, void* cache, int64_t layer) {
-  return static_cast<char*>(cache) + layer * b->layer_stride * (b->kv_half ? 2 : 4);
+  return static_cast<char*>(cache) + layer * b->layer_stride * (b->kv_type ? 2 : 4);
 }
 
 // h += y, as torch's h + y rounds it.
@@ -139,11 +142,12 @@ void adaflash_decoder_layer(float* h, const Layer* layer, int64_t layer_index, c
     float* keys = row + s->heads * s->head_dim;
     if (layer->k_norm) adaflash_rms_norm(keys, s->kv_heads, s->head_dim, layer->k_norm, s->eps, keys, threads);
   }
-  adaflash_rope_qkv(qkv, t, s->heads, s->kv_heads, s->head_dim, b->cos, b->sin, k_cache, v_cache, b->max_len,
-                    b->token_slot, b->position, q, static_cast<int>(b->kv_half));
-  adaflash_ragged_attention(q, s->heads, s->head_dim, k_cache, v_cache, s->kv_heads, b->max_len, b->num_seqs,
+  adaflash_rope_qkv(qkv, t, s->heads, s->kv_heads, s->head_dim, b->cos, b->sin, k_cache, v_cache, b->block_shift,
+                    b->table_len, b->tables, b->token_slot, b->position, q, static_cast<int>(b->kv_type));
+  adaflash_ragged_attention(q, s->heads, s->head_dim, k_cache, v_cache, s->kv_heads, b->block_shift, b->table_len,
+                            b->tables, b->num_seqs,
                             b->token_start, b->seq_slot, b->key_len, s->scale, ctx, threads,
-                            static_cast<int>(b->kv_half));
+                            static_cast<int>(b->kv_type));
   run_linear(layer->o, ctx, t, x, threads);
   add_into(h, x, t * d);
   adaflash_rms_norm(h, t, d, layer->post_norm, s->eps, x, threads);
@@ -223,8 +227,8 @@ void adaflash_drafter_context(const float* features, const Linear* fc, const flo
       adaflash_rms_norm(kv + i * kv_width, s->kv_heads, s->head_dim, layers[l].k_norm, s->eps, kv + i * kv_width,
                         threads);
     adaflash_rope_qkv(kv, t, 0, s->kv_heads, s->head_dim, b->cos, b->sin, layer_of(b, b->k_cache, l),
-                      layer_of(b, b->v_cache, l), b->max_len, b->token_slot, b->position, nullptr,
-                      static_cast<int>(b->kv_half));
+                      layer_of(b, b->v_cache, l), b->block_shift, b->table_len, b->tables, b->token_slot,
+                      b->position, nullptr, static_cast<int>(b->kv_type));
   }
 }
 

@@ -1,8 +1,23 @@
 // Vector math shared by the kernels (AVX2 + FMA), header-only so each kernel inlines it.
 #pragma once
 #include <immintrin.h>
+#include <cstdint>
+#include <cstring>
 
 namespace adaflash {
+
+// A bf16 cache element (its own type, so templates tell it from fp16's uint16_t).
+struct bf16 {
+  uint16_t bits;
+};
+
+// x rounded to bf16 as torch's .to(bfloat16) does: nearest even, any NaN to the quiet 0x7FC0.
+inline bf16 to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (x != x) return bf16{0x7FC0};
+  return bf16{static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16)};
+}
 
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,16 +1,34 @@
-"""The static, slot-based KV cache.
+"""The paged KV cache: fixed-size blocks from one pool, a block table per sequence slot (vLLM's PagedAttention layout).
 
-One preallocated tensor per K and V: [layers, slots, kv_heads, max_len, head_dim], in the model's dtype or a narrower
-one (the int8 target keeps fp16, as llama.cpp does: queries and attention stay fp32). A sequence owns a slot;
-its length is a host-side integer, so rolling back after a rejected draft is a free integer store: the
-stale entries past the length are never read (attention masks by position) and get overwritten later.
+One tensor per K and V: [layers, blocks, kv_heads, block_size, head_dim], in the model's dtype or a narrower one
+(`kv_dtype`: the int8 target keeps fp16, as llama.cpp does). A slot's position p lives in block
+`table[slot][p // block_size]` at row `p % block_size`; the kernels read the blocks in place through the table.
+Blocks are taken when a pass is about to write past a slot's last one (`ensure`), handed back when a rollback or a
+reset leaves them empty, and the pool's memory is reserved but never written until a block is first used (the pages
+of an untouched block are not resident), lowest-numbered blocks first: resident memory follows the most tokens held
+at once, not the slots times their maximum length.
+
+Full blocks of a finished sequence can stay in the pool under the token ids they hold (`release(slot, tokens)`), and a
+new sequence whose prompt starts with the same tokens maps them into its table instead of recomputing them (`adopt`,
+vLLM's automatic prefix caching): shared blocks are never written (a sequence writes only past its adopted prefix),
+and are evicted, least recently used first, when the pool has no free block left.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import OrderedDict
+from typing import Sequence
+
 import torch
 
 from adaflash.models.device.memory import free_memory
+
+DEFAULT_BLOCK_SIZE = 32
+
+
+class KVPoolExhausted(RuntimeError):
+    """The pool has no free or evictable block: the engine's admission keeps running sequences from ever seeing this."""
 
 
 class KVCache:
@@ -23,13 +41,34 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        pool_tokens: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        check_fits(shape, dtype, device)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        """`max_len`: the most positions one slot holds; `pool_tokens`: the positions all slots hold together (rounded
+        up to whole blocks; default every slot's max_len, which can never run short)."""
+        if block_size < 8 or block_size & (block_size - 1):
+            raise ValueError(f"the KV block size must be a power of two >= 8, got {block_size}")
+        self.block_size, self.block_shift = block_size, block_size.bit_length() - 1
         self.max_len = max_len
+        self.blocks_per_slot = -(-max_len // block_size)
+        self.num_blocks = (num_slots * self.blocks_per_slot if pool_tokens is None
+                           else max(1, -(-pool_tokens // block_size)))
+        shape = (num_layers, self.num_blocks, num_kv_heads, block_size, head_dim)
+        check_fits(shape, dtype, device)
+        # empty, not zeros: a block's pages become resident when it is first written (what is never read is never
+        # initialised: attention reads positions below a slot's length only).
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # Per slot its blocks, padded with block 0 (never read: attention stops at the slot's length); the kernels read
+        # this tensor, the host list is the truth.
+        self.tables = torch.zeros(num_slots, self.blocks_per_slot, dtype=torch.long, device=device)
+        self.slot_blocks: list[list[int]] = [[] for _ in range(num_slots)]
         self.lengths = [0] * num_slots
+        self._free = list(range(self.num_blocks))  # a min-heap: low blocks first keeps the resident pages few
+        self._refs = [0] * self.num_blocks
+        self._prefix_of: dict[int, tuple] = {}  # a published block -> its key (prefix_key of the tokens up to its end)
+        self._published: dict[tuple, int] = {}  # key -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # published blocks no slot holds, oldest first
         # slot -> its captured decode step (models/targets/decode_graph.py), which holds no reference back to this cache
         self.decode_graphs: dict[int, object] = {}
 
@@ -37,27 +76,161 @@ class KVCache:
     def num_slots(self) -> int:
         return len(self.lengths)
 
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def paging(self) -> tuple[int, int, int]:
+        """What the kernels address the blocks with: log2 of the block size, a table row's length, the tables."""
+        return self.block_shift, self.blocks_per_slot, self.tables.data_ptr()
+
+    def blocks_free(self) -> int:
+        """Blocks a sequence could take now: free ones and cached prefixes no slot holds."""
+        return len(self._free) + len(self._evictable)
+
+    def blocks_held(self) -> int:
+        """Blocks some slot holds (a shared one once)."""
+        return self.num_blocks - self.blocks_free()
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    # ---- growing and shrinking ----------------------------------------------------------------------
+
+    def ensure(self, slot: int, end: int) -> None:
+        """Give `slot` blocks for every position below `end` (before a pass writes there)."""
+        if end > self.max_len:
+            raise ValueError(f"slot {slot} would hold {end} positions, over the cache's {self.max_len}")
+        blocks = self.slot_blocks[slot]
+        need = self.blocks_for(end) - len(blocks)
+        if need <= 0:
+            return
+        if need > self.blocks_free():
+            raise KVPoolExhausted(f"slot {slot} needs {need} more KV blocks for {end} positions; the pool of "
+                                  f"{self.num_blocks} has {self.blocks_free()} free")
+        first = len(blocks)
+        for _ in range(need):
+            blocks.append(self._take())
+        self._set_table(slot, first)
+
+    def grow(self, slot: int, length: int) -> None:
+        """Hold `length` positions in `slot` without writing them (timing runs measure a context of that length)."""
+        self.ensure(slot, length)
+        self.lengths[slot] = length
+
     def rollback(self, slot: int, length: int) -> None:
-        """Forget everything at positions >= `length` in `slot` (free: only the length changes)."""
+        """Forget everything at positions >= `length` in `slot`; blocks left empty go back to the pool."""
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"cannot roll slot {slot} back to {length}: it holds {self.lengths[slot]} positions")
         self.lengths[slot] = length
+        blocks = self.slot_blocks[slot]
+        while len(blocks) > self.blocks_for(length):
+            self._drop(blocks.pop())
 
     def reset(self, slot: int) -> None:
-        self.lengths[slot] = 0
+        self.rollback(slot, 0)
+
+    # ---- reading and writing outside the kernels (torch's attention: GPUs, prefills, masked draft layers) ----------
+
+    def rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T, kv_heads] rows of a layer viewed as [blocks * kv_heads * block_size, head_dim] where each token's K
+        (or V) heads live (`slots`, `positions`: [T] on the cache's device)."""
+        heads = self.k.shape[2]
+        blocks = self.tables[slots, positions >> self.block_shift]
+        within = positions & (self.block_size - 1)
+        return (blocks[:, None] * heads + torch.arange(heads, device=blocks.device)) * self.block_size + within[:, None]
+
+    def gather(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slot`'s positions below `length` in one layer, as contiguous [kv_heads, length, head_dim]
+        copies."""
+        blocks = self.tables[slot, : self.blocks_for(length)]
+        return tuple(x[layer].index_select(0, blocks).transpose(0, 1).flatten(1, 2)[:, :length]
+                     for x in (self.k, self.v))
+
+    def contents(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every position `slot` holds, every layer: [layers, kv_heads, length, head_dim] copies."""
+        pairs = [self.gather(layer, slot, self.lengths[slot]) for layer in range(self.k.shape[0])]
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+
+    # ---- prefix sharing -------------------------------------------------------------------------------
+
+    def release(self, slot: int, tokens: Sequence[int]) -> None:
+        """Empty `slot`, keeping its full blocks of committed `tokens` (positions 0..) in the pool for a later prompt
+        that starts with them (`adopt`). Only where a position's K/V do not depend on the pass that computed them."""
+        held = min(self.lengths[slot], len(tokens))
+        key: tuple = ()
+        for i, block in enumerate(self.slot_blocks[slot][: held // self.block_size]):
+            key = prefix_key(key, tokens[i * self.block_size : (i + 1) * self.block_size])
+            if block not in self._prefix_of and key not in self._published:
+                self._published[key] = block
+                self._prefix_of[block] = key
+        self.reset(slot)
+
+    def adopt(self, slot: int, tokens: Sequence[int], limit: int) -> int:
+        """Map into the empty `slot` the published blocks that hold the longest run of `tokens`' leading whole blocks,
+        up to `limit` positions; returns the positions adopted (a multiple of the block size)."""
+        if self.lengths[slot] or self.slot_blocks[slot]:
+            raise ValueError(f"slot {slot} must be empty to adopt a prefix; it holds {self.lengths[slot]} positions")
+        key: tuple = ()
+        blocks = self.slot_blocks[slot]
+        for i in range(min(limit, len(tokens)) // self.block_size):
+            key = prefix_key(key, tokens[i * self.block_size : (i + 1) * self.block_size])
+            block = self._published.get(key)
+            if block is None:
+                break
+            self._evictable.pop(block, None)
+            self._refs[block] += 1
+            blocks.append(block)
+        self.lengths[slot] = len(blocks) * self.block_size
+        self._set_table(slot, 0)
+        return self.lengths[slot]
+
+    # ---- blocks ------------------------------------------------------------------------------------
+
+    def _take(self) -> int:
+        if self._free:
+            block = heapq.heappop(self._free)
+        else:  # the least recently released cached prefix
+            block, _ = self._evictable.popitem(last=False)
+            del self._published[self._prefix_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block]:
+            return
+        if block in self._prefix_of:
+            self._evictable[block] = None
+        else:
+            heapq.heappush(self._free, block)
+
+    def _set_table(self, slot: int, first: int) -> None:
+        blocks = self.slot_blocks[slot][first:]
+        if blocks:
+            self.tables[slot, first : first + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+
+
+def drafter_pool(pool_tokens: int | None, num_slots: int, ahead: int) -> int | None:
+    """A drafter cache's pool beside a target's of `pool_tokens`: the drafter holds what the target holds and writes up
+    to `ahead` positions past it in every slot (a draft block, drafts in flight), each in at most one more block."""
+    return None if pool_tokens is None else pool_tokens + num_slots * (ahead + DEFAULT_BLOCK_SIZE)
+
+
+def prefix_key(parent: tuple, block_tokens: Sequence[int]) -> tuple:
+    """The key of a block: its tokens and, through `parent`, every token before them (a block's K/V depend on all)."""
+    return (hash(parent), *block_tokens)
 
 
 def check_fits(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
-    """Refuse a cache (K and V of `shape`) larger than the device's free memory, naming the sizes: the allocation
-    would otherwise fail deep in torch, or the OOM killer end the process (`--max-batch 64 --max-len 40960` for
-    Qwen3-8B asks ~360 GiB)."""
-    layers, slots, kv_heads, max_len, head_dim = shape
-    needed = 2 * layers * slots * kv_heads * max_len * head_dim * dtype.itemsize
+    """Refuse a pool (K and V of `shape`) larger than the device's free memory, naming the sizes: the allocation would
+    otherwise fail deep in torch, or the OOM killer end the process once its blocks fill."""
+    layers, blocks, kv_heads, block_size, head_dim = shape
+    needed = 2 * layers * blocks * kv_heads * block_size * head_dim * dtype.itemsize
     free = free_memory(device)
     if free is not None and needed > free:
         gib = 2 ** 30
         raise ValueError(
-            f"the KV cache needs {needed / gib:.2f} GiB ({needed} bytes: K and V of max_batch {slots} x max_len "
-            f"{max_len} x {layers} layers x {kv_heads} KV heads x head_dim {head_dim}, "
-            f"{str(dtype).removeprefix('torch.')}) but {device} has {free / gib:.2f} GiB ({free} bytes) free: lower "
-            "--max-batch or --max-len")
+            f"the KV cache needs {needed / gib:.2f} GiB ({needed} bytes: K and V of {blocks * block_size} positions x "
+            f"{layers} layers x {kv_heads} KV heads x head_dim {head_dim}, {str(dtype).removeprefix('torch.')}) but "
+            f"{device} has {free / gib:.2f} GiB ({free} bytes) free: lower --kv-memory, --max-batch or --max-len")

@@ -81,6 +81,7 @@ class RaggedAttention:
         self.causal = causal
         self.ragged_prefill = ragged_prefill
         self._indices: tuple[torch.Tensor, ...] | None = None  # _all_indices(), lazy
+        self._write_rows: torch.Tensor | None = None  # write()'s rows of the cache, lazy
         self.single = len(batch.slots) == 1
         self.key_len = max(batch.ends)
         n, qmax = len(batch.slots), max(batch.query_lens)
@@ -101,10 +102,6 @@ class RaggedAttention:
         self.within = within.to(device)
         self.slot_of_token = torch.tensor(batch.slots, device=device)[self.seq_of_token]
         self.positions = batch.positions.to(device)
-        self._write_rows: torch.Tensor | None = None
-        slots = list(batch.slots)
-        contiguous = slots == list(range(slots[0], slots[0] + n))
-        self.slot_range = slice(slots[0], slots[0] + n) if contiguous else torch.tensor(slots, device=device)
 
     @cached_property
     def mask(self) -> torch.Tensor | None:
@@ -125,39 +122,40 @@ class RaggedAttention:
             allowed = (key_pos[None, :] < ends[:, None])[:, None, :].expand(n, self.qmax, self.key_len)
         return allowed[:, None]
 
+    def reserve(self, cache: KVCache) -> None:
+        """Blocks in `cache` for every position the batch writes (before its first layer)."""
+        for slot, end in zip(self.batch.slots, self.batch.ends):
+            cache.ensure(slot, end)
+
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, kv_heads, head_dim] for the batch's new tokens (rounded to the cache's dtype)."""
+        """k, v: [T, kv_heads, head_dim] for the batch's new tokens (rounded to the cache's dtype), scattered to their
+        blocks' rows in one index_copy_ each (the rows are the same in every layer)."""
         k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
-        if self.single:
-            end = self.start + k.shape[0]
-            cache.k[layer, self.slot, :, self.start : end] = k.transpose(0, 1)
-            cache.v[layer, self.slot, :, self.start : end] = v.transpose(0, 1)
-        else:
-            # index_copy_ on a flat [slots*heads*len, head_dim] view: one fast row scatter. (Advanced indexing
-            # with a slice between the indices, k[layer][slots, :, positions] = ..., is several times slower.)
-            _, s, h, t, d = cache.k.shape
-            if self._write_rows is None:
-                heads = torch.arange(h, device=k.device)
-                rows = (self.slot_of_token[:, None] * h + heads[None, :]) * t + self.positions[:, None]
-                self._write_rows = rows.reshape(-1)
-            cache.k[layer].view(s * h * t, d).index_copy_(0, self._write_rows, k.reshape(-1, d))
-            cache.v[layer].view(s * h * t, d).index_copy_(0, self._write_rows, v.reshape(-1, d))
+        _, blocks, h, size, d = cache.k.shape
+        if self._write_rows is None:
+            token_slots = self._all_indices()[0].to(cache.tables.device)
+            self._write_rows = cache.rows(token_slots, self.batch.positions.to(cache.tables.device)).reshape(-1)
+        cache.k[layer].view(blocks * h * size, d).index_copy_(0, self._write_rows, k.reshape(-1, d))
+        cache.v[layer].view(blocks * h * size, d).index_copy_(0, self._write_rows, v.reshape(-1, d))
 
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
         t, h, d = q.shape
         short = self.qmax <= attention_kernel.MAX_QUERIES or self.ragged_prefill
         if short and attention_kernel.available(q.dtype, q.device, d):
-            return attention_kernel.ragged_attention(q, cache.k[layer], cache.v[layer], *self._index(), scale=d ** -0.5)
+            return attention_kernel.ragged_attention(q, cache, layer, *self._index(), scale=d ** -0.5)
         if self.causal and self.qmax > attention_kernel.MAX_QUERIES:  # a prefill in the batch
             return self._attend_each(cache, layer, q)
+        # Torch's attention over contiguous copies of each sequence's keys (the ragged kernel reads the blocks).
         if self.single:
-            k = cache.k[layer, self.slot, :, : self.key_len].unsqueeze(0).to(q.dtype)
-            v = cache.v[layer, self.slot, :, : self.key_len].unsqueeze(0).to(q.dtype)
+            k, v = (x.unsqueeze(0).to(q.dtype) for x in cache.gather(layer, self.slot, self.key_len))
             out = self._grouped_attention(q.transpose(0, 1).unsqueeze(0), k, v)
             return out[0].transpose(0, 1).reshape(t, h * d)
-        k = cache.k[layer][self.slot_range, :, : self.key_len].to(q.dtype)
-        v = cache.v[layer][self.slot_range, :, : self.key_len].to(q.dtype)
+        kv_heads = cache.k.shape[2]
+        k = q.new_zeros(len(self.batch.slots), kv_heads, self.key_len, d)
+        v = torch.zeros_like(k)
+        for i, (slot, end) in enumerate(zip(self.batch.slots, self.batch.ends)):
+            k[i, :, :end], v[i, :, :end] = cache.gather(layer, slot, end)
         n = len(self.batch.slots)
         if self.uniform:
             q_pad = q.view(n, self.qmax, h, d)
@@ -170,27 +168,27 @@ class RaggedAttention:
     def rope_and_write(self, cache: KVCache, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        num_heads: int) -> torch.Tensor:
         """One kernel for what the unfused path does in ~25 ops: RoPE on q and k of the fused projection `qkv`
-        [T, (H + 2 KVH) * d], k and v written into the (fp32 or fp16) cache; returns q [T, H, d]. fp32 CPU, kernels
-        available."""
+        [T, (H + 2 KVH) * d], k and v written into the cache's blocks (fp32, fp16 or bf16); returns q [T, H, d]. fp32
+        CPU, kernels available."""
         t = qkv.shape[0]
-        _, _, kv_heads, max_len, d = cache.k.shape
+        kv_heads, d = cache.k.shape[2], cache.k.shape[4]
         token_slots = self.token_slots(cache)
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         q = torch.empty(t, num_heads, d, dtype=torch.float32)
-        k_layer, v_layer = cache.k[layer], cache.v[layer]
         with packed.profiled("adaflash::rope_qkv"):
             packed.library().adaflash_rope_qkv(
-                qkv.data_ptr(), t, num_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), k_layer.data_ptr(),
-                v_layer.data_ptr(), max_len, token_slots.data_ptr(), self.batch.positions.data_ptr(), q.data_ptr(),
-                cache.k.dtype == torch.float16)
+                qkv.data_ptr(), t, num_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), cache.k[layer].data_ptr(),
+                cache.v[layer].data_ptr(), *cache.paging(), token_slots.data_ptr(), self.batch.positions.data_ptr(),
+                q.data_ptr(), attention_kernel.kv_type(cache.k.dtype))
         return q
 
     def token_slots(self, cache: KVCache) -> torch.Tensor:
-        """Each token's cache slot, once the batch is known to fit the cache (the kernels write unchecked)."""
+        """Each token's cache slot, once the batch is known to fit the slots' blocks (the kernels write unchecked)."""
         b = self.batch
-        if max(b.slots) >= cache.num_slots or max(b.ends) > cache.max_len:
-            raise ValueError(f"batch slots {b.slots} / ends {b.ends} exceed the cache's "
-                             f"{cache.num_slots} slots of {cache.max_len} positions")
+        if max(b.slots) >= cache.num_slots or any(
+                end > len(cache.slot_blocks[slot]) * cache.block_size for slot, end in zip(b.slots, b.ends)):
+            raise ValueError(f"batch slots {b.slots} / ends {b.ends} exceed the blocks the cache gave them "
+                             "(RaggedAttention.reserve runs before a pass)")
         return self._all_indices()[0]
 
     def kernel_index(self, cache: KVCache) -> tuple[torch.Tensor, ...]:
@@ -230,8 +228,7 @@ class RaggedAttention:
         b = self.batch
         outs, offset = [], 0
         for slot, start, n in zip(b.slots, b.starts, b.query_lens):
-            k = cache.k[layer, slot, :, : start + n].to(q.dtype)
-            v = cache.v[layer, slot, :, : start + n].to(q.dtype)
+            k, v = (x.to(q.dtype) for x in cache.gather(layer, slot, start + n))
             groups = heads // k.shape[0]
             if groups > 1:
                 k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
@@ -308,8 +305,7 @@ class BlockMasks:
         rep = q.shape[1] // cache.k.shape[2]
         for slot, start, n in zip(batch.slots, batch.starts, batch.query_lens):
             end = start + n
-            k = cache.k[layer, slot, :, :end].to(q.dtype).repeat_interleave(rep, 0)  # [heads, end, head_dim]
-            v = cache.v[layer, slot, :, :end].to(q.dtype).repeat_interleave(rep, 0)
+            k, v = (x.to(q.dtype).repeat_interleave(rep, 0) for x in cache.gather(layer, slot, end))  # [heads, end, d]
             query_pos = torch.arange(start, end, device=q.device)[:, None]
             mask = kind_mask(kind, query_pos, torch.arange(end, device=q.device)[None, :])
             o = F.scaled_dot_product_attention(q[offset : offset + n].transpose(0, 1)[None], k[None], v[None],

@@ -2,8 +2,9 @@
 
 On a GPU a batch-1 decode step is launch-bound: ~40 small kernels a layer, each costing more host time than device
 time. A CUDA graph replays them with one launch, but needs fixed shapes and addresses: the token and its position are
-device buffers the replay reads, and attention reads the slot's whole cache under a mask built from that position
-(`StaticDecodeAttention`), so nothing depends on the host-side cache length. A graph is captured once per (cache, slot)
+device buffers the replay reads, and attention reads every block of the slot's table (a device buffer the cache
+updates in place) under a mask built from that position (`StaticDecodeAttention`), so nothing depends on the host-side
+cache length. A graph is captured once per (cache, slot)
 on the first step that can use it. On a CPU the same static step runs eagerly: what the tests compare with the ragged
 path, so the code a graph captures is the code the CPU checks.
 
@@ -34,17 +35,21 @@ class StaticDecodeAttention:
 
     def __init__(self, slot: int, position: torch.Tensor, max_len: int) -> None:
         self.slot, self.position = slot, position
+        self.slot_index = torch.tensor([slot], device=position.device)
         self.key_positions = torch.arange(max_len, device=position.device)
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [1, kv_heads, head_dim], written at the position (index_copy_: no host-side index)."""
-        cache.k[layer, self.slot].index_copy_(1, self.position, k.transpose(0, 1).to(cache.k.dtype))
-        cache.v[layer, self.slot].index_copy_(1, self.position, v.transpose(0, 1).to(cache.v.dtype))
+        """k, v: [1, kv_heads, head_dim], written at the position's row of its block (index_copy_: no host-side
+        index)."""
+        _, blocks, heads, size, d = cache.k.shape
+        rows = cache.rows(self.slot_index, self.position).reshape(-1)
+        cache.k[layer].view(blocks * heads * size, d).index_copy_(0, rows, k.reshape(-1, d).to(cache.k.dtype))
+        cache.v[layer].view(blocks * heads * size, d).index_copy_(0, rows, v.reshape(-1, d).to(cache.v.dtype))
 
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [1, heads, head_dim] -> [1, heads * head_dim]; query head h reads KV head h // groups (HF's repeat_kv)."""
         _, heads, d = q.shape
-        k, v = cache.k[layer, self.slot].to(q.dtype), cache.v[layer, self.slot].to(q.dtype)  # [kv_heads, L, d]
+        k, v = (x.to(q.dtype) for x in cache.gather(layer, self.slot, len(self.key_positions)))  # [kv_heads, L, d]
         folded = q.view(k.shape[0], heads // k.shape[0], d)  # the query heads of each KV head as its queries
         mask = (self.key_positions <= self.position)[None, None, :]
         out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=mask[None])
@@ -61,8 +66,9 @@ class DecodeGraph:
         self.target = target  # no reference to `cache`: it holds this graph (see the module's docstring)
         self.token = torch.zeros(1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
-        self.attention = StaticDecodeAttention(slot, self.position, cache.max_len)
-        self.cos, self.sin = rope_cos_sin(torch.arange(cache.max_len), cfg.head_dim, cfg.rope_theta, target.dtype,
+        span = cache.blocks_per_slot * cache.block_size  # every position the slot's table can address
+        self.attention = StaticDecodeAttention(slot, self.position, span)
+        self.cos, self.sin = rope_cos_sin(torch.arange(span), cfg.head_dim, cfg.rope_theta, target.dtype,
                                           first=0, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None

@@ -158,7 +158,7 @@ class TargetModel(nn.Module):
     def rows_independent(self) -> bool:
         """Whether a position's K/V and logits are bitwise the same in every pass (a prefill of any split, a
         verification, a decode step, in any batch): the int8 target, whose linears and attention (the ragged kernel,
-        prefills too) compute each row alone. What makes a reused prompt prefix exact (engine/prefix_reuse.py)."""
+        prefills too) compute each row alone. What makes a shared prompt prefix exact (KVCache.adopt)."""
         return self.int8_activations and attention_kernel.available(self.dtype, self.device, self.config.head_dim)
 
     @property
@@ -171,9 +171,11 @@ class TargetModel(nn.Module):
         batched decoding streams is then halved). Part of that target's numeric definition, the same in every pass."""
         return torch.float16 if self.int8_activations else self.dtype
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+    def new_cache(self, num_slots: int, max_len: int, **pool) -> KVCache:
+        """`pool`: KVCache's pool_tokens / block_size."""
         c = self.config
-        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.cache_dtype, self.device)
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.cache_dtype, self.device,
+                       **pool)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_tokens)
@@ -210,6 +212,7 @@ class TargetModel(nn.Module):
         if (static and batch.num_tokens == 1 and not capture_layers and compute_logits
                 and (logit_indices is None or logit_indices.tolist() in ([0], [-1]))):
             slot = batch.slots[0]
+            cache.ensure(slot, batch.starts[0] + 1)
             graph = cache.decode_graphs.get(slot)
             if graph is None:
                 graph = cache.decode_graphs[slot] = DecodeGraph(self, cache, slot)
@@ -218,6 +221,7 @@ class TargetModel(nn.Module):
             return ForwardOutput(logits=logits, hidden=None)
         # int8: every pass, prefills too, on the ragged kernel (one model at every split: exact prefix reuse).
         attention = RaggedAttention(batch, causal=True, device=self.device, ragged_prefill=self.int8_activations)
+        attention.reserve(cache)
         cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype, device=self.device,
                                 first=batch.single_start)
         capture = set(capture_layers)

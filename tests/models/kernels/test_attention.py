@@ -15,6 +15,27 @@ from adaflash.models.kv_cache.ragged import RaggedAttention, RaggedBatch
 pytestmark = pytest.mark.skipif(packed.library() is None, reason="kernels unavailable (no AVX2/FMA or compiler)")
 
 
+def paged(k: torch.Tensor, v: torch.Tensor, block_size: int = 16) -> KVCache:
+    """A one-layer paged cache holding per-slot keys and values k, v [slots, kv_heads, length, d] in their dtype, its
+    slots' blocks interleaved (each grown one block at a time in turn), as a busy engine leaves them."""
+    slots, kv_heads, length, d = k.shape
+    cache = KVCache(1, slots, length, kv_heads, d, k.dtype, block_size=block_size)
+    for end in range(block_size, length + block_size, block_size):
+        for slot in range(slots):
+            cache.ensure(slot, min(end, length))
+    positions = torch.arange(length)
+    for slot in range(slots):
+        rows = cache.rows(torch.full((length,), slot), positions)  # [length, kv_heads]
+        cache.k[0].view(-1, d)[rows] = k[slot].transpose(0, 1)
+        cache.v[0].view(-1, d)[rows] = v[slot].transpose(0, 1)
+        cache.lengths[slot] = length
+    return cache
+
+
+def attend(q, k, v, token_start, slots, key_len, scale, block_size: int = 16):
+    return attention.ragged_attention(q, paged(k, v, block_size), 0, token_start, slots, key_len, scale=scale)
+
+
 def _reference(q, k, v, slots, token_start, key_len):
     """softmax(q k^T / sqrt(d)) v per token over its own slot's first key_len keys, in float64."""
     heads, d = q.shape[1], q.shape[2]
@@ -37,7 +58,7 @@ def test_matches_a_float64_reference_on_a_ragged_batch(heads, kv_heads, d):
     token_start = torch.tensor([0, 1, 6, 9])
     key_len = torch.tensor([7, 101, 102, 103, 104, 8, 16, 298, 300])  # tails of 1..7 keys, none, all of max_len
     q = torch.randn(sum(query_lens), heads, d, generator=g)
-    out = attention.ragged_attention(q, k, v, token_start, slots, key_len, scale=d ** -0.5)
+    out = attend(q, k, v, token_start, slots, key_len, scale=d ** -0.5)
     torch.testing.assert_close(out, _reference(q, k, v, slots, token_start, key_len), atol=2e-6, rtol=1e-5)
 
 
@@ -47,10 +68,22 @@ def test_an_fp16_cache_is_read_as_the_same_values_widened():
     k, v = (torch.randn(3, 3, 200, 64, generator=g) * 4).half(), (torch.randn(3, 3, 200, 64, generator=g) * 4).half()
     q = torch.randn(6, 9, 64, generator=g)
     index = torch.tensor([0, 1, 5, 6]), torch.tensor([2, 0, 1]), torch.tensor([37, 120, 121, 122, 123, 200])
-    half = attention.ragged_attention(q, k, v, *index, scale=0.125)
-    assert torch.equal(half, attention.ragged_attention(q, k.float(), v.float(), *index, scale=0.125))
-    with pytest.raises(ValueError, match="fp32 or fp16 cache"):
-        attention.ragged_attention(q, k, v.float(), *index, scale=0.125)
+    half = attend(q, k, v, *index, scale=0.125)
+    assert torch.equal(half, attend(q, k.float(), v.float(), *index, scale=0.125))
+    bf16 = attend(q, k.bfloat16(), v.bfloat16(), *index, scale=0.125)
+    assert torch.equal(bf16, attend(q, k.bfloat16().float(), v.bfloat16().float(), *index, scale=0.125))
+
+
+def test_a_keys_bits_do_not_depend_on_the_block_size_or_the_blocks_order():
+    """Blocks of 8 to 256 positions, interleaved between slots: every query gets the same bits (the kernel walks a
+    sequence's keys in order whichever block holds them)."""
+    g = torch.Generator().manual_seed(8)
+    k, v = torch.randn(3, 2, 260, 64, generator=g), torch.randn(3, 2, 260, 64, generator=g)
+    q = torch.randn(6, 6, 64, generator=g)
+    index = torch.tensor([0, 1, 5, 6]), torch.tensor([2, 0, 1]), torch.tensor([9, 31, 32, 33, 34, 260])
+    outs = [attend(q, k, v, *index, scale=0.125, block_size=b) for b in (8, 16, 64, 256)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    torch.testing.assert_close(outs[0], _reference(q, k, v, index[1], index[0], index[2]), atol=2e-6, rtol=1e-5)
 
 
 def test_a_tokens_attention_does_not_depend_on_the_rest_of_the_batch():
@@ -58,10 +91,10 @@ def test_a_tokens_attention_does_not_depend_on_the_rest_of_the_batch():
     k, v = torch.randn(4, 3, 128, 64, generator=g), torch.randn(4, 3, 128, 64, generator=g)
     q = torch.randn(6, 9, 64, generator=g)
     token_start, slots, key_len = torch.tensor([0, 2, 6]), torch.tensor([1, 3]), torch.tensor([50, 51, 90, 91, 92, 93])
-    together = attention.ragged_attention(q, k, v, token_start, slots, key_len, scale=0.125)
+    together = attend(q, k, v, token_start, slots, key_len, scale=0.125)
     for t in range(6):  # one token alone, as a decode step of its sequence
         slot = slots[0] if t < 2 else slots[1]
-        alone = attention.ragged_attention(q[t : t + 1], k, v, torch.tensor([0, 1]), slot.view(1), key_len[t : t + 1],
+        alone = attend(q[t : t + 1], k, v, torch.tensor([0, 1]), slot.view(1), key_len[t : t + 1],
                                            scale=0.125)
         assert torch.equal(alone, together[t : t + 1])
 
@@ -76,11 +109,11 @@ def test_the_16_lane_output_pass_gives_the_8_lane_bits(d, half):
         k, v = k.half(), v.half()
     q = torch.randn(5, 6, d, generator=g)
     index = torch.tensor([0, 2, 5]), torch.tensor([1, 0]), torch.tensor([1, 149, 60, 61, 150])
-    wide = attention.ragged_attention(q, k, v, *index, scale=d ** -0.5)
+    wide = attend(q, k, v, *index, scale=d ** -0.5)
     lib = packed.library()
     lib.adaflash_attention_allow_avx512(0)
     try:
-        narrow = attention.ragged_attention(q, k, v, *index, scale=d ** -0.5)
+        narrow = attend(q, k, v, *index, scale=d ** -0.5)
     finally:
         lib.adaflash_attention_allow_avx512(1)
     assert torch.equal(wide, narrow)
@@ -123,14 +156,14 @@ def test_token_parts_over_threads_give_the_bits_of_one_token_at_a_time(threads):
     torch.set_num_threads(threads)
     try:
         # Five sequences of one token each (15 groups: one pass per group) against each token alone (3 groups).
-        batch = attention.ragged_attention(q, k, v, torch.arange(6), torch.tensor([5, 1, 2, 3, 4]), lens, scale=0.125)
+        batch = attend(q, k, v, torch.arange(6), torch.tensor([5, 1, 2, 3, 4]), lens, scale=0.125)
         for t in range(5):
-            alone = attention.ragged_attention(q[t : t + 1], k, v, torch.tensor([0, 1]), torch.tensor([[5, 1, 2, 3, 4][t]]),
+            alone = attend(q[t : t + 1], k, v, torch.tensor([0, 1]), torch.tensor([[5, 1, 2, 3, 4][t]]),
                                                lens[t : t + 1], scale=0.125)
             assert torch.equal(alone, batch[t : t + 1])
         # One sequence's 5 tokens (a verification: its tokens in parts over the threads) against the same batch.
-        verify = attention.ragged_attention(q, k, v, torch.tensor([0, 5]), torch.tensor([1]), lens, scale=0.125)
-        one_slot = attention.ragged_attention(q, k, v, torch.arange(6), torch.ones(5, dtype=torch.long), lens,
+        verify = attend(q, k, v, torch.tensor([0, 5]), torch.tensor([1]), lens, scale=0.125)
+        one_slot = attend(q, k, v, torch.arange(6), torch.ones(5, dtype=torch.long), lens,
                                               scale=0.125)
         assert torch.equal(verify, one_slot)
     finally:
