@@ -52,6 +52,7 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
         kv_pool_tokens: int | None = None,
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """`capture_layers`: target layers whose features a plain (drafter-less) engine returns to requests that
         ask (`Request.return_features`): data generation. With a proposer they are the drafter's layers.
@@ -66,7 +67,8 @@ class Engine:
         `kv_pool_tokens`: the positions the target's paged KV cache holds for all requests together (default every
         slot's max_len); a request is admitted only while the pool can hold all it may write (its prompt, its
         max_new_tokens and a step's drafts), so a running request never runs short; the rest wait in the queue.
-        `kv_block_size`: positions a KV block holds."""
+        `kv_block_size`: positions a KV block holds. `kv_dtype`: what the target's cache stores (default the target's
+        `cache_dtype`): part of the numbers, so greedy output equals plain decoding's at the same setting."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
@@ -82,8 +84,8 @@ class Engine:
         self.scheduler = Scheduler(max_batch, max_queue)
         self.max_len = max_len
         pool = {"pool_tokens": kv_pool_tokens, "block_size": kv_block_size}
-        self.target_cache = target.new_cache(max_batch, max_len, **pool)
-        self._reserved: dict[int, int] = {}  # slot -> the target blocks its request may come to hold
+        self.target_cache = target.new_cache(max_batch, max_len, kv_dtype, **pool)
+        self._reserved: dict[str, int] = {}  # request id -> the target blocks it may come to hold (admitted ones)
         if proposer is not None and capture_layers is not None and tuple(capture_layers) != tuple(proposer.capture_layers):
             raise ValueError(f"capture_layers {tuple(capture_layers)} differ from the drafter's {proposer.capture_layers}")
         self.capture = tuple(proposer.capture_layers if proposer else capture_layers or ())
@@ -124,10 +126,14 @@ class Engine:
         """The most positions `request` may write: its prompt, its tokens, and the drafts of a step verified past them."""
         return len(request.prompt_ids) + request.max_new_tokens + self.max_verified + 1
 
-    def _fits(self, request: Request) -> bool:
-        """Admission by the KV pool: what every running request may come to hold, and this one, fit in it."""
+    def _reserve(self, request: Request) -> bool:
+        """Admission by the KV pool: whether what every admitted request may come to hold, and this one, fit in it
+        (then it is reserved: the scheduler admits the request)."""
         need = self.target_cache.blocks_for(self._positions(request))
-        return sum(self._reserved.values()) + need <= self.target_cache.num_blocks
+        if sum(self._reserved.values()) + need > self.target_cache.num_blocks:
+            return False
+        self._reserved[request.request_id] = need
+        return True
 
     def kv_stats(self) -> dict[str, int]:
         """The target pool's blocks: in all, held by requests, reserved for what they may write, and its block size."""
@@ -179,9 +185,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        admitted = self.scheduler.admit(self._fits)
-        for r in admitted:
-            self._reserved[r.slot] = self.target_cache.blocks_for(self._positions(r))
+        admitted = self.scheduler.admit(self._reserve)
         # In slot order: when the slots in use are contiguous, attention reads the caches as views, not gathered copies.
         decoding = sorted((r for r in self.scheduler.running if r not in admitted), key=lambda r: r.slot)
         outputs = self._prefill(admitted) if admitted else []
@@ -208,7 +212,7 @@ class Engine:
             committed = request.prompt_ids + request.output_ids if self.share_prefixes else ()
             self.target_cache.release(request.slot, committed)
             self.drafting.release(request.slot, committed)
-            self._reserved.pop(request.slot, None)
+            self._reserved.pop(request.request_id, None)
         self.scheduler.release(request)
         if not self.scheduler.running:  # what the checks learned is whole whenever the engine runs empty
             self.drafting.close_run()
@@ -244,7 +248,7 @@ class Engine:
         with torch.inference_mode():
             for r in self.scheduler.running:
                 committed = (r.prompt_ids + r.output_ids)[: r.position]
-                scratch = self.target.new_cache(1, len(committed))
+                scratch = self.target.new_cache(1, len(committed), self.target_cache.k.dtype)
                 out = self.target(torch.tensor(committed), RaggedBatch.build([0], [0], [len(committed)]), scratch,
                                   self.capture, torch.tensor([len(committed) - 1]))
                 draft_cache.reset(r.slot)

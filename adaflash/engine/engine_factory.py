@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from adaflash.engine.engine import Engine
+from adaflash.models.device.memory import free_memory
 from adaflash.models.targets.model import TargetModel
 from adaflash.speculative.config import LENGTH_HEAD_POLICIES, LengthPolicySpec, SpeculativeConfig
 from adaflash.speculative.cost_model import CalibratedCost, CostModel, cost_model_for
@@ -23,6 +26,10 @@ from adaflash.speculative.drafting_check import DraftingChecks
 from adaflash.speculative.length_policy import LengthPolicy
 from adaflash.speculative.policies import build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
+
+
+KV_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_MEMORY_SHARE = 0.5  # of the memory free once the models are loaded: the default KV pool's most
 
 
 def method_of(speculative: bool, policy_name: str) -> str:
@@ -42,6 +49,9 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting for a slot before QueueFullError
     max_len: int = 2048  # KV cache positions per slot (prompt + output + drafts); capped at the model's positions
     max_prefill_tokens: int = 2048  # prompt tokens one prefill pass takes at most (vLLM's max_num_batched_tokens)
+    kv_dtype: str = "auto"  # what the target's KV cache stores: auto (the target's own), fp32, fp16 or bf16
+    kv_memory_gib: float | None = None  # the target's KV pool; None: every slot's max_len, within half the free memory
+    kv_block_size: int = 32  # positions a KV block holds
     record_dir: str | None = None  # on-policy buffer (engine/recorder.py): trajectories and verification outcomes
     trace_dir: str | None = None  # verification trace (engine/trace_recorder.py): what the simulator replays
 
@@ -53,6 +63,12 @@ class EngineConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_memory_gib is not None and self.kv_memory_gib <= 0:
+            raise ValueError(f"--kv-memory must be > 0 GiB, got {self.kv_memory_gib}")
+        if self.kv_block_size < 8 or self.kv_block_size & (self.kv_block_size - 1):
+            raise ValueError(f"--kv-block-size must be a power of two >= 8, got {self.kv_block_size}")
 
     @property
     def policy_spec(self) -> LengthPolicySpec | None:
@@ -146,10 +162,24 @@ def build_engine(config: EngineConfig, models: EngineModels, policy: LengthPolic
 
         recorders = [Recorders(recorders)]
     recorder = recorders[0] if recorders else None
+    kv_dtype = KV_DTYPES[config.kv_dtype]
     return Engine(models.target, proposer, policy, max_batch=config.max_batch, max_queue=config.max_queue,
                   max_len=max_len, recorder=recorder, prompt_lookup=speculative.prompt_lookup,
                   lookup_cost=lookup_cost(config, models, proposer), max_prefill_tokens=config.max_prefill_tokens,
-                  drafting_checks=checks, clock=clock)
+                  drafting_checks=checks, clock=clock, kv_pool_tokens=kv_pool_tokens(config, models.target, max_len),
+                  kv_block_size=config.kv_block_size, kv_dtype=kv_dtype)
+
+
+def kv_pool_tokens(config: EngineConfig, target: TargetModel, max_len: int) -> int:
+    """The positions the target's KV pool holds: --kv-memory's worth, else every slot's max_len where that fits in
+    KV_MEMORY_SHARE of the memory free now (vLLM sizes its pool by memory; its pages are resident only once used).
+    A drafter's cache beside it holds as many positions (KVCache's drafter_pool)."""
+    per_token = target.kv_bytes_per_token(KV_DTYPES[config.kv_dtype])
+    if config.kv_memory_gib is not None:
+        return max(1, int(config.kv_memory_gib * 2**30) // per_token)
+    every_slot = config.max_batch * max_len
+    free = free_memory(target.device)
+    return every_slot if free is None else max(max_len, min(every_slot, int(free * KV_MEMORY_SHARE) // per_token))
 
 
 def lookup_cost(config: EngineConfig, models: EngineModels, proposer: DFlashProposer | None) -> CostModel | None:

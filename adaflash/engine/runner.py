@@ -37,7 +37,8 @@ class StepStats:
     free_slots: int
     accept_lengths: tuple[int, ...] = ()  # tokens committed per target pass, one per request that decoded
     draft_lengths: tuple[int, ...] = ()  # drafted tokens verified per target pass, likewise
-    prompt_tokens_reused: int = 0  # prompt tokens admitted requests found in their slot's cache (engine total)
+    prompt_tokens_reused: int = 0  # prompt tokens admitted requests found in the KV cache (engine total)
+    kv: dict[str, int] | None = None  # the KV pool's blocks (Engine.kv_stats)
 
 
 @dataclass(frozen=True)
@@ -289,6 +290,6 @@ class EngineRunner:
         s = self.engine.scheduler
         try:
             self.observer(StepStats(len(s.running), len(s.waiting), len(s.free_slots), tuple(accepts), tuple(drafts),
-                                    self.engine.prompt_tokens_reused))
+                                    self.engine.prompt_tokens_reused, self.engine.kv_stats()))
         except Exception:  # metrics must never stop the engine
             log.exception("step observer failed")

@@ -21,7 +21,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     return EngineConfig(SpeculativeConfig.parse(args), max_batch=args.max_batch, max_queue=args.max_queue,
                         max_len=args.max_len, record_dir=args.record, max_prefill_tokens=args.max_prefill_tokens,
-                        trace_dir=args.record_trace)
+                        trace_dir=args.record_trace, kv_dtype=args.kv_dtype, kv_memory_gib=args.kv_memory,
+                        kv_block_size=args.kv_block_size)
 
 
 def build_runner(args: argparse.Namespace, config: EngineConfig | None = None):
@@ -152,6 +153,17 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s")
     p.add_argument("--max-len", type=int, default=2048,
                    help="KV cache length per slot: prompt + output + drafts (at most the model's positions)")
+    p.add_argument("--kv-dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
+                   help="what the KV cache stores (llama.cpp's -ctk/-ctv): auto is the model's dtype, fp16 for "
+                   "--dtype int8; a narrower cache holds more tokens and streams less, and changes the numbers a little "
+                   "(greedy output equals plain decoding's at the same setting)")
+    p.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
+                   help="the KV cache pool's size: its blocks are shared by all requests and taken as they grow; a "
+                   "request waits in the queue until the pool can hold its prompt and max_tokens (default: every "
+                   "slot's --max-len, at most half the memory free after loading; untouched blocks cost no memory)")
+    p.add_argument("--kv-block-size", type=int, default=32,
+                   help="positions a KV cache block holds (a power of two >= 8); prompt prefixes are shared in whole "
+                   "blocks")
     p.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="prompt tokens one prefill pass takes at most: admitted prompts are prefilled in passes of up "
                    "to this many (vLLM's --max-num-batched-tokens for prompts)")

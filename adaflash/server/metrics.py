@@ -22,8 +22,15 @@ class ServerMetrics:
         self.prompt_tokens = Counter("adaflash_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("adaflash_generation_tokens", "tokens generated for clients", registry=r)
         self.prompt_tokens_reused = Counter(
-            "adaflash_prompt_tokens_reused", "prompt tokens not prefilled: their slot's cache already held them "
-            "(prefix reuse, exact where the target computes each position alone: --dtype int8)", registry=r)
+            "adaflash_prompt_tokens_reused", "prompt tokens not prefilled: the KV cache held their blocks from an "
+            "earlier request (prefix sharing, exact where the target computes each position alone: --dtype int8)",
+            registry=r)
+        self.kv_blocks_held = Gauge("adaflash_kv_blocks_held", "KV cache blocks requests hold (a shared one once)",
+                                    registry=r)
+        self.kv_blocks_reserved = Gauge("adaflash_kv_blocks_reserved", "KV cache blocks admitted requests may come "
+                                        "to hold (prompt + max_tokens): admission waits while the pool lacks them",
+                                        registry=r)
+        self.kv_blocks = Gauge("adaflash_kv_blocks", "KV cache blocks in the pool (--kv-memory)", registry=r)
         self.disconnects = Counter("adaflash_client_disconnects",
                                    "requests aborted because the client went away before they finished", registry=r)
         self.request_timeouts = Counter("adaflash_request_timeouts",
@@ -64,6 +71,10 @@ class ServerMetrics:
         for k in stats.draft_lengths:
             self.verify_length.observe(k)
         # The engine keeps a running total; a counter only goes up by the difference.
+        if stats.kv is not None:
+            self.kv_blocks.set(stats.kv["blocks"])
+            self.kv_blocks_held.set(stats.kv["held"])
+            self.kv_blocks_reserved.set(stats.kv["reserved"])
         reused = stats.prompt_tokens_reused - self._reused_seen
         if reused > 0:
             self.prompt_tokens_reused.inc(reused)

@@ -48,10 +48,28 @@ def test_each_method_has_a_default_policy():
     (dict(speculative=SpeculativeConfig.of("dflash", draft_length=3)), "--draft-length applies to the reference loop"),
     (dict(max_batch=0), "max_batch"),
     (dict(max_prefill_tokens=0), "max_prefill_tokens"),
+    (dict(kv_dtype="int4"), "--kv-dtype must be one of auto, fp32, fp16, bf16"),
+    (dict(kv_memory_gib=0), "--kv-memory must be > 0"),
+    (dict(kv_block_size=24), "power of two"),
 ])
 def test_bad_settings_fail_when_the_config_is_made(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_the_kv_pool_is_sized_by_kv_memory_or_by_free_memory(models, monkeypatch):
+    from adaflash.engine import engine_factory
+
+    per_token = models.target.kv_bytes_per_token(torch.bfloat16)
+    engine = build_engine(EngineConfig(kv_dtype="bf16", kv_memory_gib=per_token * 1000 / 2**30, kv_block_size=16,
+                                       max_len=256), models)
+    assert engine.target_cache.k.dtype == torch.bfloat16 and engine.target_cache.block_size == 16
+    assert engine.target_cache.num_blocks == -(-1000 // 16)
+    monkeypatch.setattr(engine_factory, "free_memory", lambda device: 2 * 600 * models.target.kv_bytes_per_token())
+    engine = build_engine(EngineConfig(max_batch=8, max_len=256), models)  # half the free memory: 600 positions
+    assert engine.target_cache.num_blocks * engine.target_cache.block_size == 608
+    monkeypatch.setattr(engine_factory, "free_memory", lambda device: None)
+    assert build_engine(EngineConfig(max_batch=8, max_len=256), models).target_cache.num_blocks == 8 * 256 // 32
 
 
 def test_the_config_is_frozen():

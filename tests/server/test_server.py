@@ -52,8 +52,9 @@ def serve(pipeline):
     """serve(max_batch=..., ...) -> (app, runner): a dflash engine on its own started runner."""
     runners = []
 
-    def make(max_batch=2, max_queue=8, max_len=256, policy=FixedLength(3), step_delay=0.0):
-        engine = Engine(pipeline.target, pipeline.proposer, policy, max_batch=max_batch, max_queue=max_queue, max_len=max_len)
+    def make(max_batch=2, max_queue=8, max_len=256, policy=FixedLength(3), step_delay=0.0, **kv):
+        engine = Engine(pipeline.target, pipeline.proposer, policy, max_batch=max_batch, max_queue=max_queue, max_len=max_len,
+                        **kv)
         if step_delay:
             slow_steps(engine, step_delay)
         runner = EngineRunner(engine).start()
@@ -259,6 +260,31 @@ def test_full_queue_answers_503_with_retry_after(serve):
     err = _error(full, 503, None, "queue_full")
     assert err["type"] == "server_overloaded" and full.headers["retry-after"] == "1"
     assert after.status_code == 200  # capacity is back once the two are aborted
+
+
+def test_more_than_the_kv_pool_holds_waits_then_is_served_in_full(serve, pipeline):
+    """Eight concurrent requests on four slots whose pool holds two of them at once: each waits for memory and
+    answers 200 with the target's own text; once the queue bound is passed the rest get 503 + Retry-After, never a
+    500; the pool's blocks all come back."""
+    app, runner = serve(max_batch=4, max_queue=4, kv_pool_tokens=128, kv_block_size=16)
+    body = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(10)))
+
+    responses = asyncio.run(scenario())
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) <= {200, 503} and codes.count(200) >= 8, codes
+    expected = reference(pipeline, 48, prompt=PROMPT)[0]
+    assert all(r.json()["choices"][0]["text"] == expected for r in responses if r.status_code == 200)
+    for r in responses:
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+    client = TestClient(app)
+    assert wait_for(lambda: metric(client, "adaflash_kv_blocks_held") == 0 and
+                    metric(client, "adaflash_kv_blocks_reserved") == 0)
+    assert metric(client, "adaflash_kv_blocks") == 8
 
 
 def metric(client, name: str) -> float:

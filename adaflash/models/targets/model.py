@@ -171,11 +171,17 @@ class TargetModel(nn.Module):
         batched decoding streams is then halved). Part of that target's numeric definition, the same in every pass."""
         return torch.float16 if self.int8_activations else self.dtype
 
-    def new_cache(self, num_slots: int, max_len: int, **pool) -> KVCache:
-        """`pool`: KVCache's pool_tokens / block_size."""
+    def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None, **pool) -> KVCache:
+        """`dtype`: what the cache stores (default `cache_dtype`; --kv-dtype); `pool`: KVCache's pool_tokens /
+        block_size."""
         c = self.config
-        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.cache_dtype, self.device,
-                       **pool)
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, dtype or self.cache_dtype,
+                       self.device, **pool)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """What one position of the KV cache costs: K and V of every layer."""
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * (dtype or self.cache_dtype).itemsize
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_tokens)
