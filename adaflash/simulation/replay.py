@@ -206,8 +206,11 @@ class ReplayTarget:
         self._by_prompt = {r.prompt: i for i, r in enumerate(trace.records)}
         self.slot_record: dict[int, int] = {}  # slot -> index of the record it replays
 
-    def new_cache(self, num_slots: int, max_len: int, **pool) -> KVCache:
+    def new_cache(self, num_slots: int, max_len: int, dtype=None, **pool) -> KVCache:
         return KVCache(1, num_slots, max_len, 1, 1, torch.float32, **pool)  # lengths only: nothing is written
+
+    def kv_bytes_per_token(self, dtype=None) -> int:
+        return 8  # the cache above: one fp32 K and V value a position
 
     def __call__(self, token_ids: torch.Tensor, batch: RaggedBatch, cache: KVCache, capture_layers=(),
                  logit_indices: torch.Tensor | None = None) -> ForwardOutput:

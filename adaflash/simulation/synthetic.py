@@ -45,8 +45,11 @@ class SyntheticTarget:
     def __init__(self, config: SyntheticConfig = SyntheticConfig()) -> None:
         self.config = config
 
-    def new_cache(self, num_slots: int, max_len: int, **pool) -> KVCache:
+    def new_cache(self, num_slots: int, max_len: int, dtype=None, **pool) -> KVCache:
         return KVCache(1, num_slots, max_len, 1, 1, torch.float32, **pool)  # lengths only: nothing is written
+
+    def kv_bytes_per_token(self, dtype=None) -> int:
+        return 8  # the cache above: one fp32 K and V value a position
 
     def __call__(self, token_ids: torch.Tensor, batch: RaggedBatch, cache: KVCache, capture_layers=(),
                  logit_indices: torch.Tensor | None = None) -> ForwardOutput:

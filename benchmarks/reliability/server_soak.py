@@ -2,6 +2,8 @@
 time, mixed streaming / non-streaming and chat / completions, a tenth of the streams hung up after their first token.
 
     .venv/bin/python benchmarks/reliability/server_soak.py --duration 1800 --streams 64 --out docs/results/reliability/soak
+    .venv/bin/python benchmarks/reliability/server_soak.py --model qwen2.5-coder-1.5b --dtype int8 --max-len 32768 \
+        --duration 1800 --streams 16 --out docs/results/reliability/soak_qwen15
 
 Judged as the reliability issue asks: no 5xx, no lost or duplicated completion (load_client.py says what each is),
 no request or slot left behind, resident memory growing under 5% after warm-up, and the p99 latency of the last
@@ -26,11 +28,12 @@ from adaflash.models.kernels.dtype import resolve_dtype
 from adaflash.models.device.cpu import cpu_model
 from adaflash.report import write_json
 
-MODEL = "smollm2-135m"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-len", type=int, default=512, help="KV positions a slot may hold (the pool is shared)")
     p.add_argument("--duration", type=float, default=1800.0)
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -43,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/results/reliability/soak"), help="writes OUT.json, OUT.md")
     args = p.parse_args(argv)
 
-    prompts = tuple(tuple(m) for m in fitting_prompts(SIX_MIX, MODEL, 384))
-    serve_args = ["--model", MODEL, "--method", "dflash", "--prompt-lookup", "8", "--dtype", args.dtype,
-                  "--max-queue", str(args.streams), "--max-len", "512"]
+    prompts = tuple(tuple(m) for m in fitting_prompts(SIX_MIX, args.model, 384))
+    serve_args = ["--model", args.model, "--method", "dflash", "--prompt-lookup", "8", "--dtype", args.dtype,
+                  "--max-queue", str(args.streams), "--max-len", str(args.max_len)]
     traffic = Traffic(prompts, args.max_tokens, args.disconnect_rate, mixed=True)
     soak = SoakConfig(rss_interval_s=10.0, warmup_s=args.warmup, window_s=args.window)
     log_dir = Path("runs/reliability")  # the server log, kept out of the results

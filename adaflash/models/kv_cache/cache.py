@@ -111,6 +111,11 @@ class KVCache:
         first = len(blocks)
         for _ in range(need):
             blocks.append(self._take())
+        # Zeroed when taken: a block's unwritten rows are never read by the kernels, but torch's static decode step
+        # (decode_graph.py) weighs every row of the slot's table by a masked 0, and 0 x an uninitialised NaN is NaN.
+        taken = torch.tensor(blocks[first:], device=self.k.device)
+        self.k.index_fill_(1, taken, 0)
+        self.v.index_fill_(1, taken, 0)
         self._set_table(slot, first)
 
     def grow(self, slot: int, length: int) -> None:

@@ -1,6 +1,6 @@
 """Our own inference runtime for Llama-family targets (Llama, Qwen2, Qwen3, Qwen3-MoE), loading HF weights.
 
-Why not transformers: serving needs a static slot cache with free rollback, forward over ragged
+Why not transformers: serving needs a paged KV cache with cheap rollback, forward over ragged
 per-sequence query lengths, hidden-state capture at chosen layers, and low per-token overhead
 (transformers' eager decode is overhead-bound on a small model). Equality with transformers is tested.
 """
