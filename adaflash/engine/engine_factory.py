@@ -28,7 +28,7 @@ from adaflash.speculative.policies import build_length_policy
 from adaflash.speculative.proposer import DFlashProposer
 
 
-KV_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 KV_MEMORY_SHARE = 0.5  # of the memory free once the models are loaded: the default KV pool's most
 
 
@@ -49,7 +49,7 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting for a slot before QueueFullError
     max_len: int = 2048  # KV cache positions per slot (prompt + output + drafts); capped at the model's positions
     max_prefill_tokens: int = 2048  # prompt tokens one prefill pass takes at most (vLLM's max_num_batched_tokens)
-    kv_dtype: str = "auto"  # what the target's KV cache stores: auto (the target's own), fp32, fp16 or bf16
+    kv_dtype: str = "auto"  # what the target's KV cache stores: auto (the target's own), fp32, fp16, bf16 or int8
     kv_memory_gib: float | None = None  # the target's KV pool; None: every slot's max_len, within half the free memory
     kv_block_size: int = 32  # positions a KV block holds
     record_dir: str | None = None  # on-policy buffer (engine/recorder.py): trajectories and verification outcomes

@@ -153,10 +153,11 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503s")
     p.add_argument("--max-len", type=int, default=2048,
                    help="KV cache length per slot: prompt + output + drafts (at most the model's positions)")
-    p.add_argument("--kv-dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
+    p.add_argument("--kv-dtype", choices=("auto", "fp32", "fp16", "bf16", "int8"), default="auto",
                    help="what the KV cache stores (llama.cpp's -ctk/-ctv): auto is the model's dtype, fp16 for "
-                   "--dtype int8; a narrower cache holds more tokens and streams less, and changes the numbers a little "
-                   "(greedy output equals plain decoding's at the same setting)")
+                   "--dtype int8; int8 keeps a scale per head row (q8_0-like); a narrower cache holds more tokens and "
+                   "streams less, and changes the numbers a little (greedy output equals plain decoding's at the same "
+                   "setting)")
     p.add_argument("--kv-memory", type=float, default=None, metavar="GIB",
                    help="the KV cache pool's size: its blocks are shared by all requests and taken as they grow; a "
                    "request waits in the queue until the pool can hold its prompt and max_tokens (default: every "

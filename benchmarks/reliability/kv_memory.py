@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "command": command, "server": serve, "machine": f"{cpu_model()}, {args.threads} threads, --dtype {args.dtype}",
         "requests": {"long": sum(k == "long" for k, _, _ in results), "short": sum(k == "short" for k, _, _ in results)},
-        "statuses": statuses, "kv_pool_blocks": idle[-1].get("adaflash_kv_blocks"), "block_size": block,
+        "statuses": statuses, "kv_pool_blocks": max(s.get("adaflash_kv_blocks", 0) for s in samples),
+        "block_size": block,
         "rss_start_mib": round(start_rss, 1), "rss_peak_mib": round(peak["process_resident_memory_bytes"] / mib, 1),
         "rss_after_mib": round(after["process_resident_memory_bytes"] / mib, 1),
         "kv_tokens_peak": peak_kv["kv_tokens_held"],

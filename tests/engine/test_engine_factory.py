@@ -48,7 +48,7 @@ def test_each_method_has_a_default_policy():
     (dict(speculative=SpeculativeConfig.of("dflash", draft_length=3)), "--draft-length applies to the reference loop"),
     (dict(max_batch=0), "max_batch"),
     (dict(max_prefill_tokens=0), "max_prefill_tokens"),
-    (dict(kv_dtype="int4"), "--kv-dtype must be one of auto, fp32, fp16, bf16"),
+    (dict(kv_dtype="int4"), "--kv-dtype must be one of auto, fp32, fp16, bf16, int8"),
     (dict(kv_memory_gib=0), "--kv-memory must be > 0"),
     (dict(kv_block_size=24), "power of two"),
 ])

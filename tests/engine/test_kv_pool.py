@@ -119,7 +119,7 @@ def test_requests_share_the_blocks_of_a_common_prefix(int8_target, drafted):
         assert [r.accept_lengths for r in later] == [r.accept_lengths for r in fresh]  # the drafter's context too
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.int8])
 def test_a_narrower_cache_is_lossless_against_plain_decoding_at_the_same_setting(target, proposer, kv_dtype):
     """--kv-dtype: speculative greedy output equals an AR engine's with the same cache dtype, whatever the batch."""
     def outputs(drafter) -> list[list[int]]:

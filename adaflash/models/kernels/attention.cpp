@@ -9,11 +9,14 @@
 // alone or in any batch this kernel runs (RaggedAttention sends a batch with a prefill-length query to SDPA).
 //
 // The cache holds fp32, fp16 (the int8 target's: what batched decode streams is halved, as in llama.cpp's default
-// cache) or bf16; both 16-bit types widen exactly, so the arithmetic after the load is the same for all three. A key's
+// cache) or bf16; both 16-bit types widen exactly, so the arithmetic after the load is the same for all three. Or int8
+// rows with one fp32 scale each (a key's or value's head_dim values: llama.cpp's q8_0 with the head as the block): a
+// score is q . k8 times the key's scale, a value enters the output weighed by its probability times its scale. A key's
 // arithmetic never depends on the block it sits in: the same bits at every block size.
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "simd_math.h"
@@ -56,16 +59,27 @@ inline __m256 load8(const adaflash::bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <typename KV>
+constexpr bool kScaled = std::is_same<KV, int8_t>::value;  // rows carry a scale each
+
 // One sequence's keys (or values) of one KV head in the paged cache: key j in block table[j >> shift], row
-// j & (block size - 1). A run of 4 keys starting at a multiple of 4 sits in one block (block sizes are powers of two
-// >= 8).
+// j & (block size - 1); an int8 cache's row scales in [blocks, kv_heads, block size] beside it. A run of 4 keys
+// starting at a multiple of 4 sits in one block (block sizes are powers of two >= 8).
 template <typename KV>
 struct Rows {
   const KV* base;         // the layer's block 0, this head
   const int64_t* table;   // the sequence's blocks
   int64_t shift, stride;  // log2 block size; elements from one block to the next
   int64_t d;
-  const KV* at(int64_t j) const { return base + table[j >> shift] * stride + (j & ((int64_t{1} << shift) - 1)) * d; }
+  const float* scale;     // int8: the layer's block 0 scales, this head (else null)
+  int64_t scale_stride;   // int8: scales from one block to the next
+  int64_t row(int64_t j) const { return j & ((int64_t{1} << shift) - 1); }
+  const KV* at(int64_t j) const { return base + table[j >> shift] * stride + row(j) * d; }
+  const float* scale_at(int64_t j) const { return scale + table[j >> shift] * scale_stride + row(j); }
 };
 
 // Scores of R query rows that read the same keys (the query heads of one token that share a KV head, GQA) over keys
@@ -81,41 +95,54 @@ void score_keys(const float* const* q, const Rows<KV>& k, const Rows<KV>& v, int
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) vmax4[r] = _mm_set1_ps(-INFINITY);
   const int64_t blocked = len / 8 * 8;
-  for (int64_t j0 = 0; j0 < blocked; j0 += 4) {
-    // Software prefetch: the keys kKeysAhead rows on into L1, and these 4 keys' values into L2 for the output pass
-    // (a sequence's KV head is a short stream the hardware prefetcher barely ramps up on). Batched decode steps
-    // 0.90-0.97x the time (docs/notes.md: attention_prefetch_ab.txt); the values' prefetch is most of it.
-    const KV* k4 = k.at(j0);
-    const char* k_ahead = reinterpret_cast<const char*>(j0 + kKeysAhead < len ? k.at(j0 + kKeysAhead) : k4);
-    const char* v4 = reinterpret_cast<const char*>(v.at(j0));
-    for (int64_t c = 0; c < 4 * d * static_cast<int64_t>(sizeof(KV)); c += 64) {
-      _mm_prefetch(k_ahead + c, _MM_HINT_T0);
-      _mm_prefetch(v4 + c, _MM_HINT_T1);
-    }
-    __m256 acc[R][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-      __m256 qi[R];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) qi[r] = _mm256_loadu_ps(q[r] + i);
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        const __m256 ku = load8(k4 + u * d + i);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(qi[r], ku, acc[r][u]);
+  const int64_t block = int64_t{1} << k.shift;
+  // Block by block (one table lookup for its keys, values and scales), 4 keys at a time in key order.
+  for (int64_t b0 = 0; b0 < blocked; b0 += block) {
+    const KV* kb = k.at(b0);
+    const KV* vb = v.at(b0);
+    const KV* k_next = b0 + block < len ? k.at(b0 + block) : kb;  // where the prefetch runs on past this block
+    const float* scales = kScaled<KV> ? k.scale_at(b0) : nullptr;
+    const int64_t end = b0 + block < blocked ? b0 + block : blocked;
+    for (int64_t j0 = b0; j0 < end; j0 += 4) {
+      // Software prefetch: the keys kKeysAhead rows on into L1, and these 4 keys' values into L2 for the output pass
+      // (a sequence's KV head is a short stream the hardware prefetcher barely ramps up on). Batched decode steps
+      // 0.90-0.97x the time (docs/notes.md: attention_prefetch_ab.txt); the values' prefetch is most of it.
+      const int64_t row = j0 - b0, ahead = row + kKeysAhead;
+      const KV* k4 = kb + row * d;
+      const KV* k_far = ahead < block ? kb + ahead * d : k_next + (ahead - block) * d;
+      const char* k_ahead = reinterpret_cast<const char*>(k_far);
+      const char* v4 = reinterpret_cast<const char*>(vb + row * d);
+      for (int64_t c = 0; c < 4 * d * static_cast<int64_t>(sizeof(KV)); c += 64) {
+        _mm_prefetch(k_ahead + c, _MM_HINT_T0);
+        _mm_prefetch(v4 + c, _MM_HINT_T1);
       }
-    }
+      __m256 acc[R][4];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      // Per key: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of its 8 lanes.
-      const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
-      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h0123), _mm256_extractf128_ps(h0123, 1));
-      const __m128 sc = _mm_mul_ps(sums, _mm_set1_ps(scale));
-      _mm_storeu_ps(scores[r] + j0, sc);
-      vmax4[r] = _mm_max_ps(vmax4[r], sc);
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        __m256 qi[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) qi[r] = _mm256_loadu_ps(q[r] + i);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          const __m256 ku = load8(k4 + u * d + i);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) acc[r][u] = _mm256_fmadd_ps(qi[r], ku, acc[r][u]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        // Per key: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of its 8 lanes.
+        const __m256 h0123 =
+            _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+        const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h0123), _mm256_extractf128_ps(h0123, 1));
+        __m128 sc = _mm_mul_ps(sums, _mm_set1_ps(scale));
+        if (kScaled<KV>) sc = _mm_mul_ps(sc, _mm_loadu_ps(scales + row));  // the 4 keys' scales
+        _mm_storeu_ps(scores[r] + j0, sc);
+        vmax4[r] = _mm_max_ps(vmax4[r], sc);
+      }
     }
   }
 #pragma GCC unroll 4
@@ -128,7 +155,7 @@ void score_keys(const float* const* q, const Rows<KV>& k, const Rows<KV>& v, int
       const KV* kj = k.at(j);
       __m256 acc = _mm256_setzero_ps();
       for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), load8(kj + i), acc);
-      const float sc = hsum(acc) * scale;
+      const float sc = kScaled<KV> ? hsum(acc) * scale * *k.scale_at(j) : hsum(acc) * scale;
       scores[r][j] = sc;
       m = sc > m ? sc : m;
     }
@@ -198,6 +225,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m512 load16(const adaflash::bf16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -263,6 +293,11 @@ void attend_rows(const float* const* q, const Rows<KV>& k, const Rows<KV>& v, in
   score_keys<R>(q, k, v, len, d, scale, scores, max);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) sum[r] = softmax_in_place(scores[r], len, max[r]);
+  if (kScaled<KV>)  // each value's weight: its probability's numerator times its scale (the sum stays the numerators')
+    for (int64_t j = 0; j < len; ++j) {
+      const float sv = *v.scale_at(j);
+      for (int r = 0; r < R; ++r) scores[r][j] *= sv;
+    }
   for (int64_t i0 = 0; i0 < d; i0 += 32) {
     if (Wide)
       avx512::output_lanes<R>(scores, v, len, d, i0, sum, out);
@@ -276,9 +311,9 @@ constexpr int kMaxRows = 3;
 // The cache's rows for every query token of the batch (see adaflash_ragged_attention), with KV its element type.
 template <typename KV>
 void ragged_attention(const float* q, int64_t heads, int64_t d, const KV* k, const KV* v, int64_t kv_heads,
-                      int64_t block_shift, int64_t table_len, const int64_t* tables, int64_t num_seqs,
-                      const int64_t* token_start, const int64_t* slot, const int64_t* key_len, float scale, float* out,
-                      int threads) {
+                      const float* k_scale, const float* v_scale, int64_t block_shift, int64_t table_len,
+                      const int64_t* tables, int64_t num_seqs, const int64_t* token_start, const int64_t* slot,
+                      const int64_t* key_len, float scale, float* out, int threads) {
   using AttendRows = void (*)(const float* const*, const Rows<KV>&, const Rows<KV>&, int64_t, int64_t, float,
                               float* const*, float* const*);
   static constexpr AttendRows kNarrow[kMaxRows + 1] = {nullptr, attend_rows<1, false, KV>,
@@ -310,8 +345,11 @@ void ragged_attention(const float* q, int64_t heads, int64_t d, const KV* k, con
       for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t part = 0; part < parts; ++part) {
           const int64_t* table = tables + slot[s] * table_len;
-          const Rows<KV> ks{k + h * block_elems, table, block_shift, kv_heads * block_elems, d};
-          const Rows<KV> vs{v + h * block_elems, table, block_shift, kv_heads * block_elems, d};
+          const int64_t block = int64_t{1} << block_shift;
+          const Rows<KV> ks{k + h * block_elems, table, block_shift, kv_heads * block_elems, d,
+                            k_scale ? k_scale + h * block : nullptr, kv_heads * block};
+          const Rows<KV> vs{v + h * block_elems, table, block_shift, kv_heads * block_elems, d,
+                            v_scale ? v_scale + h * block : nullptr, kv_heads * block};
           const int64_t n = token_start[s + 1] - token_start[s];
           for (int64_t t = token_start[s] + n * part / parts; t < token_start[s] + n * (part + 1) / parts; ++t) {
             for (int64_t g0 = 0; g0 < groups; g0 += per_chunk) {
@@ -341,20 +379,24 @@ extern "C" {
 void adaflash_attention_allow_avx512(int allow) { allow_avx512 = allow != 0; }
 
 // q: [T, heads, d] (the batch's new tokens, sequence by sequence); k, v: one layer of the paged cache,
-// [blocks, kv_heads, 1 << block_shift, d], of kv_type (0 fp32, 1 fp16, 2 bf16); tables: per slot table_len blocks;
+// [blocks, kv_heads, 1 << block_shift, d], of kv_type (0 fp32, 1 fp16, 2 bf16, 3 int8 with k_scale / v_scale:
+// [blocks, kv_heads, 1 << block_shift] fp32, else null); tables: per slot table_len blocks;
 // sequence s owns tokens [token_start[s], token_start[s + 1]) and cache slot slot[s]; token t attends keys
 // [0, key_len[t]) of its slot. out: [T, heads, d]. heads % kv_heads == 0, d % 8 == 0.
 void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const void* k, const void* v,
-                               int64_t kv_heads, int64_t block_shift, int64_t table_len, const int64_t* tables,
-                               int64_t num_seqs, const int64_t* token_start, const int64_t* slot,
-                               const int64_t* key_len, float scale, float* out, int threads, int kv_type) {
-#define ADAFLASH_ATTEND(KV)                                                                                     \
-  ragged_attention(q, heads, d, static_cast<const KV*>(k), static_cast<const KV*>(v), kv_heads, block_shift,  \
-                   table_len, tables, num_seqs, token_start, slot, key_len, scale, out, threads)
+                               int64_t kv_heads, const float* k_scale, const float* v_scale, int64_t block_shift,
+                               int64_t table_len, const int64_t* tables, int64_t num_seqs, const int64_t* token_start,
+                               const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads,
+                               int kv_type) {
+#define ADAFLASH_ATTEND(KV)                                                                                          \
+  ragged_attention(q, heads, d, static_cast<const KV*>(k), static_cast<const KV*>(v), kv_heads, k_scale, v_scale, \
+                   block_shift, table_len, tables, num_seqs, token_start, slot, key_len, scale, out, threads)
   if (kv_type == 1)
     ADAFLASH_ATTEND(uint16_t);
   else if (kv_type == 2)
     ADAFLASH_ATTEND(adaflash::bf16);
+  else if (kv_type == 3)
+    ADAFLASH_ATTEND(int8_t);
   else
     ADAFLASH_ATTEND(float);
 #undef ADAFLASH_ATTEND

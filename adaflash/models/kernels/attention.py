@@ -14,12 +14,13 @@ def available(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     return dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0 and packed.enabled_library() is not None
 
 
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the cache element types the kernels read
+# The cache element types the kernels read (int8: rows with a scale each, the cache's k_scale / v_scale).
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 
 
 def kv_type(dtype: torch.dtype) -> int:
     if dtype not in KV_TYPES:
-        raise ValueError(f"the attention kernels read fp32, fp16 or bf16 caches, not {dtype}")
+        raise ValueError(f"the attention kernels read fp32, fp16, bf16 or int8 caches, not {dtype}")
     return KV_TYPES[dtype]
 
 
@@ -40,7 +41,8 @@ def ragged_attention(q: torch.Tensor, cache, layer: int, token_start: torch.Tens
     out = torch.empty(t, heads * d, dtype=torch.float32)
     with packed.profiled("adaflash::ragged_attention"):
         packed.library().adaflash_ragged_attention(
-            q.data_ptr(), heads, d, k.data_ptr(), v.data_ptr(), kv_heads, *cache.paging(), slots.numel(),
+            q.data_ptr(), heads, d, k.data_ptr(), v.data_ptr(), kv_heads, *cache.scales(layer), *cache.paging(),
+            slots.numel(),
             token_start.data_ptr(), slots.data_ptr(), key_len.data_ptr(), scale, out.data_ptr(),
             torch.get_num_threads(), kv_type(k.dtype))
     return out

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <omp.h>
+#include <type_traits>
+#include <vector>
 
 #include "simd_math.h"
 
@@ -22,13 +24,30 @@ inline void store(uint16_t* dst, float x) {
 }
 inline void store(adaflash::bf16* dst, float x) { *dst = adaflash::to_bf16(x); }
 
+// One head's row of hd values into the cache (an int8 cache: rounded to nearest even after dividing by the row's
+// scale, max |x| / 127, written to `scale`, as the torch path computes it: KVCache.write_rows).
+template <typename KV>
+void put_row(KV* y, float* scale, const float* x, int64_t hd) {
+  if constexpr (std::is_same<KV, int8_t>::value) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < hd; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+    const float s = amax / 127.0f;
+    *scale = s;
+    for (int64_t i = 0; i < hd; ++i) y[i] = s == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(x[i] / s));
+  } else {
+    for (int64_t i = 0; i < hd; ++i) store(y + i, x[i]);
+  }
+}
+
 template <typename KV>
 void rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
-              const float* sin, KV* k_cache, KV* v_cache, int64_t block_shift, int64_t table_len,
-              const int64_t* tables, const int64_t* slot, const int64_t* position, float* q_out) {
+              const float* sin, KV* k_cache, KV* v_cache, float* k_scale, float* v_scale, int64_t block_shift,
+              int64_t table_len, const int64_t* tables, const int64_t* slot, const int64_t* position, float* q_out) {
   const int64_t half = hd / 2, width = (nq + 2 * nkv) * hd, block = int64_t{1} << block_shift;
+  thread_local std::vector<float> rotated;
+  rotated.resize(hd);
   for (int64_t t = 0; t < tokens; ++t) {
-    // The token's row in its block: head h at ((block * nkv + h) * block size + row) * hd.
+    // The token's row in its block: head h at ((block * nkv + h) * block size + row) * hd (its scale at that row).
     const int64_t blk = tables[slot[t] * table_len + (position[t] >> block_shift)];
     const int64_t within = position[t] & (block - 1);
     const float* row = qkv + t * width;
@@ -36,19 +55,17 @@ void rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t
     const float* s = sin + t * hd;
     for (int64_t h = 0; h < nq + nkv; ++h) {
       const float* x = row + h * hd;
-      const auto rotate = [&](auto* y) {
-        for (int64_t i = 0; i < half; ++i) store(y + i, x[i] * c[i] + (-x[i + half]) * s[i]);
-        for (int64_t i = half; i < hd; ++i) store(y + i, x[i] * c[i] + x[i - half] * s[i]);
-      };
-      if (h < nq)
-        rotate(q_out + (t * nq + h) * hd);
-      else
-        rotate(k_cache + ((blk * nkv + (h - nq)) * block + within) * hd);
+      float* y = h < nq ? q_out + (t * nq + h) * hd : rotated.data();
+      for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+      for (int64_t i = half; i < hd; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+      if (h >= nq) {
+        const int64_t at = (blk * nkv + (h - nq)) * block + within;
+        put_row(k_cache + at * hd, k_scale ? k_scale + at : nullptr, y, hd);
+      }
     }
     for (int64_t h = 0; h < nkv; ++h) {
-      const float* x = row + (nq + nkv + h) * hd;
-      KV* y = v_cache + ((blk * nkv + h) * block + within) * hd;
-      for (int64_t i = 0; i < hd; ++i) store(y + i, x[i]);
+      const int64_t at = (blk * nkv + h) * block + within;
+      put_row(v_cache + at * hd, v_scale ? v_scale + at : nullptr, row + (nq + nkv + h) * hd, hd);
     }
   }
 }
@@ -83,20 +100,24 @@ void adaflash_rms_norm(const float* x, int64_t rows, int64_t d, const float* w, 
 
 // The fused q/k/v projection's output [T, (nq + 2 nkv) * hd] -> RoPE'd queries q_out [T, nq, hd], RoPE'd keys and
 // the values written into one layer of the paged cache ([blocks, nkv, 1 << block_shift, hd] of kv_type: 0 fp32,
-// 1 fp16, 2 bf16; `tables`: per slot table_len blocks) at each token's slot and position. RoPE (half-split, as HF checkpoints use): y = x * cos + rotate_half(x) * sin, each
+// 1 fp16, 2 bf16, 3 int8 with a scale a row in k_scale / v_scale ([blocks, nkv, 1 << block_shift], else null);
+// `tables`: per slot table_len blocks) at each token's slot and position. RoPE (half-split, as HF checkpoints use):
+// y = x * cos + rotate_half(x) * sin, each
 // product and the sum rounded as torch computes them (built with -ffp-contract=off), so the values are bitwise the
 // unfused path's (a 16-bit cache: then rounded as torch's .to() rounds).
 void adaflash_rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
-                       const float* sin, void* k_cache, void* v_cache, int64_t block_shift, int64_t table_len,
-                       const int64_t* tables, const int64_t* slot, const int64_t* position, float* q_out,
-                       int kv_type) {
-#define ADAFLASH_ROPE(KV)                                                                                          \
-  rope_qkv(qkv, tokens, nq, nkv, hd, cos, sin, static_cast<KV*>(k_cache), static_cast<KV*>(v_cache), block_shift, \
-           table_len, tables, slot, position, q_out)
+                       const float* sin, void* k_cache, void* v_cache, float* k_scale, float* v_scale,
+                       int64_t block_shift, int64_t table_len, const int64_t* tables, const int64_t* slot,
+                       const int64_t* position, float* q_out, int kv_type) {
+#define ADAFLASH_ROPE(KV)                                                                                           \
+  rope_qkv(qkv, tokens, nq, nkv, hd, cos, sin, static_cast<KV*>(k_cache), static_cast<KV*>(v_cache), k_scale,     \
+           v_scale, block_shift, table_len, tables, slot, position, q_out)
   if (kv_type == 1)
     ADAFLASH_ROPE(uint16_t);
   else if (kv_type == 2)
     ADAFLASH_ROPE(adaflash::bf16);
+  else if (kv_type == 3)
+    ADAFLASH_ROPE(int8_t);
   else
     ADAFLASH_ROPE(float);
 #undef ADAFLASH_ROPE

@@ -13,13 +13,14 @@
 extern "C" {
 void adaflash_rms_norm(const float* x, int64_t rows, int64_t d, const float* w, float eps, float* out, int threads);
 void adaflash_rope_qkv(const float* qkv, int64_t tokens, int64_t nq, int64_t nkv, int64_t hd, const float* cos,
-                       const float* sin, void* k_cache, void* v_cache, int64_t block_shift, int64_t table_len,
-                       const int64_t* tables, const int64_t* slot, const int64_t* position, float* q_out,
-                       int kv_type);
+                       const float* sin, void* k_cache, void* v_cache, float* k_scale, float* v_scale,
+                       int64_t block_shift, int64_t table_len, const int64_t* tables, const int64_t* slot,
+                       const int64_t* position, float* q_out, int kv_type);
 void adaflash_ragged_attention(const float* q, int64_t heads, int64_t d, const void* k, const void* v,
-                               int64_t kv_heads, int64_t block_shift, int64_t table_len, const int64_t* tables,
-                               int64_t num_seqs, const int64_t* token_start, const int64_t* slot,
-                               const int64_t* key_len, float scale, float* out, int threads, int kv_type);
+                               int64_t kv_heads, const float* k_scale, const float* v_scale, int64_t block_shift,
+                               int64_t table_len, const int64_t* tables, int64_t num_seqs, const int64_t* token_start,
+                               const int64_t* slot, const int64_t* key_len, float scale, float* out, int threads,
+                               int kv_type);
 void adaflash_silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* out, int threads);
 void adaflash_packed_linear(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias,
                             float* y, int threads);
@@ -64,11 +65,14 @@ struct Shape {
 
 struct Batch {
   int64_t tokens, num_seqs, layer_stride;  // layer_stride: elements per layer of the K (and V) cache
-  int64_t kv_type;                         // the cache's elements: 0 fp32, 1 fp16, 2 bf16
+  int64_t kv_type;                         // the cache's elements: 0 fp32, 1 fp16, 2 bf16, 3 int8 (scaled rows)
   int64_t block_shift, table_len;          // the paged cache's block size (log2) and block-table row length
   const int64_t* tables;                   // per slot its blocks
+  int64_t scale_stride;                    // int8: row scales per layer
   void* k_cache;
   void* v_cache;
+  float* k_scale;  // int8: [layers, blocks, kv_heads, block size] (else null)
+  float* v_scale;
   const float* cos;  // [tokens, head_dim]
   const float* sin;
   const int64_t* token_slot;   // per token: its cache slot
@@ -103,7 +107,13 @@ void run_linear(const Linear& l, const float* x, int64_t m, float* y, int thread
 
 // One layer of the K or V cache.
 void* layer_of(const Batch* b, void* cache, int64_t layer) {
-  return static_cast<char*>(cache) + layer * b->layer_stride * (b->kv_type ? 2 : 4);
+  static constexpr int64_t kBytes[] = {4, 2, 2, 1};
+  return static_cast<char*>(cache) + layer * b->layer_stride * kBytes[b->kv_type];
+}
+
+// One layer of an int8 cache's K or V row scales (null for other caches).
+float* scales_of(const Batch* b, float* scales, int64_t layer) {
+  return scales ? scales + layer * b->scale_stride : nullptr;
 }
 
 // h += y, as torch's h + y rounds it.
@@ -142,10 +152,13 @@ void adaflash_decoder_layer(float* h, const Layer* layer, int64_t layer_index, c
     float* keys = row + s->heads * s->head_dim;
     if (layer->k_norm) adaflash_rms_norm(keys, s->kv_heads, s->head_dim, layer->k_norm, s->eps, keys, threads);
   }
-  adaflash_rope_qkv(qkv, t, s->heads, s->kv_heads, s->head_dim, b->cos, b->sin, k_cache, v_cache, b->block_shift,
-                    b->table_len, b->tables, b->token_slot, b->position, q, static_cast<int>(b->kv_type));
-  adaflash_ragged_attention(q, s->heads, s->head_dim, k_cache, v_cache, s->kv_heads, b->block_shift, b->table_len,
-                            b->tables, b->num_seqs,
+  float* k_scale = scales_of(b, b->k_scale, layer_index);
+  float* v_scale = scales_of(b, b->v_scale, layer_index);
+  adaflash_rope_qkv(qkv, t, s->heads, s->kv_heads, s->head_dim, b->cos, b->sin, k_cache, v_cache, k_scale, v_scale,
+                    b->block_shift, b->table_len, b->tables, b->token_slot, b->position, q,
+                    static_cast<int>(b->kv_type));
+  adaflash_ragged_attention(q, s->heads, s->head_dim, k_cache, v_cache, s->kv_heads, k_scale, v_scale,
+                            b->block_shift, b->table_len, b->tables, b->num_seqs,
                             b->token_start, b->seq_slot, b->key_len, s->scale, ctx, threads,
                             static_cast<int>(b->kv_type));
   run_linear(layer->o, ctx, t, x, threads);
@@ -227,8 +240,9 @@ void adaflash_drafter_context(const float* features, const Linear* fc, const flo
       adaflash_rms_norm(kv + i * kv_width, s->kv_heads, s->head_dim, layers[l].k_norm, s->eps, kv + i * kv_width,
                         threads);
     adaflash_rope_qkv(kv, t, 0, s->kv_heads, s->head_dim, b->cos, b->sin, layer_of(b, b->k_cache, l),
-                      layer_of(b, b->v_cache, l), b->block_shift, b->table_len, b->tables, b->token_slot,
-                      b->position, nullptr, static_cast<int>(b->kv_type));
+                      layer_of(b, b->v_cache, l), scales_of(b, b->k_scale, l), scales_of(b, b->v_scale, l),
+                      b->block_shift, b->table_len, b->tables, b->token_slot, b->position, nullptr,
+                      static_cast<int>(b->kv_type));
   }
 }
 

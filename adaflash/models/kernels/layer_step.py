@@ -49,7 +49,8 @@ class _Shape(ctypes.Structure):
 
 class _Batch(ctypes.Structure):
     _fields_ = [("tokens", _i64), ("num_seqs", _i64), ("layer_stride", _i64), ("kv_type", _i64), ("block_shift", _i64),
-                ("table_len", _i64), ("tables", _p), ("k_cache", _p), ("v_cache", _p), ("cos", _p), ("sin", _p), ("token_slot", _p), ("position", _p),
+                ("table_len", _i64), ("tables", _p), ("scale_stride", _i64), ("k_cache", _p), ("v_cache", _p),
+                ("k_scale", _p), ("v_scale", _p), ("cos", _p), ("sin", _p), ("token_slot", _p), ("position", _p),
                 ("token_start", _p), ("seq_slot", _p), ("key_len", _p)]
 
 
@@ -87,8 +88,10 @@ def _batch_struct(attention, cache, cos: torch.Tensor, sin: torch.Tensor, index:
     context step passes the token slots only)."""
     k, v = cache.k, cache.v
     rest = [t.data_ptr() for t in index[1:]] + [None] * (4 - len(index))
+    scales = cache.k_scale is not None
     return _Batch(cos.shape[0], len(attention.batch.slots), k[0].numel(), attention_kernel.kv_type(k.dtype),
-                  *cache.paging(), k.data_ptr(), v.data_ptr(),
+                  *cache.paging(), cache.k_scale[0].numel() if scales else 0, k.data_ptr(), v.data_ptr(),
+                  cache.k_scale.data_ptr() if scales else None, cache.v_scale.data_ptr() if scales else None,
                   cos.data_ptr(), sin.data_ptr(), index[0].data_ptr(), attention.batch.positions.data_ptr(), *rest)
 
 

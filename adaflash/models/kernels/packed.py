@@ -120,14 +120,15 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.adaflash_int8_isa.restype = i32
     lib.adaflash_int8_limit_isa.argtypes = [i32]
     lib.adaflash_int8_limit_isa.restype = None
-    lib.adaflash_ragged_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr,
-                                              ctypes.c_float, ptr, i32, i32]
+    lib.adaflash_ragged_attention.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr,
+                                              ptr, ctypes.c_float, ptr, i32, i32]
     lib.adaflash_ragged_attention.restype = None
     lib.adaflash_attention_allow_avx512.argtypes = [i32]
     lib.adaflash_attention_allow_avx512.restype = None
     lib.adaflash_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, i32]
     lib.adaflash_rms_norm.restype = None
-    lib.adaflash_rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i32]
+    lib.adaflash_rope_qkv.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr,
+                                      ptr, i32]
     lib.adaflash_rope_qkv.restype = None
     lib.adaflash_silu_mul.argtypes = [ptr, i64, i64, ptr, i32]
     lib.adaflash_silu_mul.restype = None

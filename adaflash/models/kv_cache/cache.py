@@ -1,7 +1,8 @@
 """The paged KV cache: fixed-size blocks from one pool, a block table per sequence slot (vLLM's PagedAttention layout).
 
 One tensor per K and V: [layers, blocks, kv_heads, block_size, head_dim], in the model's dtype or a narrower one
-(`kv_dtype`: the int8 target keeps fp16, as llama.cpp does). A slot's position p lives in block
+(the int8 target keeps fp16, as llama.cpp does; `--kv-dtype`: fp32, fp16, bf16, or int8 rows with one fp32 scale each
+in `k_scale` / `v_scale` [layers, blocks, kv_heads, block_size], llama.cpp's q8_0 with a head's row as the block). A slot's position p lives in block
 `table[slot][p // block_size]` at row `p % block_size`; the kernels read the blocks in place through the table.
 Blocks are taken when a pass is about to write past a slot's last one (`ensure`), handed back when a rollback or a
 reset leaves them empty, and the pool's memory is reserved but never written until a block is first used (the pages
@@ -59,6 +60,9 @@ class KVCache:
         # initialised: attention reads positions below a slot's length only).
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        scaled = dtype == torch.int8
+        self.k_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device) if scaled else None
+        self.v_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device) if scaled else None
         # Per slot its blocks, padded with block 0 (never read: attention stops at the slot's length); the kernels read
         # this tensor, the host list is the truth.
         self.tables = torch.zeros(num_slots, self.blocks_per_slot, dtype=torch.long, device=device)
@@ -78,7 +82,14 @@ class KVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
+        scales = 0 if self.k_scale is None else self.k_scale[:, 0].numel() * 4
+        return 2 * (self.k[:, 0].numel() * self.k.element_size() + scales)
+
+    def scales(self, layer: int) -> tuple[int | None, int | None]:
+        """The kernels' pointers to one layer's K and V row scales (None, None: not an int8 cache)."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer].data_ptr(), self.v_scale[layer].data_ptr()
 
     def paging(self) -> tuple[int, int, int]:
         """What the kernels address the blocks with: log2 of the block size, a table row's length, the tables."""
@@ -114,8 +125,9 @@ class KVCache:
         # Zeroed when taken: a block's unwritten rows are never read by the kernels, but torch's static decode step
         # (decode_graph.py) weighs every row of the slot's table by a masked 0, and 0 x an uninitialised NaN is NaN.
         taken = torch.tensor(blocks[first:], device=self.k.device)
-        self.k.index_fill_(1, taken, 0)
-        self.v.index_fill_(1, taken, 0)
+        for x in (self.k, self.v, self.k_scale, self.v_scale):
+            if x is not None:
+                x.index_fill_(1, taken, 0)
         self._set_table(slot, first)
 
     def grow(self, slot: int, length: int) -> None:
@@ -145,12 +157,29 @@ class KVCache:
         within = positions & (self.block_size - 1)
         return (blocks[:, None] * heads + torch.arange(heads, device=blocks.device)) * self.block_size + within[:, None]
 
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, kv_heads, head_dim] into one layer's `rows` ([T * kv_heads], `rows()`'s), rounded to the cache's
+        dtype; int8: each row divided by its scale, max |x| / 127, and rounded to nearest even (the kernels' way)."""
+        _, blocks, heads, size, d = self.k.shape
+        for x, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            x = x.reshape(-1, d)
+            if scales is not None:
+                scale = x.abs().amax(-1) / 127
+                x = torch.where(scale[:, None] > 0, x / scale[:, None], 0).round()
+                scales[layer].view(-1).index_copy_(0, rows, scale)
+            cache[layer].view(blocks * heads * size, d).index_copy_(0, rows, x.to(cache.dtype))
+
     def gather(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `slot`'s positions below `length` in one layer, as contiguous [kv_heads, length, head_dim]
-        copies."""
+        copies (an int8 cache's dequantized to fp32)."""
         blocks = self.tables[slot, : self.blocks_for(length)]
-        return tuple(x[layer].index_select(0, blocks).transpose(0, 1).flatten(1, 2)[:, :length]
-                     for x in (self.k, self.v))
+        out = []
+        for x, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            rows = x[layer].index_select(0, blocks)
+            if scales is not None:
+                rows = rows.float() * scales[layer].index_select(0, blocks)[..., None]
+            out.append(rows.transpose(0, 1).flatten(1, 2)[:, :length])
+        return tuple(out)
 
     def contents(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every position `slot` holds, every layer: [layers, kv_heads, length, head_dim] copies."""
@@ -231,7 +260,8 @@ def check_fits(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     """Refuse a pool (K and V of `shape`) larger than the device's free memory, naming the sizes: the allocation would
     otherwise fail deep in torch, or the OOM killer end the process once its blocks fill."""
     layers, blocks, kv_heads, block_size, head_dim = shape
-    needed = 2 * layers * blocks * kv_heads * block_size * head_dim * dtype.itemsize
+    row_bytes = head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)  # an int8 row's scale
+    needed = 2 * layers * blocks * kv_heads * block_size * row_bytes
     free = free_memory(device)
     if free is not None and needed > free:
         gib = 2 ** 30

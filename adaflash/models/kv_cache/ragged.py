@@ -128,15 +128,12 @@ class RaggedAttention:
             cache.ensure(slot, end)
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, kv_heads, head_dim] for the batch's new tokens (rounded to the cache's dtype), scattered to their
-        blocks' rows in one index_copy_ each (the rows are the same in every layer)."""
-        k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
-        _, blocks, h, size, d = cache.k.shape
+        """k, v: [T, kv_heads, head_dim] for the batch's new tokens (in the cache's dtype), scattered to their blocks'
+        rows (the same in every layer)."""
         if self._write_rows is None:
             token_slots = self._all_indices()[0].to(cache.tables.device)
             self._write_rows = cache.rows(token_slots, self.batch.positions.to(cache.tables.device)).reshape(-1)
-        cache.k[layer].view(blocks * h * size, d).index_copy_(0, self._write_rows, k.reshape(-1, d))
-        cache.v[layer].view(blocks * h * size, d).index_copy_(0, self._write_rows, v.reshape(-1, d))
+        cache.write_rows(layer, self._write_rows, k, v)
 
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
@@ -168,7 +165,7 @@ class RaggedAttention:
     def rope_and_write(self, cache: KVCache, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        num_heads: int) -> torch.Tensor:
         """One kernel for what the unfused path does in ~25 ops: RoPE on q and k of the fused projection `qkv`
-        [T, (H + 2 KVH) * d], k and v written into the cache's blocks (fp32, fp16 or bf16); returns q [T, H, d]. fp32
+        [T, (H + 2 KVH) * d], k and v written into the cache's blocks (fp32, fp16, bf16 or int8); returns q [T, H, d]. fp32
         CPU, kernels available."""
         t = qkv.shape[0]
         kv_heads, d = cache.k.shape[2], cache.k.shape[4]
@@ -178,7 +175,7 @@ class RaggedAttention:
         with packed.profiled("adaflash::rope_qkv"):
             packed.library().adaflash_rope_qkv(
                 qkv.data_ptr(), t, num_heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), cache.k[layer].data_ptr(),
-                cache.v[layer].data_ptr(), *cache.paging(), token_slots.data_ptr(), self.batch.positions.data_ptr(),
+                cache.v[layer].data_ptr(), *cache.scales(layer), *cache.paging(), token_slots.data_ptr(), self.batch.positions.data_ptr(),
                 q.data_ptr(), attention_kernel.kv_type(cache.k.dtype))
         return q
 

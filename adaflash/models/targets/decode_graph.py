@@ -41,10 +41,7 @@ class StaticDecodeAttention:
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [1, kv_heads, head_dim], written at the position's row of its block (index_copy_: no host-side
         index)."""
-        _, blocks, heads, size, d = cache.k.shape
-        rows = cache.rows(self.slot_index, self.position).reshape(-1)
-        cache.k[layer].view(blocks * heads * size, d).index_copy_(0, rows, k.reshape(-1, d).to(cache.k.dtype))
-        cache.v[layer].view(blocks * heads * size, d).index_copy_(0, rows, v.reshape(-1, d).to(cache.v.dtype))
+        cache.write_rows(layer, cache.rows(self.slot_index, self.position).reshape(-1), k, v)
 
     def attend(self, cache: KVCache, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [1, heads, head_dim] -> [1, heads * head_dim]; query head h reads KV head h // groups (HF's repeat_kv)."""

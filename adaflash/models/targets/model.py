@@ -180,8 +180,9 @@ class TargetModel(nn.Module):
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
         """What one position of the KV cache costs: K and V of every layer."""
-        c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * (dtype or self.cache_dtype).itemsize
+        c, dtype = self.config, dtype or self.cache_dtype
+        row = c.head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)  # an int8 row's fp32 scale
+        return 2 * c.num_layers * c.num_kv_heads * row
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_tokens)

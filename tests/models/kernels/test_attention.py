@@ -74,6 +74,26 @@ def test_an_fp16_cache_is_read_as_the_same_values_widened():
     assert torch.equal(bf16, attend(q, k.bfloat16().float(), v.bfloat16().float(), *index, scale=0.125))
 
 
+def test_an_int8_cache_reads_each_row_times_its_scale():
+    """--kv-dtype int8: rows of int8 with a scale each (max |x| / 127), written by the cache's torch path; the kernel's
+    attention is attention over the dequantized rows, and a row is off by at most half its scale."""
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(3, 2, 100, 64, generator=g) * 4, torch.randn(3, 2, 100, 64, generator=g)
+    cache = KVCache(1, 3, 100, 2, 64, torch.int8, block_size=16)
+    for slot in range(3):
+        cache.ensure(slot, 100)
+        rows = cache.rows(torch.full((100,), slot), torch.arange(100)).reshape(-1)
+        cache.write_rows(0, rows, k[slot].transpose(0, 1), v[slot].transpose(0, 1))
+        cache.lengths[slot] = 100
+    held = [cache.gather(0, slot, 100) for slot in range(3)]
+    k8, v8 = torch.stack([h[0] for h in held]), torch.stack([h[1] for h in held])
+    assert ((k8 - k).abs() <= k.abs().amax(-1, keepdim=True) / 127 / 2 * 1.001).all()
+    q = torch.randn(6, 6, 64, generator=g)
+    index = torch.tensor([0, 1, 5, 6]), torch.tensor([2, 0, 1]), torch.tensor([9, 31, 32, 33, 34, 100])
+    out = attention.ragged_attention(q, cache, 0, *index, scale=0.125)
+    torch.testing.assert_close(out, _reference(q, k8, v8, index[1], index[0], index[2]), atol=2e-6, rtol=1e-5)
+
+
 def test_a_keys_bits_do_not_depend_on_the_block_size_or_the_blocks_order():
     """Blocks of 8 to 256 positions, interleaved between slots: every query gets the same bits (the kernel walks a
     sequence's keys in order whichever block holds them)."""

@@ -69,18 +69,21 @@ def test_rms_norm_keeps_torchs_kernel_under_autograd():
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("slots,starts,lens", [([1], [5], [1]), ([1], [0], [12]), ([2, 0, 3], [4, 9, 0], [1, 3, 5])])
 def test_rope_and_write_is_bitwise_the_unfused_path(slots, starts, lens, cache_dtype):
-    """16-bit caches too: the kernel rounds each value as torch's .to() does; writes cross 8-position blocks."""
+    """16-bit caches too: the kernel rounds each value as torch's .to() does; an int8 cache's rows and scales as the
+    cache's torch path quantizes them; writes cross 8-position blocks."""
     nq, nkv, d = 6, 2, 16
     g = torch.Generator().manual_seed(sum(lens))
     batch = RaggedBatch.build(slots, starts, lens)
     qkv = torch.randn(batch.num_tokens, (nq + 2 * nkv) * d, generator=g) * 300  # fp16 rounding at every magnitude
     cos, sin = rope_cos_sin(batch.positions, d, 10000.0, torch.float32)
     caches = [KVCache(2, 4, 32, nkv, d, cache_dtype, block_size=8) for _ in range(2)]
-    for cache in caches:
-        cache.k.zero_(), cache.v.zero_()
+    for cache in caches:  # the whole pools compared below: the blocks never taken too
+        for x in (cache.k, cache.v, cache.k_scale, cache.v_scale):
+            if x is not None:
+                x.zero_()
         RaggedAttention(batch, causal=True).reserve(cache)
     fused = RaggedAttention(batch, causal=True).rope_and_write(caches[0], 1, qkv, cos, sin, nq)
     t = batch.num_tokens
@@ -89,6 +92,9 @@ def test_rope_and_write_is_bitwise_the_unfused_path(slots, starts, lens, cache_d
     RaggedAttention(batch, causal=True).write(caches[1], 1, k, qkv[:, (nq + nkv) * d :].view(t, nkv, d))
     assert torch.equal(fused, q)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    if cache_dtype == torch.int8:
+        assert torch.equal(caches[0].k_scale, caches[1].k_scale) and torch.equal(caches[0].v_scale, caches[1].v_scale)
+        assert caches[0].k_scale.abs().sum() > 0
 
 
 @pytest.mark.parametrize("threads", [1, 2])
