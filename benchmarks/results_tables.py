@@ -287,7 +287,8 @@ def _context(d: dict) -> str:
 def _headline(d: dict) -> str:
     if isinstance(d, dict) and "cells" in d and "servers" in d:
         return _sweep(d)
-    shapes = [("faults", lambda d: f"{d['caught']} of {d['faults']} faults caught by their guard tests"),
+    shapes = [("headline", lambda d: d["headline"] if isinstance(d["headline"], str) else ""),  # the result's own
+              ("faults", lambda d: f"{d['caught']} of {d['faults']} faults caught by their guard tests"),
               ("total_s", lambda d: f"install {_f(d['install_s'], 0)} s + suite {_f(d['pytest_s'], 0)} s = "
                f"{_f(d['total_s'], 0)} s ({d['summary']})"),
               ("cost_models", lambda d: "; ".join(

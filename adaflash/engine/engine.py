@@ -186,7 +186,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         admitted = self.scheduler.admit(self._reserve)
-        # In slot order: when the slots in use are contiguous, attention reads the caches as views, not gathered copies.
+        # In slot order: a batch's order does not depend on when its requests arrived.
         decoding = sorted((r for r in self.scheduler.running if r not in admitted), key=lambda r: r.slot)
         outputs = self._prefill(admitted) if admitted else []
         if decoding:

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from adaflash.models.kv_cache.cache import KVCache, drafter_pool
+from adaflash.models.kv_cache.cache import DEFAULT_BLOCK_SIZE, KVCache, drafter_pool
 from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.layers import argmax_rows
 from adaflash.models.targets.model import TargetModel
@@ -52,10 +52,11 @@ class DraftModelProposer:
         c = self.model.config
         return f"-AR{c.num_layers}x{c.hidden_size}-{self.model.numerics}-K{self.max_draft}"
 
-    def new_cache(self, num_slots: int, max_len: int, pool_tokens: int | None = None, **pool) -> KVCache:
+    def new_cache(self, num_slots: int, max_len: int, pool_tokens: int | None = None,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
         """`pool_tokens`: the target's pool beside it (KVCache), grown by what this drafter writes ahead."""
-        return self.model.new_cache(num_slots, max_len + self.block_size,
-                                     pool_tokens=drafter_pool(pool_tokens, num_slots, self.block_size), **pool)
+        return self.model.new_cache(num_slots, max_len + self.block_size, block_size=block_size,
+                                     pool_tokens=drafter_pool(pool_tokens, num_slots, self.block_size, block_size))
 
     @torch.inference_mode()
     def propose(self, cache: KVCache, slots: Sequence[int], histories: Sequence[Sequence[int]], num_draft: Sequence[int],

@@ -18,7 +18,7 @@ from adaflash.models.drafters.dflash2 import selector_law
 from adaflash.models.drafters.draft_vocab import DraftHead
 from adaflash.models.drafters.dflash import DFlashDrafter
 from adaflash.models.kernels.selection import FastLinear, KernelChoice, fast_linears_available, packable
-from adaflash.models.kv_cache.cache import KVCache, drafter_pool
+from adaflash.models.kv_cache.cache import DEFAULT_BLOCK_SIZE, KVCache, drafter_pool
 from adaflash.models.kv_cache.ragged import RaggedBatch
 from adaflash.models.kernels.stock import linear
 from adaflash.models.layers import argmax_rows
@@ -77,10 +77,11 @@ class DFlashProposer:
         d = self.drafter.config
         return f"-L{d.num_layers}-B{d.block_size}-V{d.draft_vocab_size or 'full'}"
 
-    def new_cache(self, num_slots: int, max_len: int, pool_tokens: int | None = None, **pool) -> KVCache:
+    def new_cache(self, num_slots: int, max_len: int, pool_tokens: int | None = None,
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> KVCache:
         """`pool_tokens`: the target's pool beside it (KVCache), grown by what this drafter writes ahead."""
-        return self.drafter.new_cache(num_slots, max_len + self.block_size,
-                                     pool_tokens=drafter_pool(pool_tokens, num_slots, self.block_size), **pool)
+        return self.drafter.new_cache(num_slots, max_len + self.block_size, block_size=block_size,
+                                     pool_tokens=drafter_pool(pool_tokens, num_slots, self.block_size, block_size))
 
     def step_probe(self, context: int) -> Callable[[int], None]:
         """What one drafting request costs the drafter in a step, by width (anchor + drafts): feeding the features of

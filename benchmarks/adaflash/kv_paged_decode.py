@@ -50,6 +50,14 @@ print(json.dumps({"tok_s": tokens / best, "tokens": produced, "prompt": len(ids)
 """
 
 
+WHAT = "batch-1 decode on the paged KV cache against the contiguous slot cache it replaced (one run, alternating)"
+
+
+def headline(rows: list[dict]) -> str:
+    return "; ".join(f"{r['model']} ({r['dtype']}) {r['paged_over_contiguous']:.3f}x the contiguous cache's tok/s, "
+                     f"{'same' if r['same_tokens'] else 'DIFFERENT'} tokens" for r in rows)
+
+
 def run_arm(tree: Path, model: str, dtype: str, tokens: int, threads: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=str(threads))
     done = subprocess.run([sys.executable, "-c", ARM, model, dtype, str(tokens), str(threads)], env=env, cwd=tree,
@@ -98,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                      "same_tokens": outputs["paged"] == outputs["contiguous"]})
     command = "python benchmarks/adaflash/kv_paged_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
     machine = f"{cpu_model()}, {args.threads} threads"
-    write_json({"command": command, "machine": machine, "tokens": args.tokens, "rounds": args.rounds, "rows": rows,
-                "runs": runs}, args.out.with_suffix(".json"))
+    write_json({"what": WHAT, "headline": headline(rows), "command": command, "machine": machine,
+                "tokens": args.tokens, "rounds": args.rounds, "rows": rows, "runs": runs}, args.out.with_suffix(".json"))
     table = markdown_table(["model", "dtype", "contiguous tok/s", "paged tok/s", "paged / contiguous", "same tokens"],
                            [[r["model"], r["dtype"], r["contiguous_tok_s"], r["paged_tok_s"],
                              f"{r['paged_over_contiguous']:.3f}x", r["same_tokens"]] for r in rows])

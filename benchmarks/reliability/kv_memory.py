@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     # Growth per KV token held, between the idle start and the peak of tokens in flight.
     grown = (peak_kv["process_resident_memory_bytes"] / mib - start_rss)
     summary = {
+        "what": "resident memory of a real serve with the model's whole context on every slot, idle and under load "
+                f"(1 request of ~{args.long_tokens} prompt tokens beside {len(short)} short ones), against KV tokens held",
+        "headline": f"{start_rss:.0f} MiB at start; {peak_kv['kv_tokens_held']} KV tokens held at most, memory then "
+                    f"+{grown:.0f} MiB; peak {peak['process_resident_memory_bytes'] / mib:.0f} MiB; HTTP {statuses}",
         "command": command, "server": serve, "machine": f"{cpu_model()}, {args.threads} threads, --dtype {args.dtype}",
         "requests": {"long": sum(k == "long" for k, _, _ in results), "short": sum(k == "short" for k, _, _ in results)},
         "statuses": statuses, "kv_pool_blocks": max(s.get("adaflash_kv_blocks", 0) for s in samples),

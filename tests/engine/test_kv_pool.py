@@ -82,8 +82,9 @@ def int8_target(smollm2_dir):
     return target
 
 
-@pytest.mark.parametrize("drafted", [False, True], ids=["ar", "dflash"])
-def test_requests_share_the_blocks_of_a_common_prefix(int8_target, drafted):
+@pytest.mark.parametrize("drafted, kv_dtype", [(False, None), (True, None), (False, torch.int8)],
+                         ids=["ar", "dflash", "ar-int8-kv"])
+def test_requests_share_the_blocks_of_a_common_prefix(int8_target, drafted, kv_dtype):
     """A system prompt of 27 tokens: the first request's 3 whole blocks of 8 are kept when it ends; two later requests
     starting with them map the same blocks in at once (held once) and prefill only the rest, and their outputs equal a
     fresh engine's."""
@@ -97,7 +98,7 @@ def test_requests_share_the_blocks_of_a_common_prefix(int8_target, drafted):
 
     def engine() -> Engine:
         return Engine(int8_target, proposer, FixedLength(3) if drafted else None, max_batch=4, max_len=128,
-                      kv_block_size=8)
+                      kv_block_size=8, kv_dtype=kv_dtype)
 
     shared = engine()
     first = Request("first", system + [300, 40], 12, stop_token_ids=(1,))

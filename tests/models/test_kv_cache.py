@@ -83,16 +83,23 @@ def test_a_released_prefix_is_adopted_by_a_later_prompt_and_shared_not_copied():
     assert cache.blocks_held() == 0
 
 
-def test_cached_prefixes_are_evicted_oldest_first_when_the_pool_runs_short():
-    cache = KVCache(LAYERS, SLOTS, MAX_LEN, KV_HEADS, DIM, torch.float32, pool_tokens=24, block_size=8)
+def test_cached_prefixes_live_only_in_memory_already_used():
+    """A new block is a free one used before, else the least recently released cached block, and a never-used block
+    only when no cached one is left: caching prefixes never grows the resident pages."""
+    cache = KVCache(LAYERS, SLOTS, MAX_LEN, KV_HEADS, DIM, torch.float32, pool_tokens=48, block_size=8)
     g = torch.Generator().manual_seed(2)
-    for slot, first in ((0, 0), (1, 100)):
-        _write(cache, slot, 8, g)
-        cache.release(slot, list(range(first, first + 8)))
-    assert cache.blocks_free() == 3 and cache.blocks_held() == 0
-    _write(cache, 2, 16, g)  # the free block, then the oldest cached prefix (slot 0's)
-    assert cache.adopt(0, list(range(8)) + [1], limit=8) == 0
-    assert cache.adopt(1, list(range(100, 108)) + [1], limit=8) == 8
+    _write(cache, 0, 17, g)  # blocks 0, 1, 2
+    cache.release(0, list(range(17)))  # 0 and 1 cached (released 1 then 0), 2 free
+    _write(cache, 1, 8, g)  # the free block used before
+    assert cache.slot_blocks[1] == [2]
+    _write(cache, 1, 8, g)  # no such free block: the least recently released cached one, the prefix's deeper block
+    assert cache.slot_blocks[1] == [2, 1]
+    assert cache.adopt(2, list(range(17)), limit=16) == 8  # its head still shared
+    cache.reset(2)
+    _write(cache, 1, 8, g)  # the last cached block goes before block 3 is touched
+    assert cache.slot_blocks[1] == [2, 1, 0] and cache.adopt(2, list(range(17)), limit=16) == 0
+    _write(cache, 1, 8, g)  # nothing cached: a block never used
+    assert cache.slot_blocks[1] == [2, 1, 0, 3]
 
 
 def test_a_pool_larger_than_free_memory_is_refused_naming_its_sizes(monkeypatch):

@@ -11,8 +11,11 @@ at once, not the slots times their maximum length.
 
 Full blocks of a finished sequence can stay in the pool under the token ids they hold (`release(slot, tokens)`), and a
 new sequence whose prompt starts with the same tokens maps them into its table instead of recomputing them (`adopt`,
-vLLM's automatic prefix caching): shared blocks are never written (a sequence writes only past its adopted prefix),
-and are evicted, least recently used first, when the pool has no free block left.
+vLLM's automatic prefix caching): shared blocks are never written (a sequence writes only past its adopted prefix).
+Cached blocks live only in memory already resident: a sequence that needs a block takes a free one that has been used
+before, else evicts the least recently released cached block, and touches a block never used only when no cached one
+is left - so caching prefixes never grows resident memory (on a GPU, whose pool is resident from the start, it is
+vLLM's policy).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class KVCache:
         self.slot_blocks: list[list[int]] = [[] for _ in range(num_slots)]
         self.lengths = [0] * num_slots
         self._free = list(range(self.num_blocks))  # a min-heap: low blocks first keeps the resident pages few
+        self._touched = 0  # blocks below this have been taken at some time (their pages are resident)
         self._refs = [0] * self.num_blocks
         self._prefix_of: dict[int, tuple] = {}  # a published block -> its key (prefix_key of the tokens up to its end)
         self._published: dict[tuple, int] = {}  # key -> block
@@ -222,11 +226,14 @@ class KVCache:
     # ---- blocks ------------------------------------------------------------------------------------
 
     def _take(self) -> int:
-        if self._free:
-            block = heapq.heappop(self._free)
-        else:  # the least recently released cached prefix
+        if self._evictable and (not self._free or self._free[0] >= self._touched):
+            # rather than touch fresh memory, the least recently released cached block (the deepest of its prefix:
+            # a release drops its blocks last first, so the prefix's head stays usable longest)
             block, _ = self._evictable.popitem(last=False)
             del self._published[self._prefix_of.pop(block)]
+        else:
+            block = heapq.heappop(self._free)
+        self._touched = max(self._touched, block + 1)
         self._refs[block] = 1
         return block
 
@@ -245,10 +252,10 @@ class KVCache:
             self.tables[slot, first : first + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
 
 
-def drafter_pool(pool_tokens: int | None, num_slots: int, ahead: int) -> int | None:
+def drafter_pool(pool_tokens: int | None, num_slots: int, ahead: int, block_size: int) -> int | None:
     """A drafter cache's pool beside a target's of `pool_tokens`: the drafter holds what the target holds and writes up
     to `ahead` positions past it in every slot (a draft block, drafts in flight), each in at most one more block."""
-    return None if pool_tokens is None else pool_tokens + num_slots * (ahead + DEFAULT_BLOCK_SIZE)
+    return None if pool_tokens is None else pool_tokens + num_slots * (ahead + block_size)
 
 
 def prefix_key(parent: tuple, block_tokens: Sequence[int]) -> tuple:
