@@ -84,6 +84,9 @@ NOTES: dict[str, dict[str, str]] = {
     "reliability/soak": {"what": "soak: concurrent clients for 30 minutes, mixed streaming / non-streaming, chat / "
                                  "completions, the drafter with prompt lookup, 10% hang-ups",
                          "machine": "AMD EPYC, 2 threads, fp32; the client on the same cores"},
+    "reliability/soak_qwen15": {"what": "soak of Qwen2.5-Coder-1.5B (int8) with its whole 32K context a slot on the paged "
+                                        "KV cache: 16 clients for 30 minutes, mixed streaming / chat / completions, "
+                                        "the drafter with prompt lookup, 10% hang-ups"},
     "reliability/faults": {"what": "faults done for real: SIGKILL mid-stream and mid-training-step, a full disk at a "
                                    "checkpoint, truncated drafter / length head / GGUF, a hot swap to a truncated drafter"},
     "reliability/overload": {"what": "overload: 4x the batch limit of clients with --max-queue, against the batch limit"},

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -84,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=8441)
     p.add_argument("--out", type=Path, default=Path("docs/results/reliability/kv_memory"))
+    p.add_argument("--report-only", action="store_true", help="rewrite OUT.md / OUT.png from OUT.json's measurement")
     args = p.parse_args(argv)
+    if args.report_only:
+        report(json.loads(args.out.with_suffix(".json").read_text()), args.out)
+        return 0
 
     short = [m for m in fitting_prompts(SIX_MIX, args.model, 384)][: args.max_batch - 1]
     long_prompt = code_prompt(args.model, args.long_tokens)
@@ -98,53 +103,62 @@ def main(argv: list[str] | None = None) -> int:
         idle = [metrics(url) for _ in range(3)]
         results = asyncio.run(load(url, model, long_prompt, short, args.max_tokens, samples, started))
         after = metrics(url)
-    block = 32
-    for s in samples:
-        s["kv_tokens_held"] = int(s.get("adaflash_kv_blocks_held", 0)) * block
     mib = 2 ** 20
-    start_rss = idle[-1]["process_resident_memory_bytes"] / mib
-    peak = max(samples, key=lambda s: s["process_resident_memory_bytes"])
-    peak_kv = max(samples, key=lambda s: s["kv_tokens_held"])
-    statuses = sorted({code for _, code, _ in results})
     command = "python benchmarks/reliability/kv_memory.py " + " ".join(sys.argv[1:] if argv is None else argv)
     serve = " ".join([f"OMP_NUM_THREADS={args.threads} adaflash serve", *serve_args, "--max-batch",
                       str(args.max_batch)])
-    # Growth per KV token held, between the idle start and the peak of tokens in flight.
-    grown = (peak_kv["process_resident_memory_bytes"] / mib - start_rss)
-    summary = {
-        "what": "resident memory of a real serve with the model's whole context on every slot, idle and under load "
-                f"(1 request of ~{args.long_tokens} prompt tokens beside {len(short)} short ones), against KV tokens held",
-        "headline": f"{start_rss:.0f} MiB at start; {peak_kv['kv_tokens_held']} KV tokens held at most, memory then "
-                    f"+{grown:.0f} MiB; peak {peak['process_resident_memory_bytes'] / mib:.0f} MiB; HTTP {statuses}",
+    measured = {
         "command": command, "server": serve, "machine": f"{cpu_model()}, {args.threads} threads, --dtype {args.dtype}",
-        "requests": {"long": sum(k == "long" for k, _, _ in results), "short": sum(k == "short" for k, _, _ in results)},
-        "statuses": statuses, "kv_pool_blocks": max(s.get("adaflash_kv_blocks", 0) for s in samples),
-        "block_size": block,
-        "rss_start_mib": round(start_rss, 1), "rss_peak_mib": round(peak["process_resident_memory_bytes"] / mib, 1),
+        "long_tokens": args.long_tokens, "short_requests": len(short),
+        "statuses": sorted({code for _, code, _ in results}),
+        "rss_start_mib": round(idle[-1]["process_resident_memory_bytes"] / mib, 1),
         "rss_after_mib": round(after["process_resident_memory_bytes"] / mib, 1),
-        "kv_tokens_peak": peak_kv["kv_tokens_held"],
-        "rss_growth_at_kv_peak_mib": round(grown, 1),
         "long_request_s": round(next(t for k, _, t in results if k == "long"), 1),
         "samples": samples,
     }
-    write_json(summary, args.out.with_suffix(".json"))
-    plot(samples, args.out.with_suffix(".png"), start_rss)
+    report(measured, args.out)
+    return 0 if measured["statuses"] == [200] else 1
+
+
+def report(measured: dict, out: Path, block: int = 32) -> None:
+    """OUT.json (the measurement and its summary), OUT.md and OUT.png from what `main` measured."""
+    mib, samples = 2 ** 20, measured["samples"]
+    for s in samples:
+        s["kv_tokens_held"] = int(s.get("adaflash_kv_blocks_held", 0)) * block
+    start_rss = measured["rss_start_mib"]
+    peak = max(s["process_resident_memory_bytes"] for s in samples) / mib
+    at_kv_peak = max(samples, key=lambda s: s["kv_tokens_held"])
+    grown = at_kv_peak["process_resident_memory_bytes"] / mib - start_rss
+    pool = max(s.get("adaflash_kv_blocks", 0) for s in samples)
+    statuses, long_tokens, short = measured["statuses"], measured["long_tokens"], measured["short_requests"]
+    summary = {
+        "what": "resident memory of a real serve with the model's whole context on every slot, idle and under load "
+                f"(1 request of ~{long_tokens} prompt tokens beside {short} short ones), against KV tokens held",
+        "headline": f"{start_rss:.0f} MiB at start; {at_kv_peak['kv_tokens_held']} KV tokens held at most, memory "
+                    f"then +{grown:.0f} MiB; peak {peak:.0f} MiB; HTTP {statuses}",
+        **{k: v for k, v in measured.items() if k != "samples"},
+        "kv_pool_blocks": pool, "block_size": block, "rss_peak_mib": round(peak, 1),
+        "kv_tokens_peak": at_kv_peak["kv_tokens_held"], "rss_growth_at_kv_peak_mib": round(grown, 1),
+        "samples": samples,
+    }
+    write_json(summary, out.with_suffix(".json"))
+    plot(samples, out.with_suffix(".png"), start_rss)
     table = markdown_table(["", ""], [
-        ["requests", f"1 of ~{args.long_tokens} prompt tokens (code) + {len(short)} short chats, all at once; HTTP "
+        ["requests", f"1 of ~{long_tokens} prompt tokens (code) + {short} short chats, all at once; HTTP "
                      f"statuses {statuses}"],
-        ["KV pool", f"{summary['kv_pool_blocks']:.0f} blocks of {block} positions (half the free memory)"],
+        ["KV pool", f"{pool:.0f} blocks of {block} positions ({pool * block:.0f} tokens: half the free memory)"],
         ["resident memory at start", f"**{start_rss:.0f} MiB**"],
-        ["peak", f"{summary['rss_peak_mib']:.0f} MiB"],
-        ["KV tokens held at most", f"{peak_kv['kv_tokens_held']} (memory then {start_rss + grown:.0f} MiB: "
+        ["peak", f"{peak:.0f} MiB"],
+        ["KV tokens held at most", f"{at_kv_peak['kv_tokens_held']} (memory then {start_rss + grown:.0f} MiB: "
                                    f"+{grown:.0f} MiB)"],
-        ["after the load", f"{summary['rss_after_mib']:.0f} MiB"],
-        ["the long request", f"{summary['long_request_s']} s"],
+        ["after the load", f"{measured['rss_after_mib']:.0f} MiB"],
+        ["the long request", f"{measured['long_request_s']} s"],
     ])
-    args.out.with_suffix(".md").write_text(
-        f"# Resident memory on the paged KV cache\n\n`{command}`\n\nServer: `{serve}`. Machine: {summary['machine']}; "
-        f"the client on the same cores.\n\n{table}\n\n![RSS against KV tokens held]({args.out.with_suffix('.png').name})\n")
+    out.with_suffix(".md").write_text(
+        f"# Resident memory on the paged KV cache\n\n`{measured['command']}`\n\nServer: `{measured['server']}`. "
+        f"Machine: {measured['machine']}; the client on the same cores.\n\n{table}\n\n"
+        f"![RSS against KV tokens held]({out.with_suffix('.png').name})\n")
     print(table)
-    return 0 if statuses == [200] else 1
 
 
 def plot(samples: list[dict], path: Path, start_rss: float) -> None:
