@@ -59,8 +59,7 @@ class KVCache:
                            else max(1, -(-pool_tokens // block_size)))
         shape = (num_layers, self.num_blocks, num_kv_heads, block_size, head_dim)
         check_fits(shape, dtype, device)
-        # empty, not zeros: a block's pages become resident when it is first written (what is never read is never
-        # initialised: attention reads positions below a slot's length only).
+        # empty, not zeros: a block's pages become resident only when it is first taken (and zeroed then, `ensure`).
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         scaled = dtype == torch.int8

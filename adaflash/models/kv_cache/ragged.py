@@ -1,6 +1,6 @@
-"""The ragged batch that addresses the KV cache (cache.py): sequences appending their own number of new tokens at
-their own positions, written into their slots and attended over with our kernel or torch's, and the block masks a
-drafter's passes use."""
+"""The ragged batch that addresses the paged KV cache (cache.py): sequences appending their own number of new tokens
+at their own positions, written into their slots' blocks and attended over with our kernel (reading the blocks in
+place) or torch's (over gathered copies), and the block masks a drafter's passes use."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class RaggedAttention:
     non-causal block); `causal=True` is ordinary decoding.
     `ragged_prefill=True` runs the ragged kernel at every query count, prefills included (where it is available),
     so a position's attention is bitwise the same whether its sequence is prefilled, verified or decoded, and in
-    whatever split: what makes a reused cache prefix exact (`Engine`'s prefix reuse). Off, a prefill-length query
+    whatever split: what makes a shared cache prefix exact (`KVCache.adopt`). Off, a prefill-length query
     runs SDPA (the fp32 target's path, as transformers computes it).
     """
 
