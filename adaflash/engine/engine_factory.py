@@ -19,6 +19,7 @@ import torch
 
 from adaflash.engine.engine import Engine
 from adaflash.models.device.memory import free_memory
+from adaflash.models.kv_cache.cache import DEFAULT_BLOCK_SIZE
 from adaflash.models.targets.model import TargetModel
 from adaflash.speculative.config import LENGTH_HEAD_POLICIES, LengthPolicySpec, SpeculativeConfig
 from adaflash.speculative.cost_model import CalibratedCost, CostModel, cost_model_for
@@ -51,7 +52,7 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # prompt tokens one prefill pass takes at most (vLLM's max_num_batched_tokens)
     kv_dtype: str = "auto"  # what the target's KV cache stores: auto (the target's own), fp32, fp16, bf16 or int8
     kv_memory_gib: float | None = None  # the target's KV pool; None: every slot's max_len, within half the free memory
-    kv_block_size: int = 32  # positions a KV block holds
+    kv_block_size: int = DEFAULT_BLOCK_SIZE  # positions a KV block holds
     record_dir: str | None = None  # on-policy buffer (engine/recorder.py): trajectories and verification outcomes
     trace_dir: str | None = None  # verification trace (engine/trace_recorder.py): what the simulator replays
 

@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from adaflash.cli_args import add_model_args, add_prompt_lookup_arg
+from adaflash.models.kv_cache.cache import DEFAULT_BLOCK_SIZE
 from adaflash.speculative.config import METHODS, SpeculativeConfig, draft_model_of
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ def register_cli(subparsers) -> None:
                    help="the KV cache pool's size: its blocks are shared by all requests and taken as they grow; a "
                    "request waits in the queue until the pool can hold its prompt and max_tokens (default: every "
                    "slot's --max-len, at most half the memory free after loading; untouched blocks cost no memory)")
-    p.add_argument("--kv-block-size", type=int, default=32,
+    p.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="positions a KV cache block holds (a power of two >= 8); prompt prefixes are shared in whole "
                    "blocks")
     p.add_argument("--max-prefill-tokens", type=int, default=2048,

@@ -24,6 +24,7 @@ import httpx
 
 from adaflash.evaluation.serve_sweep import SIX_MIX, fitting_prompts, launched_server
 from adaflash.models.device.cpu import cpu_model
+from adaflash.models.kv_cache.cache import DEFAULT_BLOCK_SIZE  # the server's: it runs with the default
 from adaflash.report import markdown_table, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if measured["statuses"] == [200] else 1
 
 
-def report(measured: dict, out: Path, block: int = 32) -> None:
+def report(measured: dict, out: Path, block: int = DEFAULT_BLOCK_SIZE) -> None:
     """OUT.json (the measurement and its summary), OUT.md and OUT.png from what `main` measured."""
     mib, samples = 2 ** 20, measured["samples"]
     for s in samples:

@@ -9,28 +9,16 @@ import torch
 
 from adaflash.engine.engine import Engine
 from adaflash.engine.request import Request
-from adaflash.models.drafters.checkpoint import init_drafter
-from adaflash.models.drafters.config import DrafterConfig
 from adaflash.models.kernels.selection import fast_linears_available
 from adaflash.models.targets.model import load_target
 from adaflash.speculative.length_policy import FixedLength, HeuristicLength
 from adaflash.speculative.proposer import DFlashProposer
 from adaflash.speculative.reference import autoregressive_generate
+from tests.engine.test_engine import proposer, target  # noqa: F401 (the engine tests' tiny target and drafter)
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [38, 46, 26], [43, 11, 7, 7, 7, 7, 7, 50, 51, 52, 23, 9, 40], [2, 60],
            [5, 6, 7, 8, 9, 10], [90, 91], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [33]]
 BUDGETS = [30, 24, 40, 18, 27, 35, 22, 31]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_checkpoints):
-    return load_target(tiny_checkpoints["qwen2"], dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def proposer(target):
-    cfg = DrafterConfig.for_target(target.config, mask_token_id=5, num_layers=1, block_size=8)
-    return DFlashProposer(init_drafter(cfg, seed=2), target)
 
 
 def _drain(engine: Engine, requests: list[Request]) -> list[dict]:

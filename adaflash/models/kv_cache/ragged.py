@@ -82,6 +82,7 @@ class RaggedAttention:
         self.ragged_prefill = ragged_prefill
         self._indices: tuple[torch.Tensor, ...] | None = None  # _all_indices(), lazy
         self._write_rows: torch.Tensor | None = None  # write()'s rows of the cache, lazy
+        self._fits: KVCache | None = None  # the cache token_slots() found holding the batch (asked once a layer)
         self.single = len(batch.slots) == 1
         self.key_len = max(batch.ends)
         n, qmax = len(batch.slots), max(batch.query_lens)
@@ -182,10 +183,12 @@ class RaggedAttention:
     def token_slots(self, cache: KVCache) -> torch.Tensor:
         """Each token's cache slot, once the batch is known to fit the slots' blocks (the kernels write unchecked)."""
         b = self.batch
-        if max(b.slots) >= cache.num_slots or any(
-                end > len(cache.slot_blocks[slot]) * cache.block_size for slot, end in zip(b.slots, b.ends)):
-            raise ValueError(f"batch slots {b.slots} / ends {b.ends} exceed the blocks the cache gave them "
-                             "(RaggedAttention.reserve runs before a pass)")
+        if cache is not self._fits:
+            if max(b.slots) >= cache.num_slots or any(
+                    end > len(cache.slot_blocks[slot]) * cache.block_size for slot, end in zip(b.slots, b.ends)):
+                raise ValueError(f"batch slots {b.slots} / ends {b.ends} exceed the blocks the cache gave them "
+                                 "(RaggedAttention.reserve runs before a pass)")
+            self._fits = cache
         return self._all_indices()[0]
 
     def kernel_index(self, cache: KVCache) -> tuple[torch.Tensor, ...]:
